@@ -1,0 +1,288 @@
+"""The cross-entropy math, declared once in TVM TE (SPEC.md sections 1 and 2).
+
+Nothing here knows about targets, schedules or torch. Every stage has a stable
+name; those names are the contract schedules look blocks up by:
+
+forward (``forward_func``), per row ``n`` of ``x[N, C]``:
+
+=====================  =====================================================
+``ce_rowmax``          ``max_c x[n, c]``
+``ce_expsum``          ``sum_c exp(x[n, c] - rowmax[n])``
+``lse``                ``rowmax + log(expsum)`` (output, accumulation dtype)
+``ce_wlogpsum``        ``sum_c w[c] * (x[n, c] - lse[n])`` (the smoothing term)
+``ce_row_mask``        ``m[n]``
+``ce_row_ce``          ``ce[n]`` (nll and smoothing terms of SPEC section 1)
+``ce_row_z``           ``z[n]``
+``ce_row_weight``      ``w[y[n]] * m[n]``           (mean only)
+``log_prob``           ``x - lse``               (output, log-prob variant only)
+``ce_total_*``         serial fixed-order sums over rows (sum and mean only)
+``ce_loss``            output ``loss``
+``ce_zloss``           output ``zloss``
+=====================  =====================================================
+
+backward (``backward_func``):
+
+=====================  =====================================================
+``ce_total_weight``    ``D = sum_n w[y[n]] m[n]``    (mean only)
+``ce_total_count``     ``M = sum_n m[n]``           (mean only)
+``ce_wsum``            ``sum_c w[c]``             (weighted only)
+``ce_grad_mask``       ``m[n]``
+``ce_grad_hot``        ``a[n] w[y[n]]``: coefficient of the one-hot term
+``ce_grad_smooth``     ``b[n]``: coefficient of ``w[c]``
+``ce_grad_pscale``     coefficient of ``p[n, c]`` (z-loss included)
+``x_grad``             output ``a w[y] (p - onehot) + b (p sum w - w[c]) + z-term``
+=====================  =====================================================
+
+``N`` is a symbolic int64 variable, so one compiled module serves every batch
+size; ``C`` is a compile-time constant. ``ignore_index``, ``label_smoothing``
+and ``zloss_scale`` are scalar kernel arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import te, tirx
+
+from . import fastmath
+
+REDUCTIONS = ("none", "sum", "mean")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def accum_dtype(dtype: str) -> str:
+    """Arithmetic dtype for a storage dtype: float64 stays, all others use float32."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The options that change the loop nest (everything else is a runtime argument).
+
+    ``grad_source`` only matters for the backward: ``"log_prob"`` reads the
+    seed API's ``log_prob``; ``"logits"`` recomputes it as ``x - lse``.
+    """
+
+    reduction: str = "mean"
+    weighted: bool = False
+    log_prob: bool = True
+    grad_source: str = "log_prob"
+
+    def __post_init__(self):
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.grad_source not in ("log_prob", "logits"):
+            raise ValueError(f"grad_source must be 'log_prob' or 'logits', got {self.grad_source!r}")
+
+    def tag(self) -> str:
+        """A short string naming the variant (used in cache keys and file names)."""
+        return "-".join(
+            [self.reduction, "w" if self.weighted else "nw", "lp" if self.log_prob else "nolp",
+             self.grad_source]
+        )
+
+
+def _rows():
+    return te.var("N", "int64")
+
+
+def _int64(v: int):
+    return tirx.IntImm("int64", v)
+
+
+def _scalars(acc: str):
+    return (
+        te.var("ignore_index", "int64"),
+        te.var("label_smoothing", acc),
+        te.var("zloss_scale", acc),
+    )
+
+
+def _masked_target(y, ii, classes: int):
+    """Ignore mask ``m`` and a target index that is always in ``[0, C)``.
+
+    The index of an ignored or (never validated) out-of-range target is 0, so
+    the kernel can never read outside its row whatever the caller passes.
+    """
+
+    def mask(n):
+        return (y[n] != ii).astype("int32")
+
+    def index(n):
+        inside = tirx.all(y[n] >= _int64(0), y[n] < _int64(classes))
+        return tirx.Select(inside, y[n], _int64(0))
+
+    return mask, index
+
+
+def _row_total(name, term, n_rows):
+    """Serial, fixed-order sum over rows of a per-row term (deterministic, no atomics)."""
+    r = te.reduce_axis((_int64(0), n_rows), name="r")
+    return te.compute((1,), lambda _: te.sum(term[r], axis=r), name=f"ce_total_{name}")
+
+
+def forward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
+    """The fused forward of SPEC section 1 as a PrimFunc.
+
+    Arguments, in order: ``x[N, C]`` (dtype), ``target[N]`` (int64),
+    ``weight[C]`` (accumulation dtype, weighted variant only), ``ignore_index``,
+    ``label_smoothing``, ``zloss_scale``; outputs ``loss`` and ``zloss``
+    (``[N]`` for ``none``, else ``[1]``, dtype), ``lse[N]`` (accumulation
+    dtype), and ``log_prob[N, C]`` (dtype, log-prob variant only).
+    """
+    acc = accum_dtype(dtype)
+    n_rows = _rows()
+    x = te.placeholder((n_rows, _int64(classes)), dtype, name="x")
+    y = te.placeholder((n_rows,), "int64", name="target")
+    w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
+    ii, eps, s = _scalars(acc)
+    mask, index = _masked_target(y, ii, classes)
+
+    def xf(n, c):
+        return x[n, c].astype(acc)
+
+    def wc(c):
+        return w[c] if w is not None else tirx.const(1.0, acc)
+
+    c1 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
+    rowmax = te.compute((n_rows,), lambda n: te.max(xf(n, c1), axis=c1), name="ce_rowmax")
+    c3 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
+    expsum = te.compute(
+        (n_rows,), lambda n: te.sum(fastmath.exp(xf(n, c3) - rowmax[n]), axis=c3), name="ce_expsum"
+    )
+    lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name="lse")
+    c2 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
+    wlogpsum = te.compute(
+        (n_rows,), lambda n: te.sum(wc(c2) * (xf(n, c2) - lse[n]), axis=c2), name="ce_wlogpsum"
+    )
+
+    def row(name, f):
+        return te.compute((n_rows,), f, name=f"ce_row_{name}")
+
+    def nll(n):
+        return -wc(index(n)) * (xf(n, index(n)) - lse[n])
+
+    def smooth(n):
+        return -wlogpsum[n]
+
+    one = tirx.const(1.0, acc)
+    m = row("mask", lambda n: mask(n).astype(acc))
+    rows = {
+        "ce": row("ce", lambda n: ((one - eps) * nll(n)
+                                   + eps / tirx.const(float(classes), acc) * smooth(n)) * m[n]),
+        "z": row("z", lambda n: s * lse[n] * lse[n] * m[n]),
+    }
+    if variant.reduction == "mean":
+        rows["weight"] = row("weight", lambda n: wc(index(n)) * m[n])
+        rows["count"] = m
+    outs = _reduce_forward(rows, n_rows, dtype, variant.reduction)
+    args = [x, y] + ([w] if w is not None else []) + [ii, eps, s] + outs + [lse]
+    if variant.log_prob:
+        log_prob = te.compute(
+            (n_rows, _int64(classes)),
+            lambda n, c: (xf(n, c) - lse[n]).astype(dtype),
+            name="log_prob",
+        )
+        args.append(log_prob)
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+def _reduce_forward(rows, n_rows, dtype, reduction):
+    """``loss`` and ``zloss`` outputs from the per-row terms (SPEC section 1 table)."""
+    ce, z = rows["ce"], rows["z"]
+    if reduction == "none":
+        loss = te.compute((n_rows,), lambda n: (ce[n] + z[n]).astype(dtype), name="ce_loss")
+        zloss = te.compute((n_rows,), lambda n: z[n].astype(dtype), name="ce_zloss")
+        return [loss, zloss]
+    tot = {name: _row_total(name, term, n_rows) for name, term in rows.items()}
+    ce_t, z_t = tot["ce"][0], tot["z"][0]
+    if reduction == "mean":
+        ce_t, z_t = ce_t / tot["weight"][0], z_t / tot["count"][0]
+    loss = te.compute((1,), lambda _: (ce_t + z_t).astype(dtype), name="ce_loss")
+    zloss = te.compute((1,), lambda _: z_t.astype(dtype), name="ce_zloss")
+    return [loss, zloss]
+
+
+def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
+    """The logits gradient of SPEC section 2 as a PrimFunc.
+
+    Arguments, in order: ``grad_loss[G]`` and ``grad_zloss[G]`` (accumulation
+    dtype; ``G = N`` for ``none``, else 1; pass zeros for an absent
+    ``grad_zloss``), the source (``log_prob[N, C]``, or ``x[N, C]`` for the
+    ``logits`` source), ``lse[N]`` (accumulation dtype; only read when
+    ``zloss_scale != 0`` or for the ``logits`` source), ``target[N]``,
+    ``weight[C]`` (weighted only), ``ignore_index``, ``label_smoothing``,
+    ``zloss_scale``; output ``x_grad[N, C]`` (dtype).
+    """
+    acc = accum_dtype(dtype)
+    n_rows = _rows()
+    g_shape = (n_rows,) if variant.reduction == "none" else (1,)
+    g = te.placeholder(g_shape, acc, name="grad_loss")
+    gzl = te.placeholder(g_shape, acc, name="grad_zloss")
+    src = te.placeholder((n_rows, _int64(classes)), dtype, name=variant.grad_source)
+    lse = te.placeholder((n_rows,), acc, name="lse")
+    y = te.placeholder((n_rows,), "int64", name="target")
+    w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
+    ii, eps, s = _scalars(acc)
+    mask, index = _masked_target(y, ii, classes)
+    one = tirx.const(1.0, acc)
+
+    def wc(c):
+        return w[c] if w is not None else one
+
+    if variant.grad_source == "log_prob":
+
+        def logp(n, c):
+            return src[n, c].astype(acc)
+    else:
+
+        def logp(n, c):
+            return src[n, c].astype(acc) - lse[n]
+
+    if w is not None:
+        c4 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
+        wsum = te.compute((1,), lambda _: te.sum(w[c4], axis=c4), name="ce_wsum")
+        total_w = wsum[0]
+    else:
+        total_w = tirx.const(float(classes), acc)
+
+    if variant.reduction == "mean":
+        def wy_m(n):
+            return wc(index(n)) * mask(n).astype(acc)
+
+        r1 = te.reduce_axis((_int64(0), n_rows), name="r")
+        denom = te.compute((1,), lambda _: te.sum(wy_m(r1), axis=r1), name="ce_total_weight")
+        r2 = te.reduce_axis((_int64(0), n_rows), name="r")
+        count = te.compute(
+            (1,), lambda _: te.sum(mask(r2).astype(acc), axis=r2), name="ce_total_count"
+        )
+
+    def row_grad(n):
+        g_n = g[n if variant.reduction == "none" else 0]
+        return g_n / denom[0] if variant.reduction == "mean" else g_n
+
+    def row_zgrad(n):
+        gi = n if variant.reduction == "none" else 0
+        gz = g[gi] + gzl[gi]
+        return gz / count[0] if variant.reduction == "mean" else gz
+
+    def row(name, f):
+        return te.compute((n_rows,), f, name=f"ce_grad_{name}")
+
+    m = row("mask", lambda n: mask(n).astype(acc))
+    hot = row("hot", lambda n: row_grad(n) * (one - eps) * m[n] * wc(index(n)))
+    smooth = row("smooth", lambda n: row_grad(n) * eps * m[n] / tirx.const(float(classes), acc))
+    zero = tirx.const(0.0, acc)
+    p_scale = row(
+        "pscale",
+        lambda n: hot[n] + smooth[n] * total_w
+        + tirx.Select(s != zero, tirx.const(2.0, acc) * s * lse[n] * m[n] * row_zgrad(n), zero),
+    )
+
+    def grad(n, c):
+        onehot = tirx.Select(c == index(n), hot[n], zero)
+        return (fastmath.exp(logp(n, c)) * p_scale[n] - onehot - smooth[n] * wc(c)).astype(dtype)
+
+    x_grad = te.compute((n_rows, _int64(classes)), grad, name="x_grad")
+    args = [g, gzl, src, lse, y] + ([w] if w is not None else []) + [ii, eps, s, x_grad]
+    return te.create_prim_func(args).with_attr("global_symbol", "main")

@@ -1,0 +1,1 @@
+"""Tuning databases applied by the build when present (package data)."""
