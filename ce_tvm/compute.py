@@ -167,10 +167,15 @@ def forward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
 
     one = tirx.const(1.0, acc)
     m = row("mask", lambda n: mask(n).astype(acc))
+
+    def masked(n, value):
+        # A select, not a product: an ignored row is exactly 0 even when its logits are NaN.
+        return tirx.Select(m[n] != tirx.const(0.0, acc), value, tirx.const(0.0, acc))
+
     rows = {
-        "ce": row("ce", lambda n: ((one - eps) * nll(n)
-                                   + eps / tirx.const(float(classes), acc) * smooth(n)) * m[n]),
-        "z": row("z", lambda n: s * lse[n] * lse[n] * m[n]),
+        "ce": row("ce", lambda n: masked(
+            n, (one - eps) * nll(n) + eps / tirx.const(float(classes), acc) * smooth(n))),
+        "z": row("z", lambda n: masked(n, s * lse[n] * lse[n])),
     }
     if variant.reduction == "mean":
         rows["weight"] = row("weight", lambda n: wc(index(n)) * m[n])
@@ -270,13 +275,19 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         return te.compute((n_rows,), f, name=f"ce_grad_{name}")
 
     m = row("mask", lambda n: mask(n).astype(acc))
-    hot = row("hot", lambda n: row_grad(n) * (one - eps) * m[n] * wc(index(n)))
-    smooth = row("smooth", lambda n: row_grad(n) * eps * m[n] / tirx.const(float(classes), acc))
     zero = tirx.const(0.0, acc)
+
+    def masked(n, value):
+        # An ignored row contributes exactly 0, also when every row is ignored
+        # (D = 0 or M = 0 would make SPEC's formula 0/0): PyTorch's behaviour.
+        return tirx.Select(m[n] != zero, value, zero)
+
+    hot = row("hot", lambda n: masked(n, row_grad(n) * (one - eps) * wc(index(n))))
+    smooth = row("smooth", lambda n: masked(n, row_grad(n) * eps / tirx.const(float(classes), acc)))
     p_scale = row(
         "pscale",
         lambda n: hot[n] + smooth[n] * total_w
-        + tirx.Select(s != zero, tirx.const(2.0, acc) * s * lse[n] * m[n] * row_zgrad(n), zero),
+        + tirx.Select(s != zero, masked(n, tirx.const(2.0, acc) * s * lse[n] * row_zgrad(n)), zero),
     )
 
     def grad(n, c):

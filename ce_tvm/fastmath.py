@@ -32,9 +32,12 @@ def exp(x):
     def f32(v):
         return tirx.const(v, "float32")
 
-    clamped = te.var("clamped", "float32")
-    k = te.var("k", "float32")
-    r = te.var("r", "float32")
+    # Plain subexpressions, no ``Let``: TVM 0.27's BF16ComputeLegalize rewrites
+    # a Let-bound cast of a bfloat16 load into its raw bits. CSE (TIR's and
+    # LLVM's) folds the repeats.
+    clamped = tirx.Select(x < f32(_LO), f32(_LO), tirx.Select(x > f32(_HI), f32(_HI), x))
+    k = te.floor(clamped * f32(_LOG2E) + f32(0.5))
+    r = clamped - k * f32(_LN2)
     poly = f32(_POLY[0])
     for coef in _POLY[1:]:
         poly = poly * r + f32(coef)
@@ -42,9 +45,4 @@ def exp(x):
         "float32", tirx.shift_left(k.astype("int32") + tirx.const(127, "int32"),
                                    tirx.const(23, "int32"))
     )
-    value = tirx.Select(x != x, x, two_k * (poly * r * r + r + f32(1.0)))
-    value = tirx.Let(r, clamped - k * f32(_LN2), value)
-    value = tirx.Let(k, te.floor(clamped * f32(_LOG2E) + f32(0.5)), value)
-    return tirx.Let(
-        clamped, tirx.Select(x < f32(_LO), f32(_LO), tirx.Select(x > f32(_HI), f32(_HI), x)), value
-    )
+    return tirx.Select(x != x, x, two_k * (poly * r * r + r + f32(1.0)))

@@ -15,7 +15,8 @@ Strategy, forward:
    the other passes over it hit the cache (a 32000-wide fp32 row is 128 KB).
 3. The ``log_prob`` row write is vectorised.
 4. The serial row totals (``ce_total_*``) stay at the root: N floats, a fixed
-   order, so results are bit-identical run after run.
+   order, so results are bit-identical run after run; their init is hoisted
+   so that N = 0 still initialises them.
 
 Backward: the per-row coefficient blocks move under the ``x_grad`` row loop,
 which runs in parallel; the element loop is vectorised. ``log_prob`` (or the
@@ -43,6 +44,8 @@ from dataclasses import dataclass
 from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
+
+from ._common import existing_blocks, init_row_totals
 
 ROW_REDUCTIONS = ("ce_rowmax", "ce_expsum", "ce_wlogpsum")
 LSE_PRODUCERS = ROW_REDUCTIONS[:2]
@@ -79,18 +82,8 @@ def _classes(func) -> int:
     return next(int(p.shape[1]) for p in func.params if len(getattr(p, "shape", ())) == 2)
 
 
-def _blocks(sch, names):
-    out = []
-    for name in names:
-        try:
-            out.append(sch.get_sblock(name))
-        except Exception:  # noqa: BLE001 - a variant without this stage
-            continue
-    return out
-
-
 def _has_block(sch, name) -> bool:
-    return bool(_blocks(sch, [name]))
+    return bool(existing_blocks(sch, [name]))
 
 
 def _is_per_row(sch, block) -> bool:
@@ -146,7 +139,7 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     for name in reversed(LSE_PRODUCERS):
         for blk in reversed(stages[name]):
             sch.compute_at(blk, row)
-    for blk in stages["ce_wlogpsum"] + _blocks(sch, ROW_FORWARD_REST):
+    for blk in stages["ce_wlogpsum"] + existing_blocks(sch, ROW_FORWARD_REST):
         if _is_per_row(sch, blk):
             sch.reverse_compute_at(blk, row)
     sch.parallel(row)
@@ -155,6 +148,7 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
             _vector_accumulators(sch, blocks[0])
     if _has_block(sch, "log_prob"):
         _vectorize_inner(sch, sch.get_sblock("log_prob"), lanes)
+    init_row_totals(sch)
     return sch.mod["main"]
 
 
@@ -165,8 +159,9 @@ def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     lanes = row_lanes(_classes(func), vector_lanes(target) * knobs.accumulators)
     grad = sch.get_sblock("x_grad")
     row = sch.get_loops(grad)[0]
-    for blk in reversed(_blocks(sch, ROW_GRAD_COEFS)):
+    for blk in reversed(existing_blocks(sch, ROW_GRAD_COEFS)):
         sch.compute_at(blk, row)
     _vectorize_inner(sch, grad, lanes)
     sch.parallel(row)
+    init_row_totals(sch)
     return sch.mod["main"]

@@ -1,11 +1,30 @@
 """Float64 NumPy implementation of SPEC.md, written from the spec alone.
 
-It shares no code with ``ce_tvm``: every kernel is checked against it.
+It shares no code with ``ce_tvm``; every kernel and schedule is compared with
+it. ``row_terms`` and ``reduce`` split the forward so that large shapes can
+be checked a block of rows at a time; ``backward`` takes the global row
+totals for the same reason.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+
+@dataclass
+class RowTerms:
+    lse: np.ndarray       # [n]
+    log_prob: np.ndarray  # [n, C]
+    ce: np.ndarray        # [n], 0 on ignored rows
+    z: np.ndarray         # [n], 0 on ignored rows
+    mask: np.ndarray      # [n], 1.0 / 0.0
+    weight: np.ndarray    # [n], w[y[n]] * m[n]
+
+
+def _weights(weight, classes):
+    return np.ones(classes) if weight is None else np.asarray(weight, dtype=np.float64)
 
 
 def _mask_and_index(y, ignore_index, classes):
@@ -16,51 +35,77 @@ def _mask_and_index(y, ignore_index, classes):
     return m, t
 
 
-def forward(x, y, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
-            zloss_scale=0.0):
-    """SPEC section 1: returns (loss, log_prob, zloss, lse) in float64."""
+def row_terms(x, y, weight=None, ignore_index=-100, label_smoothing=0.0, zloss_scale=0.0):
+    """Per-row quantities of SPEC section 1 for a block of rows."""
     x = np.asarray(x, dtype=np.float64)
     n, c = x.shape
-    w = np.ones(c) if weight is None else np.asarray(weight, dtype=np.float64)
+    w = _weights(weight, c)
     m, t = _mask_and_index(y, ignore_index, c)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        mx = x.max(axis=1, keepdims=True) if c else np.zeros((n, 1))
+        mx = x.max(axis=1, keepdims=True) if n else np.zeros((0, 1))
         lse = (mx + np.log(np.exp(x - mx).sum(axis=1, keepdims=True)))[:, 0]
         logp = x - lse[:, None]
-        rows = np.arange(n)
-        nll = -w[t] * logp[rows, t] * m
-        smooth = -(logp * w[None, :]).sum(axis=1) * m
+        nll = -w[t] * logp[np.arange(n), t]
+        smooth = -(logp * w[None, :]).sum(axis=1)
         ce = (1 - label_smoothing) * nll + (label_smoothing / c) * smooth
-        z = zloss_scale * lse**2 * m
-        # Ignored rows are exactly 0 even when their logits hold NaN/Inf.
-        ce = np.where(m > 0, ce, 0.0)
-        z = np.where(m > 0, z, 0.0)
-        if reduction == "none":
-            return ce + z, logp, z, lse
-        denom, count = (w[t] * m).sum(), m.sum()
-        if reduction == "sum":
-            return np.array([ce.sum() + z.sum()]), logp, np.array([z.sum()]), lse
-        zmean = np.float64(z.sum()) / count if count else np.nan
-        cmean = np.float64(ce.sum()) / denom if denom else np.nan
-        return np.array([cmean + zmean]), logp, np.array([zmean]), lse
+        z = zloss_scale * lse**2
+    # Ignored rows are exactly 0 even when their logits hold NaN/Inf.
+    return RowTerms(lse, logp, np.where(m > 0, ce, 0.0), np.where(m > 0, z, 0.0), m, w[t] * m)
+
+
+def reduce(terms: RowTerms, reduction):
+    """SPEC section 1 reductions: returns ``(loss, zloss)``."""
+    if reduction == "none":
+        return terms.ce + terms.z, terms.z
+    ce, z = terms.ce.sum(), terms.z.sum()
+    if reduction == "sum":
+        return np.array([ce + z]), np.array([z])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        zmean = np.float64(z) / terms.mask.sum()
+        return np.array([np.float64(ce) / terms.weight.sum() + zmean]), np.array([zmean])
+
+
+def concat(blocks):
+    """Join the ``RowTerms`` of consecutive row blocks (``log_prob`` is dropped)."""
+    cat = lambda name: np.concatenate([getattr(b, name) for b in blocks])  # noqa: E731
+    return RowTerms(cat("lse"), None, cat("ce"), cat("z"), cat("mask"), cat("weight"))
+
+
+def forward(x, y, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
+            zloss_scale=0.0):
+    """SPEC section 1: ``(loss, log_prob, zloss, lse)`` in float64."""
+    terms = row_terms(x, y, weight, ignore_index, label_smoothing, zloss_scale)
+    loss, zloss = reduce(terms, reduction)
+    return loss, terms.log_prob, zloss, terms.lse
+
+
+def totals(y, weight, ignore_index, classes):
+    """``(D, M)`` of SPEC section 1 over all rows."""
+    m, t = _mask_and_index(y, ignore_index, classes)
+    return (_weights(weight, classes)[t] * m).sum(), m.sum()
 
 
 def backward(grad_loss, log_prob, y, weight=None, grad_zloss=None, lse=None, reduction="mean",
-             ignore_index=-100, label_smoothing=0.0, zloss_scale=0.0):
-    """SPEC section 2: the logits gradient in float64."""
+             ignore_index=-100, label_smoothing=0.0, zloss_scale=0.0, row_totals=None):
+    """SPEC section 2: the logits gradient in float64.
+
+    An ignored row contributes exactly 0, also when every row is ignored
+    (where SPEC's ``m / D`` is 0/0): PyTorch's behaviour. ``row_totals``
+    gives ``(D, M)`` when ``log_prob`` is a block of a larger batch.
+    """
     logp = np.asarray(log_prob, dtype=np.float64)
     n, c = logp.shape
-    w = np.ones(c) if weight is None else np.asarray(weight, dtype=np.float64)
+    w = _weights(weight, c)
     m, t = _mask_and_index(y, ignore_index, c)
+    denom, count = row_totals or totals(y, weight, ignore_index, c)
     g = np.asarray(grad_loss, dtype=np.float64).reshape(-1)
     g = g if reduction == "none" else np.full(n, g[0])
     p = np.exp(logp)
-    denom, count = (w[t] * m).sum(), m.sum()
     eps = label_smoothing
     with np.errstate(invalid="ignore", divide="ignore"):
         scale = 1.0 / denom if reduction == "mean" else 1.0
-        a = g * (1 - eps) * m * scale
-        b = g * eps * m * scale / c
+        a = np.where(m > 0, g * (1 - eps) * scale, 0.0)
+        b = np.where(m > 0, g * eps * scale / c, 0.0)
         onehot = np.zeros_like(p)
         onehot[np.arange(n), t] = 1.0
         grad = (a * w[t])[:, None] * (p - onehot) + b[:, None] * (p * w.sum() - w[None, :])
@@ -71,5 +116,5 @@ def backward(grad_loss, log_prob, y, weight=None, grad_zloss=None, lse=None, red
                 gz = gz + (gzl if reduction == "none" else gzl[0])
             zg = gz / count if reduction == "mean" else gz
             lse = np.asarray(lse, dtype=np.float64)
-            grad = grad + (2 * zloss_scale * lse * m * zg)[:, None] * p
+            grad = grad + np.where(m > 0, 2 * zloss_scale * lse * zg, 0.0)[:, None] * p
     return grad

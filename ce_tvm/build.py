@@ -1,0 +1,122 @@
+"""Lower, schedule and compile one kernel into a shared library.
+
+A ``KernelSpec`` names everything that changes the generated code; its
+``key()`` (which also fingerprints the compute and schedule sources, the TVM
+version and the exact target) is what the module cache is keyed by.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tvm
+
+from . import compute, fastmath
+from .targets import tvm_target
+
+__version__ = "0.1.0"
+OPS = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled kernel: op x target x storage dtype x C x variant."""
+
+    op: str
+    dtype: str
+    classes: int
+    variant: compute.Variant = field(default_factory=compute.Variant)
+    target: str = "llvm"
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
+        if self.dtype not in compute.DTYPES:
+            raise ValueError(f"dtype must be one of {compute.DTYPES}, got {self.dtype!r}")
+        if self.classes < 1:
+            raise ValueError(f"classes must be >= 1, got {self.classes}")
+
+    def stem(self) -> str:
+        """Readable file-name stem (the key hash is appended by the cache)."""
+        tag = self.variant.tag()
+        if self.op == "forward":  # grad_source does not change the forward
+            tag = tag.rsplit("-", 1)[0]
+        else:  # nor does log_prob the backward
+            tag = tag.replace("-lp-", "-").replace("-nolp-", "-")
+        return f"{self.target}-{self.op}-{self.dtype}-C{self.classes}-{tag}"
+
+    def key(self) -> dict:
+        """Everything the generated code depends on, as a JSON-able dict."""
+        return {
+            "ce_tvm": __version__,
+            "tvm": tvm.__version__,
+            "target": str(tvm_target(self.target).export()),
+            "op": self.op,
+            "dtype": self.dtype,
+            "classes": self.classes,
+            "variant": self.stem(),
+            "code": _code_fingerprint(self.target),
+        }
+
+    def key_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.key(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def file_name(self) -> str:
+        return f"{self.stem()}-{self.key_hash()}.so"
+
+
+def schedule_module(target: str):
+    """The ``schedules/<target>.py`` module (installed as ``ce_tvm.schedules.<target>``)."""
+    return importlib.import_module(f"ce_tvm.schedules.{_schedule_name(target)}")
+
+
+def _schedule_name(target: str) -> str:
+    return "cpu" if target == "llvm" else target
+
+
+_FINGERPRINTS: dict = {}
+
+
+def _code_fingerprint(target: str) -> str:
+    """Hash of the sources that define the generated code for ``target``."""
+    if target not in _FINGERPRINTS:
+        h = hashlib.sha256()
+        for mod in (compute, fastmath, schedule_module(target)):
+            h.update(inspect.getsource(mod).encode())
+        _FINGERPRINTS[target] = h.hexdigest()[:16]
+    return _FINGERPRINTS[target]
+
+
+def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
+    """The compute of ``spec`` with its target's schedule applied."""
+    declare = compute.forward_func if spec.op == "forward" else compute.backward_func
+    func = declare(spec.classes, spec.dtype, spec.variant)
+    schedule = getattr(schedule_module(spec.target), spec.op)
+    return schedule(func, tvm_target(spec.target))
+
+
+def compile_spec(spec: KernelSpec):
+    """``tvm.compile`` the scheduled kernel; returns the Executable."""
+    with tvm.transform.PassContext(opt_level=3):
+        return tvm.compile(scheduled_func(spec), target=tvm_target(spec.target))
+
+
+def export_atomically(executable, path: Path) -> None:
+    """Write the shared library to ``path`` so that readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        executable.export_library(tmp)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,77 @@
+"""The ``ce-tvm`` command line: ``compile`` kernels ahead of time, ``demo`` the loss."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+from . import cache
+from .build import KernelSpec
+from .compute import DTYPES, REDUCTIONS, Variant
+from .targets import TARGETS
+
+
+def all_specs(target: str, dtype: str, classes: int) -> list[KernelSpec]:
+    """Every forward and backward variant for one (target, dtype, C)."""
+    fwd = [KernelSpec("forward", dtype, classes, Variant(r, w, lp), target)
+           for r, w, lp in itertools.product(REDUCTIONS, (False, True), (True, False))]
+    bwd = [KernelSpec("backward", dtype, classes, Variant(r, w, grad_source=src), target)
+           for r, w, src in itertools.product(REDUCTIONS, (False, True), ("log_prob", "logits"))]
+    return fwd + bwd
+
+
+def cmd_compile(args) -> int:
+    specs = all_specs(args.target, args.dtype, args.classes)
+    out = Path(args.out) if args.out else None
+    t0 = time.perf_counter()
+    for spec in specs:
+        if out is not None:
+            cache.make_private_dir(out)
+            path = cache.write_module(spec, out)
+        else:
+            path = cache.ensure_cached(spec)
+        print(f"  {path}")
+    where = out if out is not None else cache.cache_dir()
+    print(f"{len(specs)} kernels for {args.target}/{args.dtype}/C={args.classes} in "
+          f"{time.perf_counter() - t0:.1f} s -> {where}")
+    if out is not None:
+        print(f"use them with: export CE_TVM_MODULE_DIR={out.resolve()}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(args.rows, args.classes, args.dtype)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ce-tvm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="compile every kernel variant for one (target, dtype, C)")
+    c.add_argument("--target", choices=TARGETS, default="llvm")
+    c.add_argument("--dtype", choices=[d for d in DTYPES], default="float32")
+    c.add_argument("--classes", type=int, required=True)
+    c.add_argument("--out", help="write a precompiled directory here instead of the cache")
+    c.set_defaults(func=cmd_compile)
+
+    d = sub.add_parser("demo", help="compile for the CPU, run forward+backward, print a report")
+    d.add_argument("--rows", type=int, default=4096)
+    d.add_argument("--classes", type=int, default=32000)
+    d.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The seed-compatible operator pair of SPEC section 4 (first half).
+
+``cross_entropy_loss`` returns ``(loss, log_prob, zloss, lse_for_zloss)``;
+``cross_entropy_loss_grad`` returns the logits gradient. Both validate their
+inputs (SPEC section 3), allocate outputs, and call one compiled kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import launch
+from . import validation as check
+
+
+def cross_entropy_loss(input, target, weight=None, reduction="mean", ignore_index=-100,
+                       label_smoothing=0.0, lse_square_scale_for_zloss=0.0, return_zloss=False):
+    """Fused log-softmax + NLL with label smoothing and z-loss (SPEC section 1).
+
+    Returns ``(loss, log_prob, zloss, lse_for_zloss)``: ``loss`` is ``[N]``
+    for ``reduction='none'``, else ``[1]``; ``zloss`` is empty unless
+    ``return_zloss``; ``lse_for_zloss`` is empty unless the z-loss scale is
+    non-zero or ``return_zloss``. All in the dtype of ``input``.
+    """
+    x = check.logits(input)
+    red = check.reduction(reduction)
+    ii = check.ignore_index(ignore_index)
+    eps = check.label_smoothing(label_smoothing)
+    s = check.zloss_scale(lse_square_scale_for_zloss)
+    y = check.targets(target, x, ii)
+    w = check.weight(weight, x)
+    out = launch.forward(x, y, w, red, ii, eps, s, log_prob=True)
+    empty = x.new_empty(0)
+    return (
+        out.loss,
+        out.log_prob,
+        out.zloss if return_zloss else empty,
+        out.lse.to(x.dtype) if (s != 0.0 or return_zloss) else empty,
+    )
+
+
+def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, grad_zloss=None,
+                            lse_for_zloss=None, reduction="mean", ignore_index=-100,
+                            label_smoothing=0.0, lse_square_scale_for_zloss=0.0):
+    """Gradient of ``cross_entropy_loss`` with respect to the logits (SPEC section 2).
+
+    ``grad_loss`` (and ``grad_zloss``) have the shape of ``loss``;
+    ``lse_for_zloss`` is required when the z-loss scale is non-zero. Returns
+    ``x_grad [N, C]`` in the dtype of ``log_prob``.
+    """
+    lp = check.logits(log_prob, "log_prob")
+    red = check.reduction(reduction)
+    ii = check.ignore_index(ignore_index)
+    eps = check.label_smoothing(label_smoothing)
+    s = check.zloss_scale(lse_square_scale_for_zloss)
+    y = check.targets(target, lp, ii)
+    w = check.weight(weight, lp)
+    n = lp.shape[0]
+    g = check.row_vector(grad_loss, n, lp, "grad_loss", red)
+    gz = (torch.zeros_like(g) if grad_zloss is None
+          else check.row_vector(grad_zloss, n, lp, "grad_zloss", red))
+    if lse_for_zloss is None:
+        if s != 0.0:
+            raise ValueError(
+                "lse_for_zloss is required when lse_square_scale_for_zloss != 0 "
+                "(lse cannot be recovered from log_prob)"
+            )
+        lse = lp.new_zeros(n, dtype=check.accum_torch_dtype(lp))
+    else:
+        lse = check.lse_vector(lse_for_zloss, n, lp)
+    return launch.backward(g, gz, lp, lse, y, w, red, ii, eps, s, source_kind="log_prob")

@@ -1,0 +1,63 @@
+"""Launch the compiled kernels on already-validated torch tensors.
+
+The one place that knows the kernels' argument order (``ce_tvm.compute``).
+Outputs are allocated here unless the caller passes its own buffers
+(``out=``), which must be contiguous and of the documented shape and dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .build import KernelSpec
+from .compute import Variant
+from .runtime import kernel
+from .validation import accum_torch_dtype, storage_dtype, supported_device
+
+
+@dataclass
+class ForwardOutputs:
+    """``loss``/``zloss``: ``[N]`` or ``[1]`` in the input dtype; ``lse``: ``[N]``
+    in the accumulation dtype; ``log_prob``: ``[N, C]`` or ``None``."""
+
+    loss: torch.Tensor
+    zloss: torch.Tensor
+    lse: torch.Tensor
+    log_prob: torch.Tensor | None
+
+
+def _spec(op, x, variant) -> KernelSpec:
+    return KernelSpec(op, storage_dtype(x, "input"), x.shape[1], variant, supported_device(x))
+
+
+def forward(x, y, w, reduction, ignore_index, label_smoothing, zloss_scale, *,
+            log_prob: bool, out: ForwardOutputs | None = None) -> ForwardOutputs:
+    """Run the fused forward; writes ``log_prob`` only when asked."""
+    n = x.shape[0]
+    if out is None:
+        rows = n if reduction == "none" else 1
+        out = ForwardOutputs(
+            loss=x.new_empty(rows),
+            zloss=x.new_empty(rows),
+            lse=x.new_empty(n, dtype=accum_torch_dtype(x)),
+            log_prob=torch.empty_like(x) if log_prob else None,
+        )
+    spec = _spec("forward", x, Variant(reduction, w is not None, log_prob=log_prob))
+    kernel(spec)(x, y, *([w] if w is not None else []), ignore_index, label_smoothing,
+                 zloss_scale, out.loss, out.zloss, out.lse,
+                 *([out.log_prob] if log_prob else []))
+    return out
+
+
+def backward(grad_loss, grad_zloss, source, lse, y, w, reduction, ignore_index,
+             label_smoothing, zloss_scale, *, source_kind: str,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the fused backward from ``log_prob`` (``source_kind='log_prob'``) or
+    from the logits and their ``lse`` (``source_kind='logits'``); returns ``x_grad``."""
+    x_grad = torch.empty_like(source) if out is None else out
+    spec = _spec("backward", source, Variant(reduction, w is not None, grad_source=source_kind))
+    kernel(spec)(grad_loss, grad_zloss, source, lse, y, *([w] if w is not None else []),
+                 ignore_index, label_smoothing, zloss_scale, x_grad)
+    return x_grad

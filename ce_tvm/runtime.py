@@ -1,0 +1,48 @@
+"""Kernel registry: one loaded module per ``KernelSpec`` per process.
+
+Torch tensors are passed to the kernels as they are (DLPack through
+tvm-ffi, no copies). TVM's thread pool is sized to the cores this process
+may use, unless ``TVM_NUM_THREADS`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import tvm
+
+from .build import KernelSpec
+from .cache import module_path
+from .targets import host_cores
+
+_lock = threading.Lock()
+_kernels: dict = {}
+_pool_configured = False
+
+
+def _configure_thread_pool() -> None:
+    global _pool_configured
+    if not _pool_configured and "TVM_NUM_THREADS" not in os.environ:
+        # mode 1: use the big cores (all of them on a homogeneous CPU).
+        tvm.get_global_func("runtime.config_threadpool")(1, host_cores())
+    _pool_configured = True
+
+
+def kernel(spec: KernelSpec):
+    """The callable kernel for ``spec``, loading (and building if needed) on first use."""
+    fn = _kernels.get(spec)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _kernels.get(spec)
+        if fn is None:
+            _configure_thread_pool()
+            fn = tvm.runtime.load_module(str(module_path(spec)))["main"]
+            _kernels[spec] = fn
+    return fn
+
+
+def loaded_specs() -> list[KernelSpec]:
+    """Specs whose kernels this process has loaded (for reports and tests)."""
+    return list(_kernels)

@@ -1,0 +1,31 @@
+"""Target names users pass (``llvm``, ``cuda``, ``ascend``) and the TVM targets behind them."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from tvm.target import Target
+from tvm.target.codegen import llvm_get_system_cpu
+
+TARGETS = ("llvm", "cuda", "ascend")
+DEFAULT_CUDA_ARCH = "sm_90"
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@functools.lru_cache(maxsize=None)
+def tvm_target(name: str, arch: str | None = None) -> Target:
+    """The TVM target for a target name.
+
+    ``llvm`` and ``ascend`` (which is validated through LLVM) compile for this
+    host's CPU; ``cuda`` for ``arch`` (default ``sm_90``).
+    """
+    if name in ("llvm", "ascend"):
+        return Target({"kind": "llvm", "mcpu": llvm_get_system_cpu(), "num-cores": host_cores()})
+    if name == "cuda":
+        return Target({"kind": "cuda", "arch": arch or DEFAULT_CUDA_ARCH})
+    raise ValueError(f"target must be one of {TARGETS}, got {name!r}")
