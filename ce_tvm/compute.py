@@ -162,8 +162,10 @@ def forward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
     def nll(n):
         return -wc(index(n)) * (xf(n, index(n)) - lse[n])
 
-    def smooth(n):
-        return -wlogpsum[n]
+    def smoothing(n):
+        # Zero, not 0 * inf, when smoothing is off and a logit is -inf (a masked class).
+        term = eps / tirx.const(float(classes), acc) * -wlogpsum[n]
+        return tirx.Select(eps != tirx.const(0.0, acc), term, tirx.const(0.0, acc))
 
     one = tirx.const(1.0, acc)
     m = row("mask", lambda n: mask(n).astype(acc))
@@ -173,8 +175,7 @@ def forward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         return tirx.Select(m[n] != tirx.const(0.0, acc), value, tirx.const(0.0, acc))
 
     rows = {
-        "ce": row("ce", lambda n: masked(
-            n, (one - eps) * nll(n) + eps / tirx.const(float(classes), acc) * smooth(n))),
+        "ce": row("ce", lambda n: masked(n, (one - eps) * nll(n) + smoothing(n))),
         "z": row("z", lambda n: masked(n, s * lse[n] * lse[n])),
     }
     if variant.reduction == "mean":

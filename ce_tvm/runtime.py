@@ -22,9 +22,18 @@ _pool_configured = False
 
 
 def _configure_thread_pool() -> None:
+    """One TVM worker per core this process may use, without pinning the caller.
+
+    TVM binds the calling thread to core 0 when it sizes its pool; torch's
+    threads created afterwards would inherit that and share one core. Unless
+    the user set ``TVM_BIND_THREADS``, binding is turned off.
+    """
     global _pool_configured
-    if not _pool_configured and "TVM_NUM_THREADS" not in os.environ:
-        # mode 1: use the big cores (all of them on a homogeneous CPU).
+    if _pool_configured:
+        return
+    os.environ.setdefault("TVM_BIND_THREADS", "0")
+    if "TVM_NUM_THREADS" not in os.environ:
+        # mode 1: the big cores (all of them on a homogeneous CPU).
         tvm.get_global_func("runtime.config_threadpool")(1, host_cores())
     _pool_configured = True
 

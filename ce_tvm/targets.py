@@ -12,6 +12,7 @@ TARGETS = ("llvm", "cuda", "ascend")
 DEFAULT_CUDA_ARCH = "sm_90"
 
 
+@functools.lru_cache(maxsize=None)
 def host_cores() -> int:
     """CPU cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

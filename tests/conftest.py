@@ -16,3 +16,8 @@ def _private_module_cache(tmp_path_factory):
     if "CE_TVM_CACHE" not in os.environ:
         os.environ["CE_TVM_CACHE"] = str(tmp_path_factory.mktemp("ce_tvm_cache"))
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests last, so ``-x`` stops on a cheap failure first."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

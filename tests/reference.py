@@ -47,7 +47,11 @@ def row_terms(x, y, weight=None, ignore_index=-100, label_smoothing=0.0, zloss_s
         logp = x - lse[:, None]
         nll = -w[t] * logp[np.arange(n), t]
         smooth = -(logp * w[None, :]).sum(axis=1)
-        ce = (1 - label_smoothing) * nll + (label_smoothing / c) * smooth
+        # No smoothing term at all when label_smoothing == 0 (as in PyTorch), so a
+        # -inf logit (a masked class) does not turn 0 * inf into NaN.
+        ce = (1 - label_smoothing) * nll
+        if label_smoothing:
+            ce = ce + (label_smoothing / c) * smooth
         z = zloss_scale * lse**2
     # Ignored rows are exactly 0 even when their logits hold NaN/Inf.
     return RowTerms(lse, logp, np.where(m > 0, ce, 0.0), np.where(m > 0, z, 0.0), m, w[t] * m)

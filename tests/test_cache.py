@@ -1,0 +1,93 @@
+"""Module cache and precompiled directories, across processes."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ce_tvm.cache import sha256_file
+
+# Runs the seed pair on C classes in a fresh process and checks it against torch.
+# With FORBID_COMPILE set, any compilation is an error: modules must come from disk.
+PROBE = textwrap.dedent("""
+    import os, sys, torch, torch.nn.functional as F
+    import ce_tvm, ce_tvm.cache as cache
+    if os.environ.get("FORBID_COMPILE"):
+        def refuse(spec):
+            raise AssertionError(f"recompiled {spec}")
+        cache.compile_spec = refuse
+    c = int(sys.argv[1])
+    x = torch.randn(8, c); y = torch.randint(0, c, (8,))
+    loss, log_prob, _, _ = ce_tvm.cross_entropy_loss(x, y, label_smoothing=0.1)
+    grad = ce_tvm.cross_entropy_loss_grad(torch.ones(1), log_prob, y, label_smoothing=0.1)
+    xr = x.clone().requires_grad_(); ref = F.cross_entropy(xr, y, label_smoothing=0.1)
+    ref.backward()
+    torch.testing.assert_close(loss[0], ref); torch.testing.assert_close(grad, xr.grad)
+    print("probe ok")
+""")
+
+
+def run(args, **env):
+    full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
+    done = subprocess.run(args, env=full_env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def probe(c, **env):
+    return run([sys.executable, "-c", PROBE, str(c)], **env)
+
+
+def libs(directory: Path):
+    return sorted(directory.glob("*.so"))
+
+
+def test_compile_then_second_process_reuses_cache(tmp_path):
+    cache = tmp_path / "cache"
+    out = run(["ce-tvm", "compile", "--target", "llvm", "--dtype", "float32",
+               "--classes", "32000"], CE_TVM_CACHE=cache)
+    assert "24 kernels" in out
+    built = {p: p.stat().st_mtime_ns for p in libs(cache)}
+    assert len(built) == 24
+    assert oct(cache.stat().st_mode & 0o777) == "0o700"
+    probe(32000, CE_TVM_CACHE=cache, FORBID_COMPILE=1)
+    assert {p: p.stat().st_mtime_ns for p in libs(cache)} == built
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_bit", "drop_manifest"])
+def test_damaged_cache_entry_is_rebuilt(tmp_path, damage):
+    cache = tmp_path / "cache"
+    probe(13, CE_TVM_CACHE=cache)
+    lib = next(p for p in libs(cache) if "forward" in p.name)
+    data = lib.read_bytes()
+    if damage == "truncate":
+        lib.write_bytes(data[: len(data) // 2])
+    elif damage == "flip_bit":
+        lib.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    else:
+        lib.with_suffix(".json").unlink()
+    out = probe(13, CE_TVM_CACHE=cache)
+    assert "rebuilding cached module" in out and "probe ok" in out
+    manifest = json.loads(lib.with_suffix(".json").read_text())
+    assert manifest["sha256"] == sha256_file(lib)
+
+
+def test_precompiled_directory_is_used_and_checked(tmp_path):
+    modules, cache = tmp_path / "modules", tmp_path / "cache"
+    out = run(["ce-tvm", "compile", "--dtype", "float32", "--classes", "11", "--out", modules])
+    assert f"CE_TVM_MODULE_DIR={modules}" in out
+    probe(11, CE_TVM_CACHE=cache, CE_TVM_MODULE_DIR=modules, FORBID_COMPILE=1)
+    assert libs(cache) == []  # nothing was built or copied into the cache
+
+    lib = next(p for p in libs(modules) if "backward" in p.name and "-mean-nw-log_prob" in p.name)
+    lib.write_bytes(lib.read_bytes() + b"tampered")
+    done = subprocess.run([sys.executable, "-c", PROBE, "11"], capture_output=True, text=True,
+                          env={**os.environ, "CE_TVM_CACHE": str(cache),
+                               "CE_TVM_MODULE_DIR": str(modules)})
+    assert done.returncode != 0
+    assert "ModuleIntegrityError" in done.stderr and lib.name in done.stderr
+    assert "SHA-256 mismatch" in done.stderr

@@ -1,0 +1,100 @@
+"""Every bad input of SPEC section 3 raises a clear TypeError / ValueError."""
+
+import pytest
+import torch
+
+import ce_tvm
+
+X = torch.randn(4, 5)
+Y = torch.tensor([0, 1, 4, -100])
+LP = torch.log_softmax(X, 1)
+
+
+def fwd(**kw):
+    args = dict(input=X, target=Y)
+    args.update(kw)
+    return ce_tvm.cross_entropy_loss(**args)
+
+
+def bwd(**kw):
+    args = dict(grad_loss=torch.ones(1), log_prob=LP, target=Y)
+    args.update(kw)
+    return ce_tvm.cross_entropy_loss_grad(**args)
+
+
+FORWARD_CASES = [
+    ("integer logits", dict(input=torch.ones(4, 5, dtype=torch.int64)), TypeError, "float32"),
+    ("logits not a tensor", dict(input=[[1.0]]), TypeError, "torch.Tensor"),
+    ("1-D logits", dict(input=torch.randn(5)), ValueError, "2-D"),
+    ("3-D logits", dict(input=torch.randn(4, 5, 1)), ValueError, "2-D"),
+    ("zero classes", dict(input=torch.randn(4, 0)), ValueError, "C >= 1"),
+    ("float targets", dict(target=torch.zeros(4)), TypeError, "int64 or int32"),
+    ("targets not a tensor", dict(target=[0, 1, 2, 3]), TypeError, "torch.Tensor"),
+    ("target too long", dict(target=torch.zeros(5, dtype=torch.long)), ValueError, r"shape \[N\]"),
+    ("2-D target", dict(target=torch.zeros(4, 1, dtype=torch.long)), ValueError, r"shape \[N\]"),
+    ("target = C", dict(target=torch.tensor([0, 5, 1, 1])), ValueError, r"target\[1\] = 5"),
+    ("negative target", dict(target=torch.tensor([0, 1, -3, 1])), ValueError,
+     r"target\[2\] = -3"),
+    ("huge target", dict(target=torch.tensor([0, 1, 2, 2**40])), ValueError,
+     r"target\[3\] = 1099511627776"),
+    ("weight wrong length", dict(weight=torch.ones(4)), ValueError, r"shape \[C\]"),
+    ("integer weight", dict(weight=torch.ones(5, dtype=torch.long)), TypeError, "floating"),
+    ("weight not a tensor", dict(weight=[1.0] * 5), TypeError, "torch.Tensor"),
+    ("bad reduction", dict(reduction="avg"), ValueError, "reduction must be one of"),
+    ("smoothing 1", dict(label_smoothing=1.0), ValueError, r"\[0, 1\)"),
+    ("smoothing < 0", dict(label_smoothing=-0.1), ValueError, r"\[0, 1\)"),
+    ("smoothing NaN", dict(label_smoothing=float("nan")), ValueError, "NaN"),
+    ("smoothing str", dict(label_smoothing="0.1"), TypeError, "real number"),
+    ("zloss < 0", dict(lse_square_scale_for_zloss=-1e-4), ValueError, ">= 0"),
+    ("zloss NaN", dict(lse_square_scale_for_zloss=float("nan")), ValueError, "NaN"),
+    ("zloss inf", dict(lse_square_scale_for_zloss=float("inf")), ValueError, "finite"),
+    ("ignore_index float", dict(ignore_index=-100.0), TypeError, "ignore_index must be an int"),
+    ("ignore_index bool", dict(ignore_index=True), TypeError, "ignore_index must be an int"),
+    ("meta device", dict(input=torch.randn(4, 5, device="meta"),
+                         target=torch.zeros(4, dtype=torch.long, device="meta")),
+     ValueError, "no kernels for device"),
+    ("target on another device", dict(target=torch.zeros(4, dtype=torch.long, device="meta")),
+     ValueError, "target is on meta"),
+    ("weight on another device", dict(weight=torch.ones(5, device="meta")), ValueError,
+     "weight is on meta"),
+]
+
+
+@pytest.mark.parametrize("kw,error,message", [c[1:] for c in FORWARD_CASES],
+                         ids=[c[0] for c in FORWARD_CASES])
+def test_forward_rejects(kw, error, message):
+    with pytest.raises(error, match=message):
+        fwd(**kw)
+
+
+BACKWARD_CASES = [
+    ("zloss without lse", dict(lse_square_scale_for_zloss=1e-3), ValueError,
+     "lse_for_zloss is required"),
+    ("grad_loss has N values for mean", dict(grad_loss=torch.ones(4)), ValueError,
+     "one value"),
+    ("grad_loss scalar for none", dict(grad_loss=torch.ones(1), reduction="none"), ValueError,
+     r"shape \[N\]"),
+    ("grad_zloss wrong shape", dict(grad_zloss=torch.ones(3)), ValueError, "grad_zloss"),
+    ("grad_loss integer", dict(grad_loss=torch.ones(1, dtype=torch.long)), TypeError,
+     "floating"),
+    ("lse wrong shape", dict(lse_for_zloss=torch.ones(3), lse_square_scale_for_zloss=1e-3),
+     ValueError, "lse_for_zloss must have shape"),
+    ("log_prob 1-D", dict(log_prob=torch.randn(5)), ValueError, "2-D"),
+    ("target out of range", dict(target=torch.tensor([0, 1, 7, 1])), ValueError,
+     r"target\[2\] = 7"),
+    ("bad reduction", dict(reduction="batchmean"), ValueError, "reduction"),
+    ("smoothing out of range", dict(label_smoothing=2.0), ValueError, r"\[0, 1\)"),
+]
+
+
+@pytest.mark.parametrize("kw,error,message", [c[1:] for c in BACKWARD_CASES],
+                         ids=[c[0] for c in BACKWARD_CASES])
+def test_backward_rejects(kw, error, message):
+    with pytest.raises(error, match=message):
+        bwd(**kw)
+
+
+def test_scalar_grad_loss_is_accepted():
+    """A 0-d grad (what autograd passes for a scalar loss) counts as one value."""
+    g = bwd(grad_loss=torch.tensor(1.0))
+    assert g.shape == X.shape

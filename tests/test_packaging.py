@@ -1,0 +1,33 @@
+"""A plain (non-editable) install ships the schedules and tuning logs inside the package."""
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_installs_and_runs(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "dist"), str(ROOT)], check=True)
+    wheel = next((tmp_path / "dist").glob("ce_tvm-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for must in ("ce_tvm/schedules/cpu.py", "ce_tvm/schedules/_common.py",
+                 "ce_tvm/tuning_logs/__init__.py", "ce_tvm/compute.py"):
+        assert must in names, f"{must} missing from {wheel.name}"
+    assert not any(n.startswith(("schedules/", "tests/")) for n in names)
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(target), str(wheel)], check=True)
+    code = ("import ce_tvm, torch; assert ce_tvm.__file__.startswith(%r), ce_tvm.__file__; "
+            "x = torch.randn(3, 6); y = torch.tensor([0, 5, 2]); "
+            "l = ce_tvm.cross_entropy_loss(x, y)[0]; "
+            "torch.testing.assert_close(l[0], torch.nn.functional.cross_entropy(x, y)); "
+            "print('installed ok')" % str(target))
+    env = {**os.environ, "PYTHONPATH": str(target), "CE_TVM_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "installed ok" in done.stdout, done.stderr
