@@ -2,10 +2,14 @@
 
 See SPEC.md for the contract. Public surface:
 
+- ``cross_entropy`` / ``CrossEntropyLoss``: autograd drop-ins for
+  ``torch.nn.functional.cross_entropy`` / ``torch.nn.CrossEntropyLoss``, plus z-loss;
 - ``cross_entropy_loss`` / ``cross_entropy_loss_grad``: the seed-compatible pair.
 """
 
 from .build import __version__
 from .functional import cross_entropy_loss, cross_entropy_loss_grad
+from .nn import CrossEntropyLoss, cross_entropy
 
-__all__ = ["__version__", "cross_entropy_loss", "cross_entropy_loss_grad"]
+__all__ = ["__version__", "CrossEntropyLoss", "cross_entropy", "cross_entropy_loss",
+           "cross_entropy_loss_grad"]

@@ -31,6 +31,10 @@ PROBE = textwrap.dedent("""
 """)
 
 
+# The installed console script, beside the interpreter running the tests.
+CLI = str(Path(sys.executable).with_name("ce-tvm"))
+
+
 def run(args, **env):
     full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
     done = subprocess.run(args, env=full_env, capture_output=True, text=True, timeout=600)
@@ -48,7 +52,7 @@ def libs(directory: Path):
 
 def test_compile_then_second_process_reuses_cache(tmp_path):
     cache = tmp_path / "cache"
-    out = run(["ce-tvm", "compile", "--target", "llvm", "--dtype", "float32",
+    out = run([CLI, "compile", "--target", "llvm", "--dtype", "float32",
                "--classes", "32000"], CE_TVM_CACHE=cache)
     assert "24 kernels" in out
     built = {p: p.stat().st_mtime_ns for p in libs(cache)}
@@ -78,7 +82,7 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path, damage):
 
 def test_precompiled_directory_is_used_and_checked(tmp_path):
     modules, cache = tmp_path / "modules", tmp_path / "cache"
-    out = run(["ce-tvm", "compile", "--dtype", "float32", "--classes", "11", "--out", modules])
+    out = run([CLI, "compile", "--dtype", "float32", "--classes", "11", "--out", modules])
     assert f"CE_TVM_MODULE_DIR={modules}" in out
     probe(11, CE_TVM_CACHE=cache, CE_TVM_MODULE_DIR=modules, FORBID_COMPILE=1)
     assert libs(cache) == []  # nothing was built or copied into the cache

@@ -1,0 +1,87 @@
+"""Drop-in replacements for ``torch.nn.functional.cross_entropy`` and
+``torch.nn.CrossEntropyLoss`` (class-index targets), plus z-loss."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from . import validation as check
+from .ops import cross_entropy_forward
+
+
+def _flatten(input: Tensor, target: Tensor):
+    """``(x [M, C], y [M], unflatten)`` for PyTorch's class-index layouts:
+    ``(C,)`` with a 0-d target, ``(N, C)``, ``(N, C, d1, ...)``."""
+    if not isinstance(input, Tensor) or not isinstance(target, Tensor):
+        raise TypeError("input and target must be torch.Tensors")
+    if target.dtype.is_floating_point:
+        raise TypeError("ce_tvm supports class-index targets (int64/int32), not probabilities")
+    if input.dim() == 1:
+        if target.dim() != 0:
+            raise ValueError(f"a 1-D input [C] needs a 0-d target, got shape {tuple(target.shape)}")
+        return input.unsqueeze(0), target.reshape(1), lambda t: t.reshape(())
+    if input.dim() == 2:
+        return input, target, lambda t: t
+    if input.dim() < 1:
+        raise ValueError("input must have a class dimension, got a 0-d tensor")
+    n, c, spatial = input.shape[0], input.shape[1], tuple(input.shape[2:])
+    if tuple(target.shape) != (n, *spatial):
+        raise ValueError(f"target must have shape {(n, *spatial)} for input {tuple(input.shape)}, "
+                         f"got {tuple(target.shape)}")
+    x = input.movedim(1, -1).reshape(-1, c)
+    return x, target.reshape(-1), lambda t: t.reshape(n, *spatial)
+
+
+def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
+                  ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                  return_zloss: bool = False):
+    """``torch.nn.functional.cross_entropy`` for class-index targets, plus z-loss.
+
+    Returns the loss (a 0-d tensor for ``mean``/``sum``, the target's shape for
+    ``none``), z-loss included when ``lse_square_scale > 0``. With
+    ``return_zloss=True`` returns ``(loss, zloss)``: ``zloss`` is the z-loss
+    part already inside ``loss``, reduced the same way, without gradient.
+    """
+    x, y, unflatten = _flatten(input, target)
+    x = check.logits(x)
+    check.supported_device(x)
+    if y.dtype not in check.TARGET_DTYPES:
+        raise TypeError(f"target must be int64 or int32 class indices, got {y.dtype}")
+    if tuple(y.shape) != (x.shape[0],):
+        raise ValueError(f"target must have shape [N] = [{x.shape[0]}], got {tuple(y.shape)}")
+    red = check.reduction(reduction)
+    loss, zloss, _ = cross_entropy_forward(
+        x, y, weight, red, check.ignore_index(ignore_index),
+        check.label_smoothing(label_smoothing), check.zloss_scale(lse_square_scale,
+                                                                  "lse_square_scale"))
+    if red == "none":
+        loss, zloss = unflatten(loss), unflatten(zloss)
+    else:
+        loss, zloss = loss.reshape(()), zloss.reshape(())
+    return (loss, zloss.detach()) if return_zloss else loss
+
+
+class CrossEntropyLoss(nn.Module):
+    """``torch.nn.CrossEntropyLoss`` (class-index targets) backed by ce_tvm, plus z-loss."""
+
+    def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0,
+                 lse_square_scale: float = 0.0, return_zloss: bool = False):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.ignore_index = ignore_index
+        self.reduction = check.reduction(reduction)
+        self.label_smoothing = check.label_smoothing(label_smoothing)
+        self.lse_square_scale = check.zloss_scale(lse_square_scale, "lse_square_scale")
+        self.return_zloss = return_zloss
+
+    def forward(self, input: Tensor, target: Tensor):
+        return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction,
+                             self.label_smoothing, self.lse_square_scale, self.return_zloss)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, "
+                f"lse_square_scale={self.lse_square_scale}")
