@@ -2,6 +2,9 @@
 
 import copy
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +156,12 @@ def test_drop_in_rejects(kw, error, message):
     args.update(kw)
     with pytest.raises(error, match=message):
         ce_tvm.cross_entropy(**args)
+
+
+def test_example_training_curves_agree():
+    """examples/train_tiny_lm.py: ce_tvm and F.cross_entropy agree to 1e-5 for 50+ steps."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_lm.py"
+    done = subprocess.run([sys.executable, str(script), "--steps", "60", "--check"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "largest relative difference over 60 steps" in done.stdout
