@@ -12,6 +12,10 @@ Builds take an exclusive ``flock`` on ``<stem>-<keyhash>.lock``, so
 concurrent processes build a missing module once; the kernel releases the
 lock when its holder dies, so a killed build never blocks the next one.
 Libraries are written to a temporary name and renamed into place.
+
+Loading a shared library runs its code: directories and files that anyone
+but their owner can write are refused (``UnsafePermissionsError``), and new
+directories and files are created private (0700 / 0600).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from .build import KernelSpec, compile_spec, export_atomically
@@ -31,6 +36,30 @@ log = logging.getLogger("ce_tvm")
 
 class ModuleIntegrityError(RuntimeError):
     """A precompiled module does not match its manifest or the expected key."""
+
+
+class UnsafePermissionsError(PermissionError):
+    """A module, manifest or directory that someone else could have written."""
+
+
+def check_permissions(path: Path) -> None:
+    """Refuse ``path`` unless only its owner (this user, or root) can write it.
+
+    Loading a shared library runs its code, so, like OpenSSH's StrictModes,
+    a directory or file that group or others can write is not trusted.
+    """
+    st = path.stat()
+    why = None
+    if st.st_uid not in (os.getuid(), 0):
+        why = f"it is owned by uid {st.st_uid}, not by you (uid {os.getuid()}) or root"
+    elif st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
+                           if st.st_mode & bit)
+        why = f"{who} can write it (mode {oct(st.st_mode & 0o777)})"
+    if why:
+        fix = f"chmod go-w {path}" if "write" in why else f"chown {os.getuid()} {path}"
+        raise UnsafePermissionsError(
+            f"ce_tvm refuses to load compiled modules from {path}: {why}. Fix it with: {fix}")
 
 
 def cache_dir() -> Path:
@@ -61,9 +90,16 @@ def manifest_path(lib: Path) -> Path:
 
 
 def check_module(lib: Path, spec: KernelSpec) -> str | None:
-    """``None`` when ``lib`` is loadable for ``spec``, else what is wrong with it."""
+    """``None`` when ``lib`` is loadable for ``spec``, else what is wrong with it.
+
+    Raises ``UnsafePermissionsError`` when the library or its manifest is
+    writable by others: that is never repaired silently.
+    """
     if not lib.exists():
         return "missing"
+    for path in (lib, manifest_path(lib)):
+        if path.exists():
+            check_permissions(path)
     try:
         manifest = json.loads(manifest_path(lib).read_text())
     except (OSError, ValueError) as err:
@@ -82,30 +118,52 @@ def write_module(spec: KernelSpec, directory: Path) -> Path:
     lib = directory / spec.file_name()
     export_atomically(compile_spec(spec), lib)
     manifest = {"key": spec.key(), "sha256": sha256_file(lib)}
-    tmp = lib.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    tmp = lib.with_suffix(f".json.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(manifest, indent=1, sort_keys=True))
     os.replace(tmp, manifest_path(lib))
     return lib
 
 
 def make_private_dir(path: Path) -> None:
-    """Create ``path`` (and parents) with mode 0700 for the new directories."""
+    """Create ``path`` (and parents) with mode 0700; refuse an existing unsafe one."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_permissions(path)
+
+
+LOCK_TIMEOUT_S = float(os.environ.get("CE_TVM_LOCK_TIMEOUT", 900))
 
 
 @contextlib.contextmanager
-def _build_lock(lib: Path):
-    with open(lib.with_suffix(".lock"), "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def build_lock(lib: Path, timeout_s: float = LOCK_TIMEOUT_S):
+    """Exclusive lock for building ``lib``, shared by every process using the directory.
+
+    An ``flock`` dies with its holder, so a lock left by a killed build never
+    blocks the next one; a live holder is waited for up to ``timeout_s``.
+    """
+    fd = os.open(lib.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process has held {lib.with_suffix('.lock')} for more than "
+                        f"{timeout_s:.0f} s (set CE_TVM_LOCK_TIMEOUT to wait longer)") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
 
 
 def find_precompiled(spec: KernelSpec) -> Path | None:
     """The module for ``spec`` in a precompiled directory, verified; ``None`` if absent."""
     for directory in module_dirs():
+        check_permissions(directory)
         lib = directory / spec.file_name()
         problem = check_module(lib, spec)
         if problem == "missing":
@@ -123,7 +181,7 @@ def ensure_cached(spec: KernelSpec) -> Path:
     lib = directory / spec.file_name()
     if check_module(lib, spec) is None:
         return lib
-    with _build_lock(lib):
+    with build_lock(lib):
         problem = check_module(lib, spec)
         if problem is None:
             return lib
@@ -131,6 +189,36 @@ def ensure_cached(spec: KernelSpec) -> Path:
             log.warning("ce_tvm: rebuilding cached module %s: %s", lib.name, problem)
         log.info("ce_tvm: compiling %s", lib.name)
         return write_module(spec, directory)
+
+
+def entries(directory: Path) -> list[Path]:
+    """The compiled modules in ``directory``."""
+    return sorted(directory.glob("*.so")) if directory.is_dir() else []
+
+
+def verify_entry(lib: Path) -> str | None:
+    """``None`` when ``lib`` matches its manifest and the key in its name, else why not."""
+    try:
+        check_permissions(lib)
+        manifest = json.loads(manifest_path(lib).read_text())
+    except (OSError, ValueError) as err:
+        return str(err)
+    key_hash = hashlib.sha256(json.dumps(manifest.get("key"), sort_keys=True).encode())
+    if not lib.stem.endswith(key_hash.hexdigest()[:16]):
+        return "manifest key does not match the file name"
+    if manifest.get("sha256") != sha256_file(lib):
+        return "SHA-256 mismatch"
+    return None
+
+
+def clear(directory: Path) -> int:
+    """Remove every module, manifest and lock in ``directory``; returns the files removed."""
+    removed = 0
+    for pattern in ("*.so", "*.json", "*.lock", "*.tmp"):
+        for path in directory.glob(pattern):
+            path.unlink()
+            removed += 1
+    return removed
 
 
 def module_path(spec: KernelSpec) -> Path:

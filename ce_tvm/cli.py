@@ -42,6 +42,26 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    directory = Path(args.dir) if args.dir else cache.cache_dir()
+    if args.action == "clear":
+        print(f"removed {cache.clear(directory)} files from {directory}")
+        return 0
+    libs = cache.entries(directory)
+    bad = 0
+    for lib in libs:
+        size = f"{lib.stat().st_size / 1024:8.1f} KiB"
+        if args.action == "list":
+            print(f"{size}  {lib.name}")
+        else:
+            problem = cache.verify_entry(lib)
+            bad += problem is not None
+            print(f"{'ok ' if problem is None else 'BAD'}  {lib.name}" +
+                  (f": {problem}" if problem else ""))
+    print(f"{len(libs)} modules in {directory}" + (f", {bad} bad" if args.action == "verify" else ""))
+    return 1 if bad else 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -59,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--classes", type=int, required=True)
     c.add_argument("--out", help="write a precompiled directory here instead of the cache")
     c.set_defaults(func=cmd_compile)
+
+    k = sub.add_parser("cache", help="list, verify or clear compiled modules")
+    k.add_argument("action", choices=["list", "verify", "clear"])
+    k.add_argument("--dir", help="a precompiled directory instead of the cache")
+    k.set_defaults(func=cmd_cache)
 
     d = sub.add_parser("demo", help="compile for the CPU, run forward+backward, print a report")
     d.add_argument("--rows", type=int, default=4096)

@@ -4,47 +4,12 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from ce_tvm.cache import sha256_file
-
-# Runs the seed pair on C classes in a fresh process and checks it against torch.
-# With FORBID_COMPILE set, any compilation is an error: modules must come from disk.
-PROBE = textwrap.dedent("""
-    import os, sys, torch, torch.nn.functional as F
-    import ce_tvm, ce_tvm.cache as cache
-    if os.environ.get("FORBID_COMPILE"):
-        def refuse(spec):
-            raise AssertionError(f"recompiled {spec}")
-        cache.compile_spec = refuse
-    c = int(sys.argv[1])
-    x = torch.randn(8, c); y = torch.randint(0, c, (8,))
-    loss, log_prob, _, _ = ce_tvm.cross_entropy_loss(x, y, label_smoothing=0.1)
-    grad = ce_tvm.cross_entropy_loss_grad(torch.ones(1), log_prob, y, label_smoothing=0.1)
-    xr = x.clone().requires_grad_(); ref = F.cross_entropy(xr, y, label_smoothing=0.1)
-    ref.backward()
-    torch.testing.assert_close(loss[0], ref); torch.testing.assert_close(grad, xr.grad)
-    print("probe ok")
-""")
-
-
-# The installed console script, beside the interpreter running the tests.
-CLI = str(Path(sys.executable).with_name("ce-tvm"))
-
-
-def run(args, **env):
-    full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-    done = subprocess.run(args, env=full_env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout + done.stderr
-
-
-def probe(c, **env):
-    return run([sys.executable, "-c", PROBE, str(c)], **env)
-
+from processes import CLI, PROBE, probe, run
 
 def libs(directory: Path):
     return sorted(directory.glob("*.so"))
