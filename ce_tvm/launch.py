@@ -1,8 +1,9 @@
 """Launch the compiled kernels on already-validated torch tensors.
 
 The one place that knows the kernels' argument order (``ce_tvm.compute``).
-Outputs are allocated here unless the caller passes its own buffers
-(``out=``), which must be contiguous and of the documented shape and dtype.
+Outputs are allocated here (``[N, C]`` ones through ``ce_tvm.pool``) unless
+the caller passes its own buffers (``out=``), which must be contiguous and of
+the documented shape and dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import pool
 from .build import KernelSpec
 from .compute import Variant
 from .runtime import kernel
@@ -42,7 +44,7 @@ def forward(x, y, w, reduction, ignore_index, label_smoothing, zloss_scale, *,
             loss=x.new_empty(rows),
             zloss=x.new_empty(rows),
             lse=x.new_empty(n, dtype=accum_torch_dtype(x)),
-            log_prob=torch.empty_like(x) if log_prob else None,
+            log_prob=pool.empty_like(x) if log_prob else None,
         )
     spec = _spec("forward", x, Variant(reduction, w is not None, log_prob=log_prob))
     kernel(spec)(x, y, *([w] if w is not None else []), ignore_index, label_smoothing,
@@ -56,7 +58,7 @@ def backward(grad_loss, grad_zloss, source, lse, y, w, reduction, ignore_index,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """Run the fused backward from ``log_prob`` (``source_kind='log_prob'``) or
     from the logits and their ``lse`` (``source_kind='logits'``); returns ``x_grad``."""
-    x_grad = torch.empty_like(source) if out is None else out
+    x_grad = pool.empty_like(source) if out is None else out
     spec = _spec("backward", source, Variant(reduction, w is not None, grad_source=source_kind))
     kernel(spec)(grad_loss, grad_zloss, source, lse, y, *([w] if w is not None else []),
                  ignore_index, label_smoothing, zloss_scale, x_grad)
