@@ -96,10 +96,13 @@ def _code_fingerprint(target: str) -> str:
 
 def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     """The compute of ``spec`` with its target's schedule applied."""
-    declare = compute.forward_func if spec.op == "forward" else compute.backward_func
-    func = declare(spec.classes, spec.dtype, spec.variant)
-    schedule = getattr(schedule_module(spec.target), spec.op)
-    return schedule(func, tvm_target(spec.target))
+    schedule = schedule_module(spec.target)
+    target = tvm_target(spec.target)
+    if spec.op == "forward":
+        chunk = schedule.forward_chunk(spec.classes, target)
+        return schedule.forward(
+            compute.forward_func(spec.classes, spec.dtype, spec.variant, chunk), target)
+    return schedule.backward(compute.backward_func(spec.classes, spec.dtype, spec.variant), target)
 
 
 def compile_spec(spec: KernelSpec):

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import cache
+from . import bench, cache
 from .build import KernelSpec
 from .compute import DTYPES, REDUCTIONS, Variant
 from .targets import TARGETS
@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("action", choices=["list", "verify", "clear"])
     k.add_argument("--dir", help="a precompiled directory instead of the cache")
     k.set_defaults(func=cmd_cache)
+
+    bench.add_parser(sub)
 
     d = sub.add_parser("demo", help="compile for the CPU, run forward+backward, print a report")
     d.add_argument("--rows", type=int, default=4096)

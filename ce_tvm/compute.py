@@ -3,13 +3,16 @@
 Nothing here knows about targets, schedules or torch. Every stage has a stable
 name; those names are the contract schedules look blocks up by:
 
-forward (``forward_func``), per row ``n`` of ``x[N, C]``:
+forward (``forward_func``), per row ``n`` of ``x[N, C]``, the row cut into
+chunks ``k`` of ``chunk`` classes:
 
 =====================  =====================================================
-``ce_rowmax``          ``max_c x[n, c]``
-``ce_expsum``          ``sum_c exp(x[n, c] - rowmax[n])``
+``ce_chunk_max``       ``max_j x[n, kB + j]``
+``ce_chunk_expsum``    ``sum_j exp(x[n, kB + j] - chunk_max[n, k])``
+``ce_chunk_wxsum``     ``sum_j w[kB + j] x[n, kB + j]``
+``ce_chunk_wsum``      ``sum_j w[kB + j]``            (weighted only)
+``ce_rowstats``        the chunks merged: row max, exp-sum, sum w x (, sum w)
 ``lse``                ``rowmax + log(expsum)`` (output, accumulation dtype)
-``ce_wlogpsum``        ``sum_c w[c] * (x[n, c] - lse[n])`` (the smoothing term)
 ``ce_row_mask``        ``m[n]``
 ``ce_row_ce``          ``ce[n]`` (nll and smoothing terms of SPEC section 1)
 ``ce_row_z``           ``z[n]``
@@ -121,8 +124,38 @@ def _row_total(name, term, n_rows):
     return te.compute((1,), lambda _: te.sum(term[r], axis=r), name=f"ce_total_{name}")
 
 
-def forward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
+def _softmax_merge(n_outputs: int):
+    """Reducer merging per-chunk ``(max, sum exp(x - max), sums...)`` into a row's.
+
+    Exact regrouping of the row reductions (the online-softmax identity): the
+    partial exp-sums are rescaled to the common max; the other sums add.
+    Identity max is the most negative finite value, as ``te.max``'s is, so an
+    all ``-inf`` chunk merges without ``-inf - -inf``.
+    """
+
+    def combine(a, b):
+        m = tirx.max(a[0], b[0])
+
+        def rescaled(mi, si):
+            return tirx.Select(mi == m, si, si * fastmath.exp(mi - m))
+
+        return [m, rescaled(a[0], a[1]) + rescaled(b[0], b[1])] + [
+            ai + bi for ai, bi in zip(a[2:], b[2:])]
+
+    def identity(*dtypes):
+        return [tirx.min_value(dtypes[0])] + [tirx.const(0, t) for t in dtypes[1:]]
+
+    return te.comm_reducer(combine, identity, name=f"softmax_merge{n_outputs}")
+
+
+def forward_func(classes: int, dtype: str, variant: Variant,
+                 chunk: int | None = None) -> tirx.PrimFunc:
     """The fused forward of SPEC section 1 as a PrimFunc.
+
+    A row is reduced in ``classes // chunk`` chunks of ``chunk`` classes (one
+    chunk by default), merged exactly by ``_softmax_merge``: a target-free
+    regrouping that lets a schedule keep each chunk on chip between its max
+    and its exp-sum.
 
     Arguments, in order: ``x[N, C]`` (dtype), ``target[N]`` (int64),
     ``weight[C]`` (accumulation dtype, weighted variant only), ``ignore_index``,
@@ -144,17 +177,34 @@ def forward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
     def wc(c):
         return w[c] if w is not None else tirx.const(1.0, acc)
 
-    c1 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
-    rowmax = te.compute((n_rows,), lambda n: te.max(xf(n, c1), axis=c1), name="ce_rowmax")
-    c3 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
-    expsum = te.compute(
-        (n_rows,), lambda n: te.sum(fastmath.exp(xf(n, c3) - rowmax[n]), axis=c3), name="ce_expsum"
-    )
+    if chunk is None:
+        chunk = classes
+    if chunk < 1 or classes % chunk:
+        raise ValueError(f"chunk must divide C = {classes}, got {chunk}")
+
+    def per_chunk(name, reducer, body):
+        j = te.reduce_axis((_int64(0), _int64(chunk)), name="j")
+        return te.compute((n_rows, _int64(classes // chunk)),
+                          lambda n, k: reducer(body(n, k * _int64(chunk) + j, k), axis=j),
+                          name=f"ce_chunk_{name}")
+
+    cmax = per_chunk("max", te.max, lambda n, c, k: xf(n, c))
+    parts = [
+        cmax,
+        per_chunk("expsum", te.sum, lambda n, c, k: fastmath.exp(xf(n, c) - cmax[n, k])),
+        per_chunk("wxsum", te.sum, lambda n, c, k: wc(c) * xf(n, c)),
+    ]
+    if w is not None:
+        parts.append(per_chunk("wsum", te.sum, lambda n, c, k: w[c]))
+    k_axis = te.reduce_axis((_int64(0), _int64(classes // chunk)), name="k")
+    stats = te.compute(
+        (n_rows,), lambda n: _softmax_merge(len(parts))(
+            tuple(p[n, k_axis] for p in parts), axis=k_axis), name="ce_rowstats")
+    rowmax, expsum, wxsum = stats[0], stats[1], stats[2]
     lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name="lse")
-    c2 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
-    wlogpsum = te.compute(
-        (n_rows,), lambda n: te.sum(wc(c2) * (xf(n, c2) - lse[n]), axis=c2), name="ce_wlogpsum"
-    )
+
+    def total_weight(n):
+        return stats[3][n] if w is not None else tirx.const(float(classes), acc)
 
     def row(name, f):
         return te.compute((n_rows,), f, name=f"ce_row_{name}")
@@ -163,8 +213,9 @@ def forward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         return -wc(index(n)) * (xf(n, index(n)) - lse[n])
 
     def smoothing(n):
-        # Zero, not 0 * inf, when smoothing is off and a logit is -inf (a masked class).
-        term = eps / tirx.const(float(classes), acc) * -wlogpsum[n]
+        # -sum_c w[c] logp[n, c]; zero, not 0 * inf, when smoothing is off and a
+        # logit is -inf (a masked class).
+        term = eps / tirx.const(float(classes), acc) * -(wxsum[n] - lse[n] * total_weight(n))
         return tirx.Select(eps != tirx.const(0.0, acc), term, tirx.const(0.0, acc))
 
     one = tirx.const(1.0, acc)

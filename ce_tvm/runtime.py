@@ -24,18 +24,18 @@ _pool_configured = False
 def _configure_thread_pool() -> None:
     """One TVM worker per core this process may use, without pinning the caller.
 
-    TVM binds the calling thread to core 0 when it sizes its pool; torch's
-    threads created afterwards would inherit that and share one core. Unless
-    the user set ``TVM_BIND_THREADS``, binding is turned off.
+    TVM sizes its pool from ``TVM_NUM_THREADS`` when the pool is first used
+    (``runtime.config_threadpool`` does not reach the pool kernels run on, and
+    the default here is a single thread), and binds the calling thread to
+    core 0, which torch's threads created afterwards would inherit. Unless
+    the user set them, ``TVM_NUM_THREADS`` is the usable core count and
+    ``TVM_BIND_THREADS`` is 0.
     """
     global _pool_configured
-    if _pool_configured:
-        return
-    os.environ.setdefault("TVM_BIND_THREADS", "0")
-    if "TVM_NUM_THREADS" not in os.environ:
-        # mode 1: the big cores (all of them on a homogeneous CPU).
-        tvm.get_global_func("runtime.config_threadpool")(1, host_cores())
-    _pool_configured = True
+    if not _pool_configured:
+        os.environ.setdefault("TVM_NUM_THREADS", str(host_cores()))
+        os.environ.setdefault("TVM_BIND_THREADS", "0")
+        _pool_configured = True
 
 
 def kernel(spec: KernelSpec):

@@ -1,7 +1,8 @@
 """Per-target schedules of the ce_tvm compute (installed as ``ce_tvm.schedules``).
 
-Each module exposes ``forward(func, target, ...)`` and ``backward(func,
-target, ...)``, taking an unscheduled PrimFunc from ``ce_tvm.compute`` and
-returning it scheduled. Schedules know TVM primitives and the compute's stage
+Each module exposes ``forward_chunk(classes, target)`` (the chunk the
+forward compute should reduce a row in), ``forward(func, target, ...)`` and
+``backward(func, target, ...)``, taking an unscheduled PrimFunc from
+``ce_tvm.compute`` and returning it scheduled. Schedules know TVM primitives and the compute's stage
 names; they never know torch, the cache, or each other.
 """

@@ -8,8 +8,8 @@ Strategy, forward:
 1. Every reduction over a row (``ce_rowmax``, ``ce_expsum``, ``ce_wlogpsum``) is
    split by ``lanes`` and rfactored, so it runs as ``lanes`` independent
    vector accumulators (two native vectors: two dependency chains).
-2. The mask block is inlined (a block with no block producer would be
-   recomputed for every row by ``reverse_compute_at``). All per-row blocks move under the ``lse`` row loop (``compute_at`` for
+2. The mask and row-weight blocks are inlined (a block with no block
+   producer would be recomputed for every row by ``reverse_compute_at``). All per-row blocks move under the ``lse`` row loop (``compute_at`` for
    producers, ``reverse_compute_at`` for consumers), and that loop runs in
    parallel over the cores. A row is read from memory once by the first pass;
    the other passes over it hit the cache (a 32000-wide fp32 row is 128 KB).
@@ -47,10 +47,15 @@ from tvm.target.codegen import llvm_get_vector_width
 
 from ._common import existing_blocks, init_row_totals
 
-ROW_REDUCTIONS = ("ce_rowmax", "ce_expsum", "ce_wlogpsum")
-LSE_PRODUCERS = ROW_REDUCTIONS[:2]
-ROW_FORWARD_REST = ("ce_row_ce", "ce_row_z", "ce_row_weight", "log_prob",
-                    "ce_loss", "ce_zloss")
+CHUNK_REDUCTIONS = ("ce_chunk_max", "ce_chunk_expsum", "ce_chunk_wxsum", "ce_chunk_wsum")
+ROW_FORWARD_REST = ("lse", "ce_row_ce", "ce_row_z", "log_prob", "ce_loss", "ce_zloss")
+# Blocks inlined into their consumers: without a producer under the row loop,
+# reverse_compute_at would recompute them for every row of the batch.
+INLINED = ("ce_row_mask", "ce_row_weight", "ce_grad_mask")
+# Chunk of a row kept in L1 between its max and its exp-sum: at most 24 KB of
+# float32 (half the 48 KB L1d of Zen 4/5), at least 8 vectors of accumulators.
+MAX_CHUNK = 6144
+MIN_CHUNK_VECTORS = 8
 ROW_GRAD_COEFS = ("ce_grad_hot", "ce_grad_smooth", "ce_grad_pscale")
 
 
@@ -101,23 +106,22 @@ def _split_reduction(sch, name, lanes):
     block = sch.get_sblock(name)
     if lanes == 1:
         return [block]
-    _, c = sch.get_loops(block)
-    _, ci = sch.split(c, [None, lanes])
+    _, ci = sch.split(sch.get_loops(block)[-1], [None, lanes])
     return [sch.rfactor(ci, 0), block]
 
 
-def _vector_accumulators(sch, rf):
+def _vector_accumulators(sch, rf, outer: int):
     """Make the lanes loop of a placed rfactor block innermost and vectorised.
 
-    ``compute_at`` regenerates the loops in block-iter order (lanes, then the
-    chunk loop); the chunk loop is absent when ``C <= lanes``.
+    ``compute_at`` regenerates the loops under the ``outer`` enclosing ones in
+    block-iter order (lanes, then the vector-step loop, which is absent when
+    the reduction is one vector long).
     """
-    loops = sch.get_loops(rf)[1:]
+    loops = sch.get_loops(rf)[outer:]
     if len(loops) == 2:
         sch.reorder(loops[1], loops[0])
-    lanes_loop = sch.get_loops(rf)[-1]
-    sch.vectorize(lanes_loop)
-    sch.decompose_reduction(rf, sch.get_loops(rf)[1])
+    sch.vectorize(sch.get_loops(rf)[-1])
+    sch.decompose_reduction(rf, sch.get_loops(rf)[outer])
 
 
 def _vectorize_inner(sch, block, lanes):
@@ -129,25 +133,39 @@ def _vectorize_inner(sch, block, lanes):
     sch.vectorize(vec)
 
 
+def forward_chunk(classes: int, target: Target, knobs: CPUKnobs = CPUKnobs()) -> int:
+    """Chunk of the compute's row reduction: the largest multiple of the row's
+    vector width dividing ``C`` and at most ``MAX_CHUNK``; the whole row when
+    ``C`` has no such divisor (the row then makes two passes through L2)."""
+    lanes = row_lanes(classes, vector_lanes(target) * knobs.accumulators)
+    fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, min(classes, MAX_CHUNK) + 1, lanes)
+            if classes % b == 0]
+    return max(fits) if fits else classes
+
+
 def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """Schedule ``ce_tvm.compute.forward_func`` for ``target``; returns the scheduled PrimFunc."""
     sch = s_tir.Schedule(func)
-    sch.compute_inline(sch.get_sblock("ce_row_mask"))
-    lanes = row_lanes(_classes(func), vector_lanes(target) * knobs.accumulators)
-    stages = {name: _split_reduction(sch, name, lanes) for name in ROW_REDUCTIONS}
-    row = sch.get_loops(sch.get_sblock("lse"))[0]
-    for name in reversed(LSE_PRODUCERS):
+    for blk in existing_blocks(sch, INLINED):
+        sch.compute_inline(blk)
+    chunk = int(sch.get(sch.get_loops(sch.get_sblock("ce_chunk_max"))[-1]).extent)
+    lanes = row_lanes(chunk, vector_lanes(target) * knobs.accumulators)
+    names = [b for b in CHUNK_REDUCTIONS if _has_block(sch, b)]
+    stages = {name: _split_reduction(sch, name, lanes) for name in names}
+    row, chunk_loop = sch.get_loops(sch.get_sblock("ce_rowstats"))
+    for name in reversed(names):
         for blk in reversed(stages[name]):
-            sch.compute_at(blk, row)
-    for blk in stages["ce_wlogpsum"] + existing_blocks(sch, ROW_FORWARD_REST):
+            sch.compute_at(blk, chunk_loop)
+    for blk in existing_blocks(sch, ROW_FORWARD_REST):
         if _is_per_row(sch, blk):
             sch.reverse_compute_at(blk, row)
     sch.parallel(row)
     for blocks in stages.values():
         if len(blocks) == 2:
-            _vector_accumulators(sch, blocks[0])
+            _vector_accumulators(sch, blocks[0], outer=2)
     if _has_block(sch, "log_prob"):
-        _vectorize_inner(sch, sch.get_sblock("log_prob"), lanes)
+        _vectorize_inner(sch, sch.get_sblock("log_prob"), row_lanes(
+            _classes(func), vector_lanes(target) * knobs.accumulators))
     init_row_totals(sch)
     return sch.mod["main"]
 
@@ -155,7 +173,8 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """Schedule ``ce_tvm.compute.backward_func`` for ``target``; returns the scheduled PrimFunc."""
     sch = s_tir.Schedule(func)
-    sch.compute_inline(sch.get_sblock("ce_grad_mask"))
+    for blk in existing_blocks(sch, INLINED):
+        sch.compute_inline(blk)
     lanes = row_lanes(_classes(func), vector_lanes(target) * knobs.accumulators)
     grad = sch.get_sblock("x_grad")
     row = sch.get_loops(grad)[0]

@@ -1,0 +1,232 @@
+"""``ce-tvm bench``: ce_tvm against PyTorch eager and torch.compile in one run.
+
+For each shape x dtype x mode it times (min over repetitions after warm-up):
+
+- ``forward``: the loss only (``torch.no_grad``); ce_tvm also times the
+  seed-compatible ``cross_entropy_loss``, which writes ``log_prob``;
+- ``fwd_bwd``: ``loss = f(x, y); loss.backward()`` through autograd.
+
+Bandwidth probes in the same process (``x.sum()``, a copy of the same bytes)
+give the roofline; ce_tvm's achieved GB/s counts the bytes it must move
+(forward: read the logits once; forward+backward: read them twice, write the
+gradient once). Extra peak memory of one forward+backward beyond the inputs
+and the gradient is measured in a fresh process per method (peak RSS, reset
+through ``/proc/self/clear_refs``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .functional import cross_entropy_loss
+from .nn import cross_entropy
+from .pool import POOL
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_SHAPES = "4096x32000,8192x50257,2048x128256"
+
+
+@dataclass
+class Row:
+    shape: str
+    dtype: str
+    mode: str
+    ms: dict = field(default_factory=dict)       # method -> best milliseconds
+    probes_gbs: dict = field(default_factory=dict)
+    ce_tvm_gbs: float = 0.0
+    roofline_share: float = 0.0
+    extra_peak_mb: dict = field(default_factory=dict)
+
+
+def best_ms(fn, reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _inputs(n, c, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, generator=gen).to(DTYPES[dtype])
+    y = torch.randint(0, c, (n,), generator=gen)
+    y[::17] = -100
+    return x, y
+
+
+def _loss_fns(eps, with_compile):
+    fns = {"ce_tvm": lambda x, y: cross_entropy(x, y, label_smoothing=eps),
+           "eager": lambda x, y: F.cross_entropy(x, y, label_smoothing=eps)}
+    if with_compile:
+        compiled = torch.compile(F.cross_entropy, dynamic=False)
+        fns["compile"] = lambda x, y: compiled(x, y, label_smoothing=eps)
+    return fns
+
+
+def bench_shape(n, c, dtype, modes, reps, warmup, eps, with_compile) -> list[Row]:
+    torch._dynamo.reset()  # each shape compiles afresh instead of hitting the recompile limit
+    x, y = _inputs(n, c, dtype)
+    nbytes = x.numel() * x.element_size()
+    out = torch.empty_like(x)
+    probes = {"sum": nbytes / best_ms(lambda: x.sum(), reps, warmup) / 1e6,
+              "copy": 2 * nbytes / best_ms(lambda: out.copy_(x), reps, warmup) / 1e6}
+    del out
+    rows = []
+    fns = _loss_fns(eps, with_compile)
+    for mode in modes:
+        row = Row(f"{n}x{c}", dtype, mode, probes_gbs=probes)
+        if mode == "forward":
+            with torch.no_grad():
+                for name, fn in fns.items():
+                    row.ms[name] = best_ms(lambda: fn(x, y), reps, warmup)
+                row.ms["ce_tvm_seed"] = best_ms(
+                    lambda: cross_entropy_loss(x, y, label_smoothing=eps), reps, warmup)
+            row.ce_tvm_gbs = nbytes / row.ms["ce_tvm"] / 1e6
+            row.roofline_share = row.ce_tvm_gbs / probes["sum"]
+        else:
+            xg = x.clone().requires_grad_()
+
+            def step(fn):
+                fn(xg, y).backward()
+                xg.grad = None
+
+            for name, fn in fns.items():
+                row.ms[name] = best_ms(lambda: step(fn), reps, warmup)
+            row.ce_tvm_gbs = 3 * nbytes / row.ms["ce_tvm"] / 1e6
+            row.roofline_share = row.ce_tvm_gbs / probes["copy"]
+        rows.append(row)
+    return rows
+
+
+def peak_child(method: str, n: int, c: int, dtype: str, eps: float) -> float:
+    """Extra peak RSS (MB) of one forward+backward beyond inputs and gradient."""
+    fn = _loss_fns(eps, method == "compile")[method]
+    xs, ys = _inputs(64, c, dtype, seed=1)  # warm up: load kernels / compile
+    fn(xs.requires_grad_(), ys).backward()
+    x, y = _inputs(n, c, dtype)
+    x.requires_grad_()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _vm_kb("VmRSS")
+    fn(x, y).backward()
+    grad_kb = x.grad.numel() * x.grad.element_size() / 1024
+    return (_vm_kb("VmHWM") - before - grad_kb) / 1024
+
+
+def _vm_kb(field_name: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return float(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+def measure_peaks(n, c, dtype, eps, with_compile) -> dict:
+    peaks = {}
+    for method in ["ce_tvm", "eager"] + (["compile"] if with_compile else []):
+        code = (f"from ce_tvm.bench import peak_child; "
+                f"print(peak_child({method!r}, {n}, {c}, {dtype!r}, {eps}))")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        peaks[method] = float(done.stdout.split()[-1]) if done.returncode == 0 else float("nan")
+    return peaks
+
+
+def format_table(rows: list[Row]) -> str:
+    head = (f"| shape | dtype | mode | ce_tvm ms | eager ms | compile ms | x eager | x compile "
+            f"| ce_tvm GB/s | roofline | extra peak MB (ce_tvm / eager / compile) |\n"
+            f"|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        comp = r.ms.get("compile", float("nan"))
+        peak = " / ".join(f"{r.extra_peak_mb.get(m, float('nan')):.0f}"
+                          for m in ("ce_tvm", "eager", "compile")) if r.extra_peak_mb else ""
+        lines.append(
+            f"| {r.shape} | {r.dtype} | {r.mode} | {r.ms['ce_tvm']:.1f} | {r.ms['eager']:.1f} | "
+            f"{comp:.1f} | {r.ms['eager'] / r.ms['ce_tvm']:.2f} | {comp / r.ms['ce_tvm']:.2f} | "
+            f"{r.ce_tvm_gbs:.1f} | {100 * r.roofline_share:.0f}% | {peak} |")
+        if r.mode == "forward":
+            lines.append(
+                f"| {r.shape} | {r.dtype} | forward, seed API (writes log_prob) | "
+                f"{r.ms['ce_tvm_seed']:.1f} | {r.ms['eager']:.1f} | {comp:.1f} | "
+                f"{r.ms['eager'] / r.ms['ce_tvm_seed']:.2f} | {comp / r.ms['ce_tvm_seed']:.2f} "
+                f"| | | |")
+    return head + "\n".join(lines)
+
+
+def draw_chart(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = ["ce_tvm", "eager", "compile"]
+    labels = [f"{r.shape}\n{r.dtype}\n{r.mode}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        ax.bar([k + i * width for k in range(len(rows))],
+               [r.ms.get(m, 0.0) for r in rows], width, label=m)
+    ax.set_xticks([k + width for k in range(len(rows))], labels, fontsize=7)
+    ax.set_ylabel("ms (lower is better)")
+    ax.set_title(f"cross entropy, {torch.get_num_threads()} threads, label smoothing")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    modes = args.modes.split(",")
+    rows = []
+    for n, c in shapes:
+        for dtype in args.dtypes.split(","):
+            print(f"bench {n}x{c} {dtype} ...", file=sys.stderr, flush=True)
+            new = bench_shape(n, c, dtype, modes, args.reps, args.warmup, args.label_smoothing,
+                              not args.no_compile)
+            if args.memory:
+                peaks = measure_peaks(n, c, dtype, args.label_smoothing, not args.no_compile)
+                for r in new:
+                    if r.mode == "fwd_bwd":
+                        r.extra_peak_mb = peaks
+            rows.extend(new)
+    table = format_table(rows)
+    print(table)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "pool_bytes": POOL.max_bytes, "label_smoothing": args.label_smoothing,
+            "command": " ".join(sys.argv)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if args.png:
+        draw_chart(rows, args.png)
+    return 0
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="time ce_tvm against PyTorch eager and torch.compile")
+    b.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxC[,NxC...]")
+    b.add_argument("--dtypes", default="float32,bfloat16")
+    b.add_argument("--modes", default="forward,fwd_bwd")
+    b.add_argument("--reps", type=int, default=5)
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--threads", type=int, default=0, help="torch and TVM threads (default: all)")
+    b.add_argument("--label-smoothing", type=float, default=0.1)
+    b.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    b.add_argument("--memory", action="store_true", help="measure extra peak memory too")
+    b.add_argument("--json", help="write the results here")
+    b.add_argument("--png", help="draw a bar chart here (needs matplotlib)")
+    b.set_defaults(func=run)
