@@ -34,6 +34,7 @@ class KernelSpec:
     classes: int
     variant: compute.Variant = field(default_factory=compute.Variant)
     target: str = "llvm"
+    options: tuple = ()  # schedule options as sorted (name, value) pairs, e.g. the ascend profile
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -50,7 +51,8 @@ class KernelSpec:
             tag = tag.rsplit("-", 1)[0]
         else:  # nor does log_prob the backward
             tag = tag.replace("-lp-", "-").replace("-nolp-", "-")
-        return f"{self.target}-{self.op}-{self.dtype}-C{self.classes}-{tag}"
+        opts = "".join(f"-{v}" for _, v in self.options)
+        return f"{self.target}{opts}-{self.op}-{self.dtype}-C{self.classes}-{tag}"
 
     def key(self) -> dict:
         """Everything the generated code depends on, as a JSON-able dict."""
@@ -62,6 +64,7 @@ class KernelSpec:
             "dtype": self.dtype,
             "classes": self.classes,
             "variant": self.stem(),
+            "options": [list(kv) for kv in self.options],
             "code": _code_fingerprint(self.target),
         }
 
@@ -98,11 +101,13 @@ def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     """The compute of ``spec`` with its target's schedule applied."""
     schedule = schedule_module(spec.target)
     target = tvm_target(spec.target)
+    options = dict(spec.options)
     if spec.op == "forward":
-        chunk = schedule.forward_chunk(spec.classes, target)
-        return schedule.forward(
-            compute.forward_func(spec.classes, spec.dtype, spec.variant, chunk), target)
-    return schedule.backward(compute.backward_func(spec.classes, spec.dtype, spec.variant), target)
+        chunk = schedule.forward_chunk(spec.classes, spec.dtype, target, **options)
+        func = compute.forward_func(spec.classes, spec.dtype, spec.variant, chunk)
+        return schedule.forward(func, target, **options)
+    func = compute.backward_func(spec.classes, spec.dtype, spec.variant)
+    return schedule.backward(func, target, **options)
 
 
 def compile_spec(spec: KernelSpec):

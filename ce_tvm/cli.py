@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -14,17 +15,18 @@ from .compute import DTYPES, REDUCTIONS, Variant
 from .targets import TARGETS
 
 
-def all_specs(target: str, dtype: str, classes: int) -> list[KernelSpec]:
+def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> list[KernelSpec]:
     """Every forward and backward variant for one (target, dtype, C)."""
-    fwd = [KernelSpec("forward", dtype, classes, Variant(r, w, lp), target)
+    fwd = [KernelSpec("forward", dtype, classes, Variant(r, w, lp), target, options)
            for r, w, lp in itertools.product(REDUCTIONS, (False, True), (True, False))]
-    bwd = [KernelSpec("backward", dtype, classes, Variant(r, w, grad_source=src), target)
+    bwd = [KernelSpec("backward", dtype, classes, Variant(r, w, grad_source=src), target, options)
            for r, w, src in itertools.product(REDUCTIONS, (False, True), ("log_prob", "logits"))]
     return fwd + bwd
 
 
 def cmd_compile(args) -> int:
-    specs = all_specs(args.target, args.dtype, args.classes)
+    options = (("profile", args.profile),) if args.target == "ascend" else ()
+    specs = all_specs(args.target, args.dtype, args.classes, options)
     out = Path(args.out) if args.out else None
     t0 = time.perf_counter()
     for spec in specs:
@@ -62,6 +64,28 @@ def cmd_cache(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_plan(args) -> int:
+    from .schedules import ascend
+
+    p = ascend.plan(args.profile, args.rows, args.classes, args.dtype, args.op)
+    est = ascend.cost(p)
+    if args.json:
+        print(json.dumps({"plan": p.as_dict(), "cost": est}, indent=1))
+        return 0
+    front = p.rows_per_core
+    print(f"Ascend {p.profile} plan: {args.op}, N={p.rows} C={p.classes} {p.dtype}")
+    print(f"  block_dim {p.block_dim}; rows per core {front[0]} x {front.count(front[0])}"
+          + (f", {front[-1]} x {front.count(front[-1])}" if front[-1] != front[0] else ""))
+    print(f"  chunk {p.chunk} elements x {p.tiles} tiles; UB {p.ub_bytes} of "
+          f"{ascend.PROFILES[p.profile].ub_bytes} bytes; buffers {p.buffers}; "
+          f"passes over the logits {p.passes}")
+    print("  cost model          reads  writes    MB moved   memory us   vector us    total us")
+    for name, e in est.items():
+        print(f"  {name:<18}{e['reads']:>6}{e['writes']:>8}{e['bytes_moved'] / 1e6:>12.1f}"
+              f"{e['memory_us']:>12.1f}{e['vector_us']:>12.1f}{e['time_us']:>12.1f}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -78,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=[d for d in DTYPES], default="float32")
     c.add_argument("--classes", type=int, required=True)
     c.add_argument("--out", help="write a precompiled directory here instead of the cache")
+    c.add_argument("--profile", default="910b", help="Ascend profile (--target ascend)")
     c.set_defaults(func=cmd_compile)
 
     k = sub.add_parser("cache", help="list, verify or clear compiled modules")
@@ -86,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_cache)
 
     bench.add_parser(sub)
+
+    pl = sub.add_parser("plan", help="Ascend tiling plan and cost model")
+    pl.add_argument("--profile", default="910b")
+    pl.add_argument("--classes", type=int, required=True)
+    pl.add_argument("--rows", type=int, required=True)
+    pl.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    pl.add_argument("--op", choices=["forward", "backward"], default="forward")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
 
     d = sub.add_parser("demo", help="compile for the CPU, run forward+backward, print a report")
     d.add_argument("--rows", type=int, default=4096)

@@ -152,10 +152,10 @@ def forward_func(classes: int, dtype: str, variant: Variant,
                  chunk: int | None = None) -> tirx.PrimFunc:
     """The fused forward of SPEC section 1 as a PrimFunc.
 
-    A row is reduced in ``classes // chunk`` chunks of ``chunk`` classes (one
-    chunk by default), merged exactly by ``_softmax_merge``: a target-free
-    regrouping that lets a schedule keep each chunk on chip between its max
-    and its exp-sum.
+    A row is reduced in ``ceil(C / chunk)`` chunks of ``chunk`` classes (one
+    chunk by default; past ``C`` the last chunk holds identities), merged
+    exactly by ``_softmax_merge``: a target-free regrouping that lets a
+    schedule keep each chunk on chip between its max and its exp-sum.
 
     Arguments, in order: ``x[N, C]`` (dtype), ``target[N]`` (int64),
     ``weight[C]`` (accumulation dtype, weighted variant only), ``ignore_index``,
@@ -177,26 +177,38 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     def wc(c):
         return w[c] if w is not None else tirx.const(1.0, acc)
 
-    if chunk is None:
-        chunk = classes
-    if chunk < 1 or classes % chunk:
-        raise ValueError(f"chunk must divide C = {classes}, got {chunk}")
+    chunk = classes if chunk is None else min(chunk, classes)
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    n_chunks = -(-classes // chunk)
 
-    def per_chunk(name, reducer, body):
+    def inside(c):
+        # The last chunk may run past C: those lanes are the identity of each sum/max.
+        return None if classes % chunk == 0 else c < _int64(classes)
+
+    def per_chunk(name, reducer, pad, body):
         j = te.reduce_axis((_int64(0), _int64(chunk)), name="j")
-        return te.compute((n_rows, _int64(classes // chunk)),
-                          lambda n, k: reducer(body(n, k * _int64(chunk) + j, k), axis=j),
-                          name=f"ce_chunk_{name}")
 
-    cmax = per_chunk("max", te.max, lambda n, c, k: xf(n, c))
+        def value(n, k):
+            c = k * _int64(chunk) + j
+            ok = inside(c)
+            if ok is None:
+                return reducer(body(n, c, k), axis=j)
+            safe = tirx.min(c, _int64(classes - 1))
+            return reducer(tirx.Select(ok, body(n, safe, k), pad), axis=j)
+
+        return te.compute((n_rows, _int64(n_chunks)), value, name=f"ce_chunk_{name}")
+
+    zero, lowest = tirx.const(0.0, acc), tirx.min_value(acc)
+    cmax = per_chunk("max", te.max, lowest, lambda n, c, k: xf(n, c))
     parts = [
         cmax,
-        per_chunk("expsum", te.sum, lambda n, c, k: fastmath.exp(xf(n, c) - cmax[n, k])),
-        per_chunk("wxsum", te.sum, lambda n, c, k: wc(c) * xf(n, c)),
+        per_chunk("expsum", te.sum, zero, lambda n, c, k: fastmath.exp(xf(n, c) - cmax[n, k])),
+        per_chunk("wxsum", te.sum, zero, lambda n, c, k: wc(c) * xf(n, c)),
     ]
     if w is not None:
-        parts.append(per_chunk("wsum", te.sum, lambda n, c, k: w[c]))
-    k_axis = te.reduce_axis((_int64(0), _int64(classes // chunk)), name="k")
+        parts.append(per_chunk("wsum", te.sum, zero, lambda n, c, k: w[c]))
+    k_axis = te.reduce_axis((_int64(0), _int64(n_chunks)), name="k")
     stats = te.compute(
         (n_rows,), lambda n: _softmax_merge(len(parts))(
             tuple(p[n, k_axis] for p in parts), axis=k_axis), name="ce_rowstats")

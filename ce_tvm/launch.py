@@ -31,7 +31,8 @@ class ForwardOutputs:
 
 
 def _spec(op, x, variant) -> KernelSpec:
-    return KernelSpec(op, storage_dtype(x, "input"), x.shape[1], variant, supported_device(x))
+    target, options = supported_device(x)
+    return KernelSpec(op, storage_dtype(x, "input"), x.shape[1], variant, target, options)
 
 
 def forward(x, y, w, reduction, ignore_index, label_smoothing, zloss_scale, *,

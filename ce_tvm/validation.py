@@ -15,6 +15,7 @@ import numbers
 import torch
 
 from .compute import REDUCTIONS
+from .targets import cpu_schedule
 
 FLOAT_DTYPES = {
     torch.float32: "float32",
@@ -153,8 +154,8 @@ def lse_vector(t, n: int, like: torch.Tensor) -> torch.Tensor:
     return t.to(accum_torch_dtype(like)).contiguous()
 
 
-def supported_device(x: torch.Tensor) -> str:
-    """The ce_tvm target name for the device of ``x``."""
+def supported_device(x: torch.Tensor) -> tuple:
+    """``(target name, schedule options)`` for the device of ``x``."""
     if x.device.type == "cpu":
-        return "llvm"
+        return cpu_schedule()
     raise ValueError(f"ce_tvm has no kernels for device {x.device} yet (supported: cpu)")

@@ -1,8 +1,9 @@
 """Per-target schedules of the ce_tvm compute (installed as ``ce_tvm.schedules``).
 
-Each module exposes ``forward_chunk(classes, target)`` (the chunk the
-forward compute should reduce a row in), ``forward(func, target, ...)`` and
-``backward(func, target, ...)``, taking an unscheduled PrimFunc from
-``ce_tvm.compute`` and returning it scheduled. Schedules know TVM primitives and the compute's stage
+Each module exposes ``forward_chunk(classes, dtype, target, **options)``
+(the chunk the forward compute should reduce a row in), ``forward(func,
+target, **options)`` and ``backward(func, target, **options)``, taking an
+unscheduled PrimFunc from ``ce_tvm.compute`` and returning it scheduled.
+``options`` are the schedule's own (the ascend profile, say). Schedules know TVM primitives and the compute's stage
 names; they never know torch, the cache, or each other.
 """

@@ -1,8 +1,16 @@
-"""Schedule steps every target needs, whatever its layout (not a target itself)."""
+"""Stage names and schedule steps shared by the target schedules (not a target itself)."""
 
 from __future__ import annotations
 
+from tvm import tirx
+
 ROW_TOTALS = ("ce_total_ce", "ce_total_z", "ce_total_weight", "ce_total_count")
+CHUNK_REDUCTIONS = ("ce_chunk_max", "ce_chunk_expsum", "ce_chunk_wxsum", "ce_chunk_wsum")
+ROW_FORWARD_REST = ("lse", "ce_row_ce", "ce_row_z", "log_prob", "ce_loss", "ce_zloss")
+# Blocks inlined into their consumers: without a producer under the row loop,
+# reverse_compute_at would recompute them for every row of the batch.
+INLINED = ("ce_row_mask", "ce_row_weight", "ce_grad_mask")
+ROW_GRAD_COEFS = ("ce_grad_hot", "ce_grad_smooth", "ce_grad_pscale")
 
 
 def existing_blocks(sch, names):
@@ -24,3 +32,59 @@ def init_row_totals(sch) -> None:
     """
     for block in existing_blocks(sch, ROW_TOTALS):
         sch.decompose_reduction(block, sch.get_loops(block)[-1])
+
+
+def row_lanes(classes: int, max_lanes: int) -> int:
+    """The largest divisor of ``classes`` that is at most ``max_lanes``."""
+    return max(d for d in range(1, min(classes, max_lanes) + 1) if classes % d == 0)
+
+
+def classes_of(func) -> int:
+    """C of a compute function: the static extent of its 2-D ``[N, C]`` input."""
+    return next(int(p.shape[1]) for p in func.params if len(getattr(p, "shape", ())) == 2)
+
+
+def has_block(sch, name) -> bool:
+    return bool(existing_blocks(sch, [name]))
+
+
+def is_per_row(sch, block) -> bool:
+    """True when ``block`` iterates over rows (``ce_loss`` of sum/mean is a single value)."""
+    extent = sch.get(sch.get_loops(block)[0]).extent
+    return not (isinstance(extent, tirx.IntImm) and extent.value == 1)
+
+
+def split_reduction(sch, name, lanes):
+    """Blocks of row reduction ``name``, producer first: ``[rfactor, final]``, or ``[block]``.
+
+    The rfactor block holds ``lanes`` partial results per row (vector
+    accumulators); with ``lanes == 1`` there is nothing to split.
+    """
+    block = sch.get_sblock(name)
+    if lanes == 1:
+        return [block]
+    _, ci = sch.split(sch.get_loops(block)[-1], [None, lanes])
+    return [sch.rfactor(ci, 0), block]
+
+
+def vector_accumulators(sch, rf, outer: int):
+    """Make the lanes loop of a placed rfactor block innermost and vectorised.
+
+    ``compute_at`` regenerates the loops under the ``outer`` enclosing ones in
+    block-iter order (lanes, then the vector-step loop, which is absent when
+    the reduction is one vector long).
+    """
+    loops = sch.get_loops(rf)[outer:]
+    if len(loops) == 2:
+        sch.reorder(loops[1], loops[0])
+    sch.vectorize(sch.get_loops(rf)[-1])
+    sch.decompose_reduction(rf, sch.get_loops(rf)[outer])
+
+
+def vectorize_inner(sch, block, lanes):
+    """Split the innermost loop of ``block`` by ``lanes`` and vectorise the inner part."""
+    if lanes == 1:
+        return
+    inner = sch.get_loops(block)[-1]
+    _, vec = sch.split(inner, [None, lanes])
+    sch.vectorize(vec)

@@ -45,18 +45,26 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
-from ._common import existing_blocks, init_row_totals
+from ._common import (
+    CHUNK_REDUCTIONS,
+    INLINED,
+    ROW_FORWARD_REST,
+    ROW_GRAD_COEFS,
+    classes_of,
+    existing_blocks,
+    has_block,
+    init_row_totals,
+    is_per_row,
+    row_lanes,
+    split_reduction,
+    vector_accumulators,
+    vectorize_inner,
+)
 
-CHUNK_REDUCTIONS = ("ce_chunk_max", "ce_chunk_expsum", "ce_chunk_wxsum", "ce_chunk_wsum")
-ROW_FORWARD_REST = ("lse", "ce_row_ce", "ce_row_z", "log_prob", "ce_loss", "ce_zloss")
-# Blocks inlined into their consumers: without a producer under the row loop,
-# reverse_compute_at would recompute them for every row of the batch.
-INLINED = ("ce_row_mask", "ce_row_weight", "ce_grad_mask")
 # Chunk of a row kept in L1 between its max and its exp-sum: at most 24 KB of
 # float32 (half the 48 KB L1d of Zen 4/5), at least 8 vectors of accumulators.
 MAX_CHUNK = 6144
 MIN_CHUNK_VECTORS = 8
-ROW_GRAD_COEFS = ("ce_grad_hot", "ce_grad_smooth", "ce_grad_pscale")
 
 
 @dataclass(frozen=True)
@@ -65,11 +73,9 @@ class CPUKnobs:
 
     ``accumulators``: vector accumulators per row reduction; 2 hides the
     4-cycle FP add latency behind a second chain (measured on znver4/5).
-    ``unroll``: explicit unroll of the element loop (0 lets LLVM decide).
     """
 
     accumulators: int = 2
-    unroll: int = 0
 
 
 def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
@@ -77,66 +83,11 @@ def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
     return max(1, llvm_get_vector_width(target) // (8 * elem_bytes))
 
 
-def row_lanes(classes: int, max_lanes: int) -> int:
-    """The largest divisor of ``classes`` that is at most ``max_lanes``."""
-    return max(d for d in range(1, min(classes, max_lanes) + 1) if classes % d == 0)
-
-
-def _classes(func) -> int:
-    """C of a compute function: the static extent of its 2-D ``[N, C]`` input."""
-    return next(int(p.shape[1]) for p in func.params if len(getattr(p, "shape", ())) == 2)
-
-
-def _has_block(sch, name) -> bool:
-    return bool(existing_blocks(sch, [name]))
-
-
-def _is_per_row(sch, block) -> bool:
-    """True when ``block`` iterates over rows (``ce_loss`` of sum/mean is a single value)."""
-    extent = sch.get(sch.get_loops(block)[0]).extent
-    return not (isinstance(extent, tirx.IntImm) and extent.value == 1)
-
-
-def _split_reduction(sch, name, lanes):
-    """Blocks of row reduction ``name``, producer first: ``[rfactor, final]``, or ``[block]``.
-
-    The rfactor block holds ``lanes`` partial results per row (vector
-    accumulators); with ``lanes == 1`` there is nothing to split.
-    """
-    block = sch.get_sblock(name)
-    if lanes == 1:
-        return [block]
-    _, ci = sch.split(sch.get_loops(block)[-1], [None, lanes])
-    return [sch.rfactor(ci, 0), block]
-
-
-def _vector_accumulators(sch, rf, outer: int):
-    """Make the lanes loop of a placed rfactor block innermost and vectorised.
-
-    ``compute_at`` regenerates the loops under the ``outer`` enclosing ones in
-    block-iter order (lanes, then the vector-step loop, which is absent when
-    the reduction is one vector long).
-    """
-    loops = sch.get_loops(rf)[outer:]
-    if len(loops) == 2:
-        sch.reorder(loops[1], loops[0])
-    sch.vectorize(sch.get_loops(rf)[-1])
-    sch.decompose_reduction(rf, sch.get_loops(rf)[outer])
-
-
-def _vectorize_inner(sch, block, lanes):
-    """Split the innermost loop of ``block`` by ``lanes`` and vectorise the inner part."""
-    if lanes == 1:
-        return
-    inner = sch.get_loops(block)[-1]
-    _, vec = sch.split(inner, [None, lanes])
-    sch.vectorize(vec)
-
-
-def forward_chunk(classes: int, target: Target, knobs: CPUKnobs = CPUKnobs()) -> int:
+def forward_chunk(classes: int, dtype: str, target: Target, knobs: CPUKnobs = CPUKnobs()) -> int:
     """Chunk of the compute's row reduction: the largest multiple of the row's
     vector width dividing ``C`` and at most ``MAX_CHUNK``; the whole row when
-    ``C`` has no such divisor (the row then makes two passes through L2)."""
+    ``C`` has no such divisor (the row then makes two passes through L2).
+    ``dtype`` does not matter here: the float32 accumulators size the chunk."""
     lanes = row_lanes(classes, vector_lanes(target) * knobs.accumulators)
     fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, min(classes, MAX_CHUNK) + 1, lanes)
             if classes % b == 0]
@@ -150,22 +101,22 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
         sch.compute_inline(blk)
     chunk = int(sch.get(sch.get_loops(sch.get_sblock("ce_chunk_max"))[-1]).extent)
     lanes = row_lanes(chunk, vector_lanes(target) * knobs.accumulators)
-    names = [b for b in CHUNK_REDUCTIONS if _has_block(sch, b)]
-    stages = {name: _split_reduction(sch, name, lanes) for name in names}
+    names = [b for b in CHUNK_REDUCTIONS if has_block(sch, b)]
+    stages = {name: split_reduction(sch, name, lanes) for name in names}
     row, chunk_loop = sch.get_loops(sch.get_sblock("ce_rowstats"))
     for name in reversed(names):
         for blk in reversed(stages[name]):
             sch.compute_at(blk, chunk_loop)
     for blk in existing_blocks(sch, ROW_FORWARD_REST):
-        if _is_per_row(sch, blk):
+        if is_per_row(sch, blk):
             sch.reverse_compute_at(blk, row)
     sch.parallel(row)
     for blocks in stages.values():
         if len(blocks) == 2:
-            _vector_accumulators(sch, blocks[0], outer=2)
-    if _has_block(sch, "log_prob"):
-        _vectorize_inner(sch, sch.get_sblock("log_prob"), row_lanes(
-            _classes(func), vector_lanes(target) * knobs.accumulators))
+            vector_accumulators(sch, blocks[0], outer=2)
+    if has_block(sch, "log_prob"):
+        vectorize_inner(sch, sch.get_sblock("log_prob"), row_lanes(
+            classes_of(func), vector_lanes(target) * knobs.accumulators))
     init_row_totals(sch)
     return sch.mod["main"]
 
@@ -175,12 +126,12 @@ def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     sch = s_tir.Schedule(func)
     for blk in existing_blocks(sch, INLINED):
         sch.compute_inline(blk)
-    lanes = row_lanes(_classes(func), vector_lanes(target) * knobs.accumulators)
+    lanes = row_lanes(classes_of(func), vector_lanes(target) * knobs.accumulators)
     grad = sch.get_sblock("x_grad")
     row = sch.get_loops(grad)[0]
     for blk in reversed(existing_blocks(sch, ROW_GRAD_COEFS)):
         sch.compute_at(blk, row)
-    _vectorize_inner(sch, grad, lanes)
+    vectorize_inner(sch, grad, lanes)
     sch.parallel(row)
     init_row_totals(sch)
     return sch.mod["main"]

@@ -1,0 +1,94 @@
+"""The Ascend-style tiled schedule: plans that fit, numerics through LLVM, the CLI."""
+
+import json
+import itertools
+
+import pytest
+import torch
+
+import ce_tvm
+from ce_tvm.schedules import ascend
+from checks import Case, check_once
+from processes import CLI, run
+
+CLASSES = [1, 2, 3, 7, 17, 31, 64, 127, 1000, 4096, 8191, 32000, 65536, 131071, 151936,
+           262144, 524287, 1048576]  # primes, powers of two, real vocabularies
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+@pytest.mark.parametrize("profile", sorted(ascend.PROFILES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["forward", "backward"])
+def test_plans_fit_and_cover_every_row(profile, dtype, op):
+    prof = ascend.PROFILES[profile]
+    esize = ascend.DTYPE_BYTES[dtype]
+    for classes, rows in itertools.product(CLASSES, [0, 1, 47, 48, 49, 8192]):
+        p = ascend.plan(profile, rows, classes, dtype, op)
+        where = f"{profile} {dtype} {op} C={classes} N={rows}"
+        assert p.ub_bytes <= prof.ub_bytes, where
+        assert p.ub_bytes == ascend.ub_bytes(prof, p.chunk, dtype, op, p.buffers), where
+        assert p.chunk == classes or (p.chunk * esize) % prof.ub_align == 0, where
+        assert p.tiles == -(-classes // p.chunk) and p.buffers in (1, 2), where
+        assert sum(p.rows_per_core) == rows and len(p.rows_per_core) == p.block_dim, where
+        assert p.block_dim <= prof.vector_cores, where
+        assert max(p.rows_per_core) - min(p.rows_per_core) <= 1, where
+        assert p.passes <= 2 and (p.passes == 1) == (p.tiles == 1 or op == "backward"), where
+
+
+def test_cost_model_against_the_vendor_tiling():
+    p = ascend.plan("910b", 8192, 151936, "bfloat16")
+    est = ascend.cost(p)
+    assert (est["ce_tvm"]["reads"], est["vendor"]["reads"]) == (2, 3)
+    assert est["ce_tvm"]["bytes_moved"] == 3 * 8192 * 151936 * 2
+    assert est["ce_tvm"]["time_us"] < est["vendor"]["time_us"]
+    whole_row = ascend.cost(ascend.plan("910b", 8192, 4096, "bfloat16"))
+    assert whole_row["ce_tvm"]["reads"] == 1
+
+
+# One tile (the row fits the UB), several tiles, and a prime C whose last tile is partial.
+NUMERIC_C = [1000, 32000, 20011]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("classes", NUMERIC_C)
+def test_numerics_against_reference(classes, dtype):
+    with ce_tvm.schedule("ascend", profile="910b"):
+        check_once(Case(50, classes, dtype, "mean", weighted=True, ignore=True,
+                        label_smoothing=0.1, zloss_scale=1e-3))
+
+
+def test_other_profile_and_autograd_path():
+    x = torch.randn(60, 20011, requires_grad=True)
+    y = torch.randint(0, 20011, (60,))
+    with ce_tvm.schedule("ascend", profile="950"):
+        check_once(Case(7, 20011, torch.float32, "none", label_smoothing=0.1))
+        loss = ce_tvm.cross_entropy(x, y, label_smoothing=0.1)
+        loss.backward()
+    xr = x.detach().clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(xr, y, label_smoothing=0.1)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_unknown_schedule_and_profile_are_rejected():
+    with pytest.raises(ValueError, match="'llvm' or 'ascend'"):
+        with ce_tvm.schedule("tpu"):
+            pass
+    with pytest.raises(ValueError, match="unknown Ascend profile"):
+        with ce_tvm.schedule("ascend", profile="310p"):
+            ce_tvm.cross_entropy_loss(torch.randn(2, 3), torch.tensor([0, 1]))
+
+
+def test_plan_and_compile_cli(tmp_path):
+    out = run([CLI, "plan", "--profile", "910b", "--classes", "151936", "--rows", "8192",
+               "--dtype", "bfloat16", "--json"])
+    data = json.loads(out)
+    assert data["plan"]["passes"] == 2 and data["cost"]["vendor"]["reads"] == 3
+    text = run([CLI, "plan", "--profile", "950", "--classes", "4096", "--rows", "64",
+                "--dtype", "float16"])
+    assert "passes over the logits 1" in text
+    built = run([CLI, "compile", "--target", "ascend", "--profile", "950", "--dtype", "bfloat16",
+                 "--classes", "3000", "--out", tmp_path / "mods"])
+    assert "24 kernels" in built
+    assert all("ascend-950-" in p.name for p in (tmp_path / "mods").glob("*.so"))
