@@ -153,7 +153,8 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     """The fused forward of SPEC section 1 as a PrimFunc.
 
     A row is reduced in ``ceil(C / chunk)`` chunks of ``chunk`` classes (one
-    chunk by default; past ``C`` the last chunk holds identities), merged
+    chunk by default; the last one ends at ``C``, its overlap with the one
+    before counting as identities), merged
     exactly by ``_softmax_merge``: a target-free regrouping that lets a
     schedule keep each chunk on chip between its max and its exp-sum.
 
@@ -182,20 +183,19 @@ def forward_func(classes: int, dtype: str, variant: Variant,
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     n_chunks = -(-classes // chunk)
 
-    def inside(c):
-        # The last chunk may run past C: those lanes are the identity of each sum/max.
-        return None if classes % chunk == 0 else c < _int64(classes)
-
     def per_chunk(name, reducer, pad, body):
         j = te.reduce_axis((_int64(0), _int64(chunk)), name="j")
 
         def value(n, k):
-            c = k * _int64(chunk) + j
-            ok = inside(c)
-            if ok is None:
-                return reducer(body(n, c, k), axis=j)
-            safe = tirx.min(c, _int64(classes - 1))
-            return reducer(tirx.Select(ok, body(n, safe, k), pad), axis=j)
+            if classes % chunk == 0:
+                return reducer(body(n, k * _int64(chunk) + j, k), axis=j)
+            # The last chunk ends at C, overlapping the one before it; the
+            # overlap counts as the identity. Indices stay in the row and
+            # contiguous in j (no gather, no read past the row).
+            start = tirx.min(k * _int64(chunk), _int64(classes - chunk))
+            overlap = (k * _int64(chunk) - start).astype("int32")
+            fresh = j.astype("int32") >= overlap
+            return reducer(tirx.Select(fresh, body(n, start + j, k), pad), axis=j)
 
         return te.compute((n_rows, _int64(n_chunks)), value, name=f"ce_chunk_{name}")
 

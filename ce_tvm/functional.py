@@ -23,7 +23,7 @@ def cross_entropy_loss(input, target, weight=None, reduction="mean", ignore_inde
     non-zero or ``return_zloss``. All in the dtype of ``input``.
     """
     x = check.logits(input)
-    check.supported_device(x)
+    check.check_device(x)
     red = check.reduction(reduction)
     ii = check.ignore_index(ignore_index)
     eps = check.label_smoothing(label_smoothing)
@@ -50,7 +50,7 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, grad_zloss
     ``x_grad [N, C]`` in the dtype of ``log_prob``.
     """
     lp = check.logits(log_prob, "log_prob")
-    check.supported_device(lp)
+    check.check_device(lp)
     red = check.reduction(reduction)
     ii = check.ignore_index(ignore_index)
     eps = check.label_smoothing(label_smoothing)

@@ -16,7 +16,7 @@ from . import pool
 from .build import KernelSpec
 from .compute import Variant
 from .runtime import kernel
-from .validation import accum_torch_dtype, storage_dtype, supported_device
+from .validation import accum_torch_dtype, storage_dtype, target_for
 
 
 @dataclass
@@ -31,7 +31,7 @@ class ForwardOutputs:
 
 
 def _spec(op, x, variant) -> KernelSpec:
-    target, options = supported_device(x)
+    target, options = target_for(x)
     return KernelSpec(op, storage_dtype(x, "input"), x.shape[1], variant, target, options)
 
 

@@ -46,7 +46,7 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     """
     x, y, unflatten = _flatten(input, target)
     x = check.logits(x)
-    check.supported_device(x)
+    check.check_device(x)
     if y.dtype not in check.TARGET_DTYPES:
         raise TypeError(f"target must be int64 or int32 class indices, got {y.dtype}")
     if tuple(y.shape) != (x.shape[0],):

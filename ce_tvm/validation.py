@@ -154,8 +154,13 @@ def lse_vector(t, n: int, like: torch.Tensor) -> torch.Tensor:
     return t.to(accum_torch_dtype(like)).contiguous()
 
 
-def supported_device(x: torch.Tensor) -> tuple:
-    """``(target name, schedule options)`` for the device of ``x``."""
-    if x.device.type == "cpu":
-        return cpu_schedule()
-    raise ValueError(f"ce_tvm has no kernels for device {x.device} yet (supported: cpu)")
+def check_device(x: torch.Tensor) -> None:
+    """Raise unless ce_tvm has kernels for the device of ``x`` (traceable by dynamo)."""
+    if x.device.type != "cpu":
+        raise ValueError(f"ce_tvm has no kernels for device {x.device} yet (supported: cpu)")
+
+
+def target_for(x: torch.Tensor) -> tuple:
+    """``(target name, schedule options)`` for the device of ``x``, here and now."""
+    check_device(x)
+    return cpu_schedule()

@@ -81,10 +81,20 @@ def vector_accumulators(sch, rf, outer: int):
     sch.decompose_reduction(rf, sch.get_loops(rf)[outer])
 
 
-def vectorize_inner(sch, block, lanes):
-    """Split the innermost loop of ``block`` by ``lanes`` and vectorise the inner part."""
-    if lanes == 1:
-        return
+def vectorize_inner(sch, block, lanes: int) -> None:
+    """Vectorise the innermost (spatial) loop of ``block`` by ``lanes``.
+
+    A tail that is not a multiple of ``lanes`` is peeled off with
+    ``loop_partition`` and stays scalar (a split would put a predicate inside
+    the vector loop, which TVM scalarises whole). Call it last: the partition
+    wraps the loop in opaque blocks.
+    """
     inner = sch.get_loops(block)[-1]
-    _, vec = sch.split(inner, [None, lanes])
-    sch.vectorize(vec)
+    extent = sch.get(inner).extent
+    if lanes == 1 or not isinstance(extent, tirx.IntImm) or extent.value < lanes:
+        return  # nothing to vectorise (C = 1 leaves only the row loop)
+    extent = extent.value
+    main = extent // lanes * lanes
+    if main != extent:
+        inner = sch.loop_partition(inner, [main])[0]
+    sch.vectorize(sch.split(inner, [None, lanes])[1])

@@ -42,6 +42,7 @@ from ._common import (
     row_lanes,
     split_reduction,
     vector_accumulators,
+    vectorize_inner,
 )
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -210,12 +211,6 @@ def _stage(sch, consumers, loop, buffers: int, buffer: str = "x"):
     return staged
 
 
-def _vectorize_copy(sch, block, lanes: int) -> None:
-    inner = sch.get_loops(block)[-1]
-    if lanes > 1 and sch.get(inner).extent.value % lanes == 0:
-        sch.vectorize(sch.split(inner, [None, lanes])[1])
-
-
 def _parallel_rows(sch, row, cores: int) -> None:
     """Split the row loop into one block of rows per vector core, in parallel."""
     blocks, _ = sch.split(row, [cores, None])
@@ -253,9 +248,9 @@ def forward(func, target: Target, profile: str = "910b"):
     for blocks in stages.values():
         if len(blocks) == 2:
             vector_accumulators(sch, blocks[0], outer=3)
-    for blk in staged + log_prob:
-        _vectorize_copy(sch, blk, lanes)
     init_row_totals(sch)
+    for blk in staged + log_prob:
+        vectorize_inner(sch, blk, lanes)
     return sch.mod["main"]
 
 
@@ -276,8 +271,7 @@ def backward(func, target: Target, profile: str = "910b"):
     source = next(r.source.name for r in sch.get(grad).reads)  # log_prob or the logits
     staged = _stage(sch, [grad], tile, p.buffers, source)
     _parallel_rows(sch, row, prof.vector_cores)
-    lanes = row_lanes(p.chunk, prof.repeat_bytes // 4)
-    for blk in (staged, grad):
-        _vectorize_copy(sch, blk, lanes)
     init_row_totals(sch)
+    for blk in (staged, grad):
+        vectorize_inner(sch, blk, prof.repeat_bytes // 4)
     return sch.mod["main"]

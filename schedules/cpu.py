@@ -3,18 +3,22 @@
 Expects the blocks that ``ce_tvm.compute`` names (see its module docstring);
 the math is never touched here, only where and how each block runs.
 
-Strategy, forward:
+Strategy, forward (the compute reduces each row in chunks, see
+``forward_chunk``):
 
-1. Every reduction over a row (``ce_rowmax``, ``ce_expsum``, ``ce_wlogpsum``) is
-   split by ``lanes`` and rfactored, so it runs as ``lanes`` independent
-   vector accumulators (two native vectors: two dependency chains).
+1. Every per-chunk reduction (``ce_chunk_max``, ``_expsum``, ``_wxsum``,
+   ``_wsum``) is split by the vector width and rfactored, so it runs as
+   independent vector accumulators (two native vectors: two dependency
+   chains).
 2. The mask and row-weight blocks are inlined (a block with no block
-   producer would be recomputed for every row by ``reverse_compute_at``). All per-row blocks move under the ``lse`` row loop (``compute_at`` for
-   producers, ``reverse_compute_at`` for consumers), and that loop runs in
-   parallel over the cores. A row is read from memory once by the first pass;
-   the other passes over it hit the cache (a 32000-wide fp32 row is 128 KB).
-3. The ``log_prob`` row write is vectorised.
-4. The serial row totals (``ce_total_*``) stay at the root: N floats, a fixed
+   producer would be recomputed for every row by ``reverse_compute_at``).
+3. The chunk reductions move under the chunk loop of ``ce_rowstats`` (which
+   merges them): a chunk is read from memory by its first reduction and from
+   L1 by the others. All per-row blocks move under the row loop, which runs
+   in parallel over the cores.
+4. ``log_prob`` (seed API) is written in one more vectorised pass over the
+   row, which hits L2.
+5. The serial row totals (``ce_total_*``) stay at the root: N floats, a fixed
    order, so results are bit-identical run after run; their init is hoisted
    so that N = 0 still initialises them.
 
@@ -22,16 +26,18 @@ Backward: the per-row coefficient blocks move under the ``x_grad`` row loop,
 which runs in parallel; the element loop is vectorised. ``log_prob`` (or the
 logits) is read once and ``x_grad`` written once.
 
-Vector width per row: the largest divisor of ``C`` that is at most
-``lanes`` (two native vectors), so no loop carries a tail predicate. Real
-vocabularies divide well (32000 -> 64... capped at ``lanes``; 50257 -> 29,
-which LLVM lowers as 16+8+4+1 lanes). A prime ``C`` above ``lanes`` runs
-scalar: correct, slower.
+Vector width: two native vectors (32 float32 lanes on AVX-512). A chunk is a
+multiple of it when it can be (C = 32000 -> 4000, 128256 -> 5344; C = 50257
+-> 9 chunks of 5600, the last overlapping the one before), so the reductions carry no tail predicate; a
+row shorter than ``MAX_CHUNK`` is one chunk, vectorised by the largest
+divisor of C up to 32 lanes. The element-wise loops (``log_prob``,
+``x_grad``) peel a tail that is not a multiple of the width off with
+``loop_partition`` and keep it scalar.
 
-Why not a predicated tail: ``compute_at`` of an rfactored block drops the
-split predicate (TVM 0.27; the tail then reads the next row), and
-``LoopPartition`` only peels ``likely`` conditions, which ``split`` does not
-emit.
+Why not a predicated tail in the reductions: ``compute_at`` of an rfactored
+block drops the split predicate (TVM 0.27; the tail then reads the next
+row), and ``LoopPartition`` only peels ``likely`` conditions, which
+``split`` does not emit.
 
 Rejected: ``dlight.cpu.Reduction`` (scalar ``expf``, no vector accumulators);
 a merged (max, sum) reducer (``rfactor`` rejects unregistered reducers).
@@ -50,7 +56,6 @@ from ._common import (
     INLINED,
     ROW_FORWARD_REST,
     ROW_GRAD_COEFS,
-    classes_of,
     existing_blocks,
     has_block,
     init_row_totals,
@@ -84,14 +89,19 @@ def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
 
 
 def forward_chunk(classes: int, dtype: str, target: Target, knobs: CPUKnobs = CPUKnobs()) -> int:
-    """Chunk of the compute's row reduction: the largest multiple of the row's
-    vector width dividing ``C`` and at most ``MAX_CHUNK``; the whole row when
-    ``C`` has no such divisor (the row then makes two passes through L2).
-    ``dtype`` does not matter here: the float32 accumulators size the chunk."""
-    lanes = row_lanes(classes, vector_lanes(target) * knobs.accumulators)
-    fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, min(classes, MAX_CHUNK) + 1, lanes)
-            if classes % b == 0]
-    return max(fits) if fits else classes
+    """Chunk of the compute's row reduction, a multiple of the vector width:
+    the largest one dividing ``C`` and at most ``MAX_CHUNK``; else (``C`` like
+    50257) equal chunks of at most ``MAX_CHUNK``, the last one padded; a row
+    shorter than ``MAX_CHUNK`` is one chunk. ``dtype`` does not matter here:
+    the float32 accumulators size the chunk."""
+    lanes = vector_lanes(target) * knobs.accumulators
+    if classes <= MAX_CHUNK:
+        return classes
+    fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, MAX_CHUNK + 1, lanes) if classes % b == 0]
+    if fits:
+        return max(fits)
+    per_chunk = -(-classes // -(-classes // MAX_CHUNK))
+    return -(-per_chunk // lanes) * lanes
 
 
 def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
@@ -114,10 +124,9 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     for blocks in stages.values():
         if len(blocks) == 2:
             vector_accumulators(sch, blocks[0], outer=2)
-    if has_block(sch, "log_prob"):
-        vectorize_inner(sch, sch.get_sblock("log_prob"), row_lanes(
-            classes_of(func), vector_lanes(target) * knobs.accumulators))
     init_row_totals(sch)
+    if has_block(sch, "log_prob"):
+        vectorize_inner(sch, sch.get_sblock("log_prob"), vector_lanes(target) * knobs.accumulators)
     return sch.mod["main"]
 
 
@@ -126,12 +135,11 @@ def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     sch = s_tir.Schedule(func)
     for blk in existing_blocks(sch, INLINED):
         sch.compute_inline(blk)
-    lanes = row_lanes(classes_of(func), vector_lanes(target) * knobs.accumulators)
     grad = sch.get_sblock("x_grad")
     row = sch.get_loops(grad)[0]
     for blk in reversed(existing_blocks(sch, ROW_GRAD_COEFS)):
         sch.compute_at(blk, row)
-    vectorize_inner(sch, grad, lanes)
     sch.parallel(row)
     init_row_totals(sch)
+    vectorize_inner(sch, grad, vector_lanes(target) * knobs.accumulators)
     return sch.mod["main"]
