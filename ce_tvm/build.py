@@ -22,7 +22,7 @@ from . import compute, fastmath
 from .targets import tvm_target
 
 __version__ = "0.1.0"
-OPS = ("forward", "backward")
+OPS = ("forward", "backward", "shard_stats", "shard_combine")
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class KernelSpec:
     def stem(self) -> str:
         """Readable file-name stem (the key hash is appended by the cache)."""
         tag = self.variant.tag()
-        if self.op == "forward":  # grad_source does not change the forward
+        if self.op != "backward":  # grad_source only changes the backward
             tag = tag.rsplit("-", 1)[0]
         else:  # nor does log_prob the backward
             tag = tag.replace("-lp-", "-").replace("-nolp-", "-")
@@ -102,12 +102,14 @@ def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     schedule = schedule_module(spec.target)
     target = tvm_target(spec.target)
     options = dict(spec.options)
-    if spec.op == "forward":
+    args = (spec.classes, spec.dtype, spec.variant)
+    if spec.op in ("forward", "shard_stats"):
         chunk = schedule.forward_chunk(spec.classes, spec.dtype, target, **options)
-        func = compute.forward_func(spec.classes, spec.dtype, spec.variant, chunk)
-        return schedule.forward(func, target, **options)
-    func = compute.backward_func(spec.classes, spec.dtype, spec.variant)
-    return schedule.backward(func, target, **options)
+        declare = compute.forward_func if spec.op == "forward" else compute.shard_stats_func
+        return schedule.forward(declare(*args, chunk), target, **options)
+    if spec.op == "shard_combine":
+        return schedule.per_row(compute.shard_combine_func(*args), target, **options)
+    return schedule.backward(compute.backward_func(*args), target, **options)
 
 
 def compile_spec(spec: KernelSpec):

@@ -63,7 +63,9 @@ class Variant:
     """The options that change the loop nest (everything else is a runtime argument).
 
     ``grad_source`` only matters for the backward: ``"log_prob"`` reads the
-    seed API's ``log_prob``; ``"logits"`` recomputes it as ``x - lse``.
+    seed API's ``log_prob``; ``"logits"`` recomputes it as ``x - lse``;
+    ``"shard"`` does that for one vocabulary shard, with the row statistics
+    of the full vocabulary passed in.
     """
 
     reduction: str = "mean"
@@ -74,8 +76,9 @@ class Variant:
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
-        if self.grad_source not in ("log_prob", "logits"):
-            raise ValueError(f"grad_source must be 'log_prob' or 'logits', got {self.grad_source!r}")
+        if self.grad_source not in ("log_prob", "logits", "shard"):
+            raise ValueError(
+                f"grad_source must be 'log_prob', 'logits' or 'shard', got {self.grad_source!r}")
 
     def tag(self) -> str:
         """A short string naming the variant (used in cache keys and file names)."""
@@ -148,15 +151,96 @@ def _softmax_merge(n_outputs: int):
     return te.comm_reducer(combine, identity, name=f"softmax_merge{n_outputs}")
 
 
+def _row_stats(x, w, n_rows, classes: int, acc: str, chunk: int | None):
+    """Per-row ``(rowmax, expsum, wxsum, wsum)`` of ``x`` (``wsum`` is ``None``
+    without a weight), reduced chunk by chunk and merged by ``_softmax_merge``.
+
+    The last chunk ends at ``C``, overlapping the one before; the overlap
+    counts as the identity, so indices stay in the row and contiguous.
+    """
+    chunk = classes if chunk is None else min(chunk, classes)
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    n_chunks = -(-classes // chunk)
+
+    def xf(n, c):
+        return x[n, c].astype(acc)
+
+    def per_chunk(name, reducer, pad, body):
+        j = te.reduce_axis((_int64(0), _int64(chunk)), name="j")
+
+        def value(n, k):
+            if classes % chunk == 0:
+                return reducer(body(n, k * _int64(chunk) + j, k), axis=j)
+            start = tirx.min(k * _int64(chunk), _int64(classes - chunk))
+            overlap = (k * _int64(chunk) - start).astype("int32")
+            fresh = j.astype("int32") >= overlap
+            return reducer(tirx.Select(fresh, body(n, start + j, k), pad), axis=j)
+
+        return te.compute((n_rows, _int64(n_chunks)), value, name=f"ce_chunk_{name}")
+
+    zero, lowest = tirx.const(0.0, acc), tirx.min_value(acc)
+    cmax = per_chunk("max", te.max, lowest, lambda n, c, k: xf(n, c))
+    parts = [
+        cmax,
+        per_chunk("expsum", te.sum, zero, lambda n, c, k: fastmath.exp(xf(n, c) - cmax[n, k])),
+        per_chunk("wxsum", te.sum, zero,
+                  lambda n, c, k: (w[c] * xf(n, c)) if w is not None else xf(n, c)),
+    ]
+    if w is not None:
+        parts.append(per_chunk("wsum", te.sum, zero, lambda n, c, k: w[c]))
+    k_axis = te.reduce_axis((_int64(0), _int64(n_chunks)), name="k")
+    stats = te.compute(
+        (n_rows,), lambda n: _softmax_merge(len(parts))(
+            tuple(p[n, k_axis] for p in parts), axis=k_axis), name="ce_rowstats")
+    return stats[0], stats[1], stats[2], (stats[3] if w is not None else None)
+
+
+def _row_losses(n_rows, classes, acc, eps, s, mask, lse, target_logit, target_weight, wxsum,
+                wsum, reduction):
+    """The per-row terms of SPEC section 1 from row statistics.
+
+    ``target_logit(n)``/``target_weight(n)``: ``x[n, y[n]]`` and ``w[y[n]]``;
+    ``wxsum(n)``: ``sum_c w[c] x[n, c]``; ``wsum(n)``: ``sum_c w[c]``; ``classes``
+    is the full C (an expression for a vocabulary shard). Returns the dict
+    ``_reduce_forward`` reduces.
+    """
+    one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
+    m = te.compute((n_rows,), lambda n: mask(n).astype(acc), name="ce_row_mask")
+
+    def masked(n, value):
+        # A select, not a product: an ignored row is exactly 0 even when its logits are NaN.
+        return tirx.Select(m[n] != zero, value, zero)
+
+    def nll(n):
+        return -target_weight(n) * (target_logit(n) - lse[n])
+
+    def smoothing(n):
+        # -sum_c w[c] logp[n, c]; zero, not 0 * inf, when smoothing is off and a
+        # logit is -inf (a masked class).
+        term = eps / classes * -(wxsum(n) - lse[n] * wsum(n))
+        return tirx.Select(eps != zero, term, zero)
+
+    rows = {
+        "ce": te.compute((n_rows,), lambda n: masked(n, (one - eps) * nll(n) + smoothing(n)),
+                         name="ce_row_ce"),
+        "z": te.compute((n_rows,), lambda n: masked(n, s * lse[n] * lse[n]), name="ce_row_z"),
+    }
+    if reduction == "mean":
+        rows["weight"] = te.compute((n_rows,), lambda n: target_weight(n) * m[n],
+                                    name="ce_row_weight")
+        rows["count"] = m
+    return rows
+
+
 def forward_func(classes: int, dtype: str, variant: Variant,
                  chunk: int | None = None) -> tirx.PrimFunc:
     """The fused forward of SPEC section 1 as a PrimFunc.
 
     A row is reduced in ``ceil(C / chunk)`` chunks of ``chunk`` classes (one
-    chunk by default; the last one ends at ``C``, its overlap with the one
-    before counting as identities), merged
-    exactly by ``_softmax_merge``: a target-free regrouping that lets a
-    schedule keep each chunk on chip between its max and its exp-sum.
+    chunk by default), merged exactly by ``_softmax_merge``: a target-free
+    regrouping that lets a schedule keep each chunk on chip between its max
+    and its exp-sum.
 
     Arguments, in order: ``x[N, C]`` (dtype), ``target[N]`` (int64),
     ``weight[C]`` (accumulation dtype, weighted variant only), ``ignore_index``,
@@ -171,88 +255,86 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
     ii, eps, s = _scalars(acc)
     mask, index = _masked_target(y, ii, classes)
-
-    def xf(n, c):
-        return x[n, c].astype(acc)
-
-    def wc(c):
-        return w[c] if w is not None else tirx.const(1.0, acc)
-
-    chunk = classes if chunk is None else min(chunk, classes)
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    n_chunks = -(-classes // chunk)
-
-    def per_chunk(name, reducer, pad, body):
-        j = te.reduce_axis((_int64(0), _int64(chunk)), name="j")
-
-        def value(n, k):
-            if classes % chunk == 0:
-                return reducer(body(n, k * _int64(chunk) + j, k), axis=j)
-            # The last chunk ends at C, overlapping the one before it; the
-            # overlap counts as the identity. Indices stay in the row and
-            # contiguous in j (no gather, no read past the row).
-            start = tirx.min(k * _int64(chunk), _int64(classes - chunk))
-            overlap = (k * _int64(chunk) - start).astype("int32")
-            fresh = j.astype("int32") >= overlap
-            return reducer(tirx.Select(fresh, body(n, start + j, k), pad), axis=j)
-
-        return te.compute((n_rows, _int64(n_chunks)), value, name=f"ce_chunk_{name}")
-
-    zero, lowest = tirx.const(0.0, acc), tirx.min_value(acc)
-    cmax = per_chunk("max", te.max, lowest, lambda n, c, k: xf(n, c))
-    parts = [
-        cmax,
-        per_chunk("expsum", te.sum, zero, lambda n, c, k: fastmath.exp(xf(n, c) - cmax[n, k])),
-        per_chunk("wxsum", te.sum, zero, lambda n, c, k: wc(c) * xf(n, c)),
-    ]
-    if w is not None:
-        parts.append(per_chunk("wsum", te.sum, zero, lambda n, c, k: w[c]))
-    k_axis = te.reduce_axis((_int64(0), _int64(n_chunks)), name="k")
-    stats = te.compute(
-        (n_rows,), lambda n: _softmax_merge(len(parts))(
-            tuple(p[n, k_axis] for p in parts), axis=k_axis), name="ce_rowstats")
-    rowmax, expsum, wxsum = stats[0], stats[1], stats[2]
+    rowmax, expsum, wxsum, wsum = _row_stats(x, w, n_rows, classes, acc, chunk)
     lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name="lse")
-
-    def total_weight(n):
-        return stats[3][n] if w is not None else tirx.const(float(classes), acc)
-
-    def row(name, f):
-        return te.compute((n_rows,), f, name=f"ce_row_{name}")
-
-    def nll(n):
-        return -wc(index(n)) * (xf(n, index(n)) - lse[n])
-
-    def smoothing(n):
-        # -sum_c w[c] logp[n, c]; zero, not 0 * inf, when smoothing is off and a
-        # logit is -inf (a masked class).
-        term = eps / tirx.const(float(classes), acc) * -(wxsum[n] - lse[n] * total_weight(n))
-        return tirx.Select(eps != tirx.const(0.0, acc), term, tirx.const(0.0, acc))
-
-    one = tirx.const(1.0, acc)
-    m = row("mask", lambda n: mask(n).astype(acc))
-
-    def masked(n, value):
-        # A select, not a product: an ignored row is exactly 0 even when its logits are NaN.
-        return tirx.Select(m[n] != tirx.const(0.0, acc), value, tirx.const(0.0, acc))
-
-    rows = {
-        "ce": row("ce", lambda n: masked(n, (one - eps) * nll(n) + smoothing(n))),
-        "z": row("z", lambda n: masked(n, s * lse[n] * lse[n])),
-    }
-    if variant.reduction == "mean":
-        rows["weight"] = row("weight", lambda n: wc(index(n)) * m[n])
-        rows["count"] = m
+    rows = _row_losses(
+        n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
+        target_logit=lambda n: x[n, index(n)].astype(acc),
+        target_weight=lambda n: w[index(n)] if w is not None else tirx.const(1.0, acc),
+        wxsum=lambda n: wxsum[n],
+        wsum=lambda n: wsum[n] if w is not None else tirx.const(float(classes), acc),
+        reduction=variant.reduction)
     outs = _reduce_forward(rows, n_rows, dtype, variant.reduction)
     args = [x, y] + ([w] if w is not None else []) + [ii, eps, s] + outs + [lse]
     if variant.log_prob:
         log_prob = te.compute(
             (n_rows, _int64(classes)),
-            lambda n, c: (xf(n, c) - lse[n]).astype(dtype),
+            lambda n, c: (x[n, c].astype(acc) - lse[n]).astype(dtype),
             name="log_prob",
         )
         args.append(log_prob)
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+def shard_stats_func(classes: int, dtype: str, variant: Variant,
+                     chunk: int | None = None) -> tirx.PrimFunc:
+    """Per-row statistics of one vocabulary shard ``x[N, C_r]`` (columns
+    ``[shard_offset, shard_offset + C_r)`` of the full logits).
+
+    Arguments: ``x``, ``target[N]`` (global class ids), ``weight[C_r]``
+    (weighted only), ``shard_offset``; outputs (accumulation dtype, ``[N]``):
+    the shard's row max, ``sum exp(x - max)``, ``sum w x``, and the target's
+    logit and weight where the target falls in this shard (0 elsewhere).
+    """
+    acc = accum_dtype(dtype)
+    n_rows = _rows()
+    x = te.placeholder((n_rows, _int64(classes)), dtype, name="x")
+    y = te.placeholder((n_rows,), "int64", name="target")
+    w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
+    offset = te.var("shard_offset", "int64")
+    rowmax, expsum, wxsum, _ = _row_stats(x, w, n_rows, classes, acc, chunk)
+    local = te.compute((n_rows,), lambda n: y[n] - offset, name="ce_shard_local")
+
+    def here(n):
+        return tirx.all(local[n] >= _int64(0), local[n] < _int64(classes))
+
+    def clamp(n):
+        return tirx.Select(here(n), local[n], _int64(0))
+
+    zero = tirx.const(0.0, acc)
+    xt = te.compute((n_rows,), lambda n: tirx.Select(here(n), x[n, clamp(n)].astype(acc), zero),
+                    name="ce_shard_target_logit")
+    wy = te.compute((n_rows,), lambda n: tirx.Select(
+        here(n), w[clamp(n)] if w is not None else tirx.const(1.0, acc), zero),
+        name="ce_shard_target_weight")
+    args = [x, y] + ([w] if w is not None else []) + [offset, rowmax, expsum, wxsum, xt, wy]
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+def shard_combine_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
+    """The loss from statistics already combined over all shards (SPEC section 1).
+
+    Arguments: ``lse[N]``, ``target_logit[N]``, ``target_weight[N]``,
+    ``wxsum[N]`` (accumulation dtype), ``target[N]``, ``weight_sum`` (the
+    global ``sum_c w[c]``, or C), ``ignore_index``, ``label_smoothing``,
+    ``zloss_scale``; outputs ``loss`` and ``zloss`` as in ``forward_func``.
+    ``classes`` is the full C.
+    """
+    acc = accum_dtype(dtype)
+    n_rows = _rows()
+    vec = {name: te.placeholder((n_rows,), acc, name=name)
+           for name in ("lse", "target_logit", "target_weight", "wxsum")}
+    y = te.placeholder((n_rows,), "int64", name="target")
+    wsum = te.var("weight_sum", acc)
+    ii, eps, s = _scalars(acc)
+    mask, _ = _masked_target(y, ii, classes)
+    rows = _row_losses(
+        n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, vec["lse"],
+        target_logit=lambda n: vec["target_logit"][n],
+        target_weight=lambda n: vec["target_weight"][n],
+        wxsum=lambda n: vec["wxsum"][n], wsum=lambda n: wsum, reduction=variant.reduction)
+    outs = _reduce_forward(rows, n_rows, dtype, variant.reduction)
+    args = list(vec.values()) + [y, wsum, ii, eps, s] + outs
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
 
@@ -278,49 +360,66 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
     Arguments, in order: ``grad_loss[G]`` and ``grad_zloss[G]`` (accumulation
     dtype; ``G = N`` for ``none``, else 1; pass zeros for an absent
     ``grad_zloss``), the source (``log_prob[N, C]``, or ``x[N, C]`` for the
-    ``logits`` source), ``lse[N]`` (accumulation dtype; only read when
-    ``zloss_scale != 0`` or for the ``logits`` source), ``target[N]``,
-    ``weight[C]`` (weighted only), ``ignore_index``, ``label_smoothing``,
-    ``zloss_scale``; output ``x_grad[N, C]`` (dtype).
+    ``logits`` and ``shard`` sources), ``lse[N]`` (accumulation dtype; only
+    read when ``zloss_scale != 0`` or for a logits source), ``target[N]``,
+    ``weight[C]`` (weighted only); for the ``shard`` source (``x`` holds
+    columns ``[shard_offset, shard_offset + C)`` of the full logits, ``lse``
+    is the full row's) also ``target_weight[N]`` (``w[y[n]]`` over the full
+    vocabulary), ``shard_offset``, ``weight_sum`` and ``global_classes``;
+    then ``ignore_index``, ``label_smoothing``, ``zloss_scale``; output
+    ``x_grad[N, C]`` (dtype).
     """
     acc = accum_dtype(dtype)
     n_rows = _rows()
     g_shape = (n_rows,) if variant.reduction == "none" else (1,)
     g = te.placeholder(g_shape, acc, name="grad_loss")
     gzl = te.placeholder(g_shape, acc, name="grad_zloss")
-    src = te.placeholder((n_rows, _int64(classes)), dtype, name=variant.grad_source)
+    src = te.placeholder((n_rows, _int64(classes)), dtype,
+                         name="log_prob" if variant.grad_source == "log_prob" else "x")
     lse = te.placeholder((n_rows,), acc, name="lse")
     y = te.placeholder((n_rows,), "int64", name="target")
     w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
     ii, eps, s = _scalars(acc)
     mask, index = _masked_target(y, ii, classes)
-    one = tirx.const(1.0, acc)
+    one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
 
     def wc(c):
         return w[c] if w is not None else one
 
-    if variant.grad_source == "log_prob":
+    if variant.grad_source == "shard":
+        tw = te.placeholder((n_rows,), acc, name="target_weight")
+        offset, total_w = te.var("shard_offset", "int64"), te.var("weight_sum", acc)
+        c_full = te.var("global_classes", acc)
+        shard_args = [tw, offset, total_w, c_full]
 
-        def logp(n, c):
-            return src[n, c].astype(acc)
+        def target_weight(n):
+            return tw[n]
+
+        def onehot_index(n):  # -1 (no column) when the target lives in another shard
+            local = y[n] - offset
+            inside = tirx.all(local >= _int64(0), local < _int64(classes))
+            return tirx.Select(inside, local, _int64(-1))
     else:
+        shard_args, c_full, onehot_index = [], tirx.const(float(classes), acc), index
 
-        def logp(n, c):
-            return src[n, c].astype(acc) - lse[n]
+        def target_weight(n):
+            return wc(index(n))
 
-    if w is not None:
-        c4 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
-        wsum = te.compute((1,), lambda _: te.sum(w[c4], axis=c4), name="ce_wsum")
-        total_w = wsum[0]
-    else:
-        total_w = tirx.const(float(classes), acc)
+        if w is not None:
+            c4 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
+            total_w = te.compute((1,), lambda _: te.sum(w[c4], axis=c4), name="ce_wsum")[0]
+        else:
+            total_w = tirx.const(float(classes), acc)
+
+    def logp(n, c):
+        value = src[n, c].astype(acc)
+        return value if variant.grad_source == "log_prob" else value - lse[n]
 
     if variant.reduction == "mean":
-        def wy_m(n):
-            return wc(index(n)) * mask(n).astype(acc)
-
         r1 = te.reduce_axis((_int64(0), n_rows), name="r")
-        denom = te.compute((1,), lambda _: te.sum(wy_m(r1), axis=r1), name="ce_total_weight")
+        denom = te.compute(
+            (1,), lambda _: te.sum(target_weight(r1) * mask(r1).astype(acc), axis=r1),
+            name="ce_total_weight")
         r2 = te.reduce_axis((_int64(0), n_rows), name="r")
         count = te.compute(
             (1,), lambda _: te.sum(mask(r2).astype(acc), axis=r2), name="ce_total_count"
@@ -339,15 +438,14 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         return te.compute((n_rows,), f, name=f"ce_grad_{name}")
 
     m = row("mask", lambda n: mask(n).astype(acc))
-    zero = tirx.const(0.0, acc)
 
     def masked(n, value):
         # An ignored row contributes exactly 0, also when every row is ignored
         # (D = 0 or M = 0 would make SPEC's formula 0/0): PyTorch's behaviour.
         return tirx.Select(m[n] != zero, value, zero)
 
-    hot = row("hot", lambda n: masked(n, row_grad(n) * (one - eps) * wc(index(n))))
-    smooth = row("smooth", lambda n: masked(n, row_grad(n) * eps / tirx.const(float(classes), acc)))
+    hot = row("hot", lambda n: masked(n, row_grad(n) * (one - eps) * target_weight(n)))
+    smooth = row("smooth", lambda n: masked(n, row_grad(n) * eps / c_full))
     p_scale = row(
         "pscale",
         lambda n: hot[n] + smooth[n] * total_w
@@ -355,9 +453,10 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
     )
 
     def grad(n, c):
-        onehot = tirx.Select(c == index(n), hot[n], zero)
+        onehot = tirx.Select(c == onehot_index(n), hot[n], zero)
         return (fastmath.exp(logp(n, c)) * p_scale[n] - onehot - smooth[n] * wc(c)).astype(dtype)
 
     x_grad = te.compute((n_rows, _int64(classes)), grad, name="x_grad")
-    args = [g, gzl, src, lse, y] + ([w] if w is not None else []) + [ii, eps, s, x_grad]
+    args = ([g, gzl, src, lse, y] + ([w] if w is not None else []) + shard_args
+            + [ii, eps, s, x_grad])
     return te.create_prim_func(args).with_attr("global_symbol", "main")

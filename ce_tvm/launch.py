@@ -64,3 +64,35 @@ def backward(grad_loss, grad_zloss, source, lse, y, w, reduction, ignore_index,
     kernel(spec)(grad_loss, grad_zloss, source, lse, y, *([w] if w is not None else []),
                  ignore_index, label_smoothing, zloss_scale, x_grad)
     return x_grad
+
+
+def shard_stats(x, y, w, offset: int):
+    """Row statistics of a vocabulary shard: ``(rowmax, expsum, wxsum,
+    target_logit, target_weight)``, each ``[N]`` in the accumulation dtype."""
+    outs = [x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)) for _ in range(5)]
+    spec = _spec("shard_stats", x, Variant(weighted=w is not None))
+    kernel(spec)(x, y, *([w] if w is not None else []), offset, *outs)
+    return outs
+
+
+def shard_combine(lse, target_logit, target_weight, wxsum, y, weight_sum: float, classes: int,
+                  dtype: torch.dtype, reduction, ignore_index, label_smoothing, zloss_scale):
+    """``(loss, zloss)`` in ``dtype`` from statistics combined over all shards."""
+    rows = lse.shape[0] if reduction == "none" else 1
+    loss, zloss = (lse.new_empty(rows, dtype=dtype) for _ in range(2))
+    spec = KernelSpec("shard_combine", storage_dtype(lse.new_empty(0, dtype=dtype), "input"),
+                      classes, Variant(reduction), *target_for(lse))
+    kernel(spec)(lse, target_logit, target_weight, wxsum, y, weight_sum, ignore_index,
+                 label_smoothing, zloss_scale, loss, zloss)
+    return loss, zloss
+
+
+def shard_backward(grad_loss, x, lse, y, w, target_weight, offset: int, weight_sum: float,
+                   global_classes: int, reduction, ignore_index, label_smoothing, zloss_scale):
+    """The gradient of one vocabulary shard, from the full rows' ``lse`` and ``w[y]``."""
+    x_grad = pool.empty_like(x)
+    spec = _spec("backward", x, Variant(reduction, w is not None, grad_source="shard"))
+    kernel(spec)(grad_loss, torch.zeros_like(grad_loss), x, lse, y,
+                 *([w] if w is not None else []), target_weight, offset, weight_sum,
+                 float(global_classes), ignore_index, label_smoothing, zloss_scale, x_grad)
+    return x_grad

@@ -56,14 +56,15 @@ def _same_device(t: torch.Tensor, ref: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is on {t.device} but the logits are on {ref.device}")
 
 
-def targets(y, x: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """int64 contiguous ``[N]`` targets, each in ``[0, C)`` or equal to ``ignore_index``."""
+def targets(y, x: torch.Tensor, ignore_index: int, classes: int | None = None) -> torch.Tensor:
+    """int64 contiguous ``[N]`` targets, each in ``[0, C)`` or equal to ``ignore_index``
+    (``classes`` overrides ``C = x.shape[1]``, for a vocabulary shard)."""
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(y).__name__}")
     if y.dtype not in TARGET_DTYPES:
         raise TypeError(f"target must be int64 or int32 class indices, got {y.dtype}")
     _same_device(y, x, "target")
-    n, c = x.shape
+    n, c = x.shape[0], classes or x.shape[1]
     if tuple(y.shape) != (n,):
         raise ValueError(f"target must have shape [N] = [{n}], got {tuple(y.shape)}")
     y = y.to(torch.int64).contiguous()

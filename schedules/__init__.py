@@ -2,8 +2,10 @@
 
 Each module exposes ``forward_chunk(classes, dtype, target, **options)``
 (the chunk the forward compute should reduce a row in), ``forward(func,
-target, **options)`` and ``backward(func, target, **options)``, taking an
-unscheduled PrimFunc from ``ce_tvm.compute`` and returning it scheduled.
+target, **options)`` (the forward and the vocabulary-shard statistics),
+``backward(func, target, **options)`` and ``per_row(func, target,
+**options)`` (the shard-combine kernel), each taking an unscheduled PrimFunc
+from ``ce_tvm.compute`` and returning it scheduled.
 ``options`` are the schedule's own (the ascend profile, say). Schedules know TVM primitives and the compute's stage
 names; they never know torch, the cache, or each other.
 """

@@ -9,7 +9,11 @@ CHUNK_REDUCTIONS = ("ce_chunk_max", "ce_chunk_expsum", "ce_chunk_wxsum", "ce_chu
 ROW_FORWARD_REST = ("lse", "ce_row_ce", "ce_row_z", "log_prob", "ce_loss", "ce_zloss")
 # Blocks inlined into their consumers: without a producer under the row loop,
 # reverse_compute_at would recompute them for every row of the batch.
-INLINED = ("ce_row_mask", "ce_row_weight", "ce_grad_mask")
+INLINED = ("ce_row_mask", "ce_row_weight", "ce_grad_mask", "ce_shard_local")
+# Per-row gathers of a vocabulary shard's statistics: no producer, own row loop.
+SHARD_GATHERS = ("ce_shard_target_logit", "ce_shard_target_weight")
+# Per-row blocks of the shard-combine kernel (rows already reduced over classes).
+COMBINE_ROWS = ("ce_row_ce", "ce_row_z", "ce_loss", "ce_zloss")
 ROW_GRAD_COEFS = ("ce_grad_hot", "ce_grad_smooth", "ce_grad_pscale")
 
 
@@ -98,3 +102,9 @@ def vectorize_inner(sch, block, lanes: int) -> None:
     if main != extent:
         inner = sch.loop_partition(inner, [main])[0]
     sch.vectorize(sch.split(inner, [None, lanes])[1])
+
+
+def inline_row_helpers(sch) -> None:
+    """Inline the cheap per-row blocks that have no producer (``INLINED``)."""
+    for blk in existing_blocks(sch, INLINED):
+        sch.compute_inline(blk)

@@ -31,13 +31,15 @@ from tvm.target import Target
 
 from ._common import (
     CHUNK_REDUCTIONS,
-    INLINED,
+    SHARD_GATHERS,
+    COMBINE_ROWS,
     ROW_FORWARD_REST,
     ROW_GRAD_COEFS,
     classes_of,
     existing_blocks,
     has_block,
     init_row_totals,
+    inline_row_helpers,
     is_per_row,
     row_lanes,
     split_reduction,
@@ -221,8 +223,7 @@ def forward(func, target: Target, profile: str = "910b"):
     """Schedule ``ce_tvm.compute.forward_func`` (built with ``forward_chunk``) from the plan."""
     prof = _profile(profile)
     sch = s_tir.Schedule(func)
-    for blk in existing_blocks(sch, INLINED):
-        sch.compute_inline(blk)
+    inline_row_helpers(sch)
     dtype = next(str(p.dtype) for p in func.params if len(getattr(p, "shape", ())) == 2)
     p = plan(prof, 1, classes_of(func), dtype, "forward")
     lanes = row_lanes(p.chunk, prof.repeat_bytes // 4)
@@ -245,6 +246,8 @@ def forward(func, target: Target, profile: str = "910b"):
             tile, _ = sch.split(sch.get_loops(log_prob[0])[-1], [None, p.chunk])
             staged.append(_stage(sch, log_prob, tile, p.buffers))
     _parallel_rows(sch, row, prof.vector_cores)
+    for blk in existing_blocks(sch, SHARD_GATHERS):
+        _parallel_rows(sch, sch.get_loops(blk)[0], prof.vector_cores)
     for blocks in stages.values():
         if len(blocks) == 2:
             vector_accumulators(sch, blocks[0], outer=3)
@@ -259,8 +262,7 @@ def backward(func, target: Target, profile: str = "910b"):
     gradient tile by tile from a staged copy of ``log_prob`` (or the logits)."""
     prof = _profile(profile)
     sch = s_tir.Schedule(func)
-    for blk in existing_blocks(sch, INLINED):
-        sch.compute_inline(blk)
+    inline_row_helpers(sch)
     dtype = next(str(p.dtype) for p in func.params if len(getattr(p, "shape", ())) == 2)
     p = plan(prof, 1, classes_of(func), dtype, "backward")
     grad = sch.get_sblock("x_grad")
@@ -274,4 +276,17 @@ def backward(func, target: Target, profile: str = "910b"):
     init_row_totals(sch)
     for blk in (staged, grad):
         vectorize_inner(sch, blk, prof.repeat_bytes // 4)
+    return sch.mod["main"]
+
+
+def per_row(func, target: Target, profile: str = "910b"):
+    """Schedule a kernel over rows only (``shard_combine_func``): one block of
+    rows per vector core."""
+    prof = _profile(profile)
+    sch = s_tir.Schedule(func)
+    inline_row_helpers(sch)
+    for blk in existing_blocks(sch, COMBINE_ROWS):
+        if is_per_row(sch, blk):
+            _parallel_rows(sch, sch.get_loops(blk)[0], prof.vector_cores)
+    init_row_totals(sch)
     return sch.mod["main"]

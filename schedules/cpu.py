@@ -53,12 +53,14 @@ from tvm.target.codegen import llvm_get_vector_width
 
 from ._common import (
     CHUNK_REDUCTIONS,
-    INLINED,
+    SHARD_GATHERS,
+    COMBINE_ROWS,
     ROW_FORWARD_REST,
     ROW_GRAD_COEFS,
     existing_blocks,
     has_block,
     init_row_totals,
+    inline_row_helpers,
     is_per_row,
     row_lanes,
     split_reduction,
@@ -107,8 +109,7 @@ def forward_chunk(classes: int, dtype: str, target: Target, knobs: CPUKnobs = CP
 def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """Schedule ``ce_tvm.compute.forward_func`` for ``target``; returns the scheduled PrimFunc."""
     sch = s_tir.Schedule(func)
-    for blk in existing_blocks(sch, INLINED):
-        sch.compute_inline(blk)
+    inline_row_helpers(sch)
     chunk = int(sch.get(sch.get_loops(sch.get_sblock("ce_chunk_max"))[-1]).extent)
     lanes = row_lanes(chunk, vector_lanes(target) * knobs.accumulators)
     names = [b for b in CHUNK_REDUCTIONS if has_block(sch, b)]
@@ -121,6 +122,8 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
         if is_per_row(sch, blk):
             sch.reverse_compute_at(blk, row)
     sch.parallel(row)
+    for blk in existing_blocks(sch, SHARD_GATHERS):
+        sch.parallel(sch.get_loops(blk)[0])
     for blocks in stages.values():
         if len(blocks) == 2:
             vector_accumulators(sch, blocks[0], outer=2)
@@ -133,8 +136,7 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """Schedule ``ce_tvm.compute.backward_func`` for ``target``; returns the scheduled PrimFunc."""
     sch = s_tir.Schedule(func)
-    for blk in existing_blocks(sch, INLINED):
-        sch.compute_inline(blk)
+    inline_row_helpers(sch)
     grad = sch.get_sblock("x_grad")
     row = sch.get_loops(grad)[0]
     for blk in reversed(existing_blocks(sch, ROW_GRAD_COEFS)):
@@ -142,4 +144,15 @@ def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     sch.parallel(row)
     init_row_totals(sch)
     vectorize_inner(sch, grad, vector_lanes(target) * knobs.accumulators)
+    return sch.mod["main"]
+
+
+def per_row(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
+    """Schedule a kernel over rows only (``shard_combine_func``): rows in parallel."""
+    sch = s_tir.Schedule(func)
+    inline_row_helpers(sch)
+    for blk in existing_blocks(sch, COMBINE_ROWS):
+        if is_per_row(sch, blk):
+            sch.parallel(sch.get_loops(blk)[0])
+    init_row_totals(sch)
     return sch.mod["main"]

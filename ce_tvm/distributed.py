@@ -1,0 +1,114 @@
+"""Vocab-parallel cross entropy: the loss of logits sharded along the vocabulary
+over ``torch.distributed`` (tensor parallelism, as in Megatron-LM).
+
+Rank ``r`` holds ``logits[:, offset_r : offset_r + C_r]`` (shards may differ
+in width; ranks hold consecutive column ranges in rank order) and the same
+``target`` (global class ids). Semantics are exactly SPEC.md on the full
+logits: smoothing uses the global C and the global sum of weights, the
+z-loss the global ``lse``.
+
+Communication per step: two ``all_reduce`` calls in the forward (the row
+max, then one packed sum of the rescaled exp-sums, target logits, target
+weights, weighted logit sums and the weight sum) and none in the backward,
+which needs only the saved global row statistics. The shard layout (one
+``all_gather`` of the widths) is exchanged once per (group, width) and cached.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import launch
+from . import validation as check
+
+_LAYOUTS: dict = {}
+
+
+def shard_layout(local_classes: int, group=None) -> tuple[int, int]:
+    """``(offset of this rank's first column, global C)``, cached per group and width."""
+    key = (group, local_classes)
+    if key not in _LAYOUTS:
+        world = dist.get_world_size(group)
+        widths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(widths, torch.tensor([local_classes]), group=group)
+        widths = [int(w) for w in widths]
+        rank = dist.get_rank(group)
+        _LAYOUTS[key] = (sum(widths[:rank]), sum(widths))
+    return _LAYOUTS[key]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, w, reduction, ignore_index, label_smoothing, zloss_scale, group):
+        offset, classes = shard_layout(x.shape[1], group)
+        y = check.targets(y, x, ignore_index, classes)
+        w = check.weight(w, x)
+        rowmax, expsum, wxsum, logit, weight = launch.shard_stats(x, y, w, offset)
+        gmax = rowmax.clone()
+        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        wsum = w.sum().reshape(1) if w is not None else rowmax.new_zeros(1)
+        packed = torch.cat([expsum * torch.exp(rowmax - gmax), logit, weight, wxsum, wsum])
+        dist.all_reduce(packed, group=group)
+        sumexp, logit, weight, wxsum = packed[:-1].view(4, -1)
+        lse = gmax + torch.log(sumexp)
+        weight_sum = float(packed[-1]) if w is not None else float(classes)
+        loss, zloss = launch.shard_combine(lse, logit, weight, wxsum, y, weight_sum, classes,
+                                           x.dtype, reduction, ignore_index, label_smoothing,
+                                           zloss_scale)
+        ctx.save_for_backward(x, lse, y, w, weight)
+        ctx.options = (offset, weight_sum, classes, reduction, ignore_index, label_smoothing,
+                       zloss_scale)
+        ctx.mark_non_differentiable(zloss)
+        return loss, zloss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_zloss):
+        x, lse, y, w, weight = ctx.saved_tensors
+        g = grad_loss.to(lse.dtype).reshape(-1).contiguous()
+        grad = launch.shard_backward(g, x, lse, y, w, weight, *ctx.options)
+        return grad, None, None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: Tensor | None = None,
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                                 group=None, return_zloss: bool = False):
+    """Cross entropy of vocabulary-sharded logits ``[N, C_r]`` (see the module doc).
+
+    ``weight`` is this rank's shard ``[C_r]`` of the class weights. Returns
+    what ``ce_tvm.cross_entropy`` returns on the full logits (a 0-d loss for
+    ``mean``/``sum``), the same on every rank; with ``return_zloss`` also the
+    z-loss part, without gradient.
+    """
+    x = check.logits(logits_shard, "logits_shard")
+    check.check_device(x)
+    if not isinstance(target, Tensor) or target.dtype not in check.TARGET_DTYPES:
+        raise TypeError("target must be an int64 or int32 tensor of global class ids")
+    loss, zloss = _VocabParallelCrossEntropy.apply(
+        x, target, weight, check.reduction(reduction), check.ignore_index(ignore_index),
+        check.label_smoothing(label_smoothing),
+        check.zloss_scale(lse_square_scale, "lse_square_scale"), group)
+    if reduction != "none":
+        loss, zloss = loss.reshape(()), zloss.reshape(())
+    return (loss, zloss) if return_zloss else loss
+
+
+class VocabParallelCrossEntropyLoss(nn.Module):
+    """``vocab_parallel_cross_entropy`` as a module (``weight``: this rank's shard)."""
+
+    def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0,
+                 lse_square_scale: float = 0.0, group=None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.reduction = ignore_index, check.reduction(reduction)
+        self.label_smoothing = check.label_smoothing(label_smoothing)
+        self.lse_square_scale = check.zloss_scale(lse_square_scale, "lse_square_scale")
+        self.group = group
+
+    def forward(self, logits_shard: Tensor, target: Tensor) -> Tensor:
+        return vocab_parallel_cross_entropy(
+            logits_shard, target, self.weight, self.ignore_index, self.reduction,
+            self.label_smoothing, self.lse_square_scale, self.group)
