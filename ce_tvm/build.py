@@ -12,6 +12,7 @@ import importlib
 import inspect
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +60,7 @@ class KernelSpec:
         return {
             "ce_tvm": __version__,
             "tvm": tvm.__version__,
-            "target": str(tvm_target(self.target).export()),
+            "target": str(self.tvm_target().export()),
             "op": self.op,
             "dtype": self.dtype,
             "classes": self.classes,
@@ -67,6 +68,13 @@ class KernelSpec:
             "options": [list(kv) for kv in self.options],
             "code": _code_fingerprint(self.target),
         }
+
+    def tvm_target(self):
+        """The TVM target (the CUDA arch is a schedule option of the ``cuda`` target)."""
+        return tvm_target(self.target, dict(self.options).get("arch"))
+
+    def schedule_options(self) -> dict:
+        return {k: v for k, v in self.options if k != "arch"}
 
     def key_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.key(), sort_keys=True).encode()).hexdigest()[:16]
@@ -100,8 +108,8 @@ def _code_fingerprint(target: str) -> str:
 def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     """The compute of ``spec`` with its target's schedule applied."""
     schedule = schedule_module(spec.target)
-    target = tvm_target(spec.target)
-    options = dict(spec.options)
+    target = spec.tvm_target()
+    options = spec.schedule_options()
     args = (spec.classes, spec.dtype, spec.variant)
     if spec.op in ("forward", "shard_stats"):
         chunk = schedule.forward_chunk(spec.classes, spec.dtype, target, **options)
@@ -113,9 +121,26 @@ def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
 
 
 def compile_spec(spec: KernelSpec):
-    """``tvm.compile`` the scheduled kernel; returns the Executable."""
+    """``tvm.compile`` the scheduled kernel; returns the Executable.
+
+    For CUDA on a machine without a GPU, TVM keeps the CUDA source; it is then
+    compiled with ``nvcc`` when one is on ``PATH`` so that errors surface here.
+    """
     with tvm.transform.PassContext(opt_level=3):
-        return tvm.compile(scheduled_func(spec), target=tvm_target(spec.target))
+        executable = tvm.compile(scheduled_func(spec), target=spec.tvm_target())
+    if spec.target == "cuda" and shutil.which("nvcc") and not tvm.cuda().exist:
+        check_cuda_source(executable, spec.tvm_target())
+    return executable
+
+
+def check_cuda_source(executable, target) -> bytes:
+    """Compile the CUDA source TVM generated with ``nvcc`` (raises on any error)."""
+    from tvm.support import nvcc
+
+    source = executable.mod.imports[0].inspect_source()
+    arch = str(target.attrs["arch"])
+    with target:
+        return nvcc.compile_cuda(source, target_format="cubin", arch=arch, compiler="nvcc")
 
 
 def export_atomically(executable, path: Path) -> None:

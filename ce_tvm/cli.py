@@ -25,7 +25,8 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> lis
 
 
 def cmd_compile(args) -> int:
-    options = (("profile", args.profile),) if args.target == "ascend" else ()
+    options = {"ascend": (("profile", args.profile),), "cuda": (("arch", args.arch),)}.get(
+        args.target, ())
     specs = all_specs(args.target, args.dtype, args.classes, options)
     out = Path(args.out) if args.out else None
     t0 = time.perf_counter()
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--classes", type=int, required=True)
     c.add_argument("--out", help="write a precompiled directory here instead of the cache")
     c.add_argument("--profile", default="910b", help="Ascend profile (--target ascend)")
+    c.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
     c.set_defaults(func=cmd_compile)
 
     k = sub.add_parser("cache", help="list, verify or clear compiled modules")

@@ -15,7 +15,7 @@ import torch
 from . import pool
 from .build import KernelSpec
 from .compute import Variant
-from .runtime import kernel
+from .runtime import call
 from .validation import accum_torch_dtype, storage_dtype, target_for
 
 
@@ -48,7 +48,7 @@ def forward(x, y, w, reduction, ignore_index, label_smoothing, zloss_scale, *,
             log_prob=pool.empty_like(x) if log_prob else None,
         )
     spec = _spec("forward", x, Variant(reduction, w is not None, log_prob=log_prob))
-    kernel(spec)(x, y, *([w] if w is not None else []), ignore_index, label_smoothing,
+    call(spec, x, y, *([w] if w is not None else []), ignore_index, label_smoothing,
                  zloss_scale, out.loss, out.zloss, out.lse,
                  *([out.log_prob] if log_prob else []))
     return out
@@ -61,7 +61,7 @@ def backward(grad_loss, grad_zloss, source, lse, y, w, reduction, ignore_index,
     from the logits and their ``lse`` (``source_kind='logits'``); returns ``x_grad``."""
     x_grad = pool.empty_like(source) if out is None else out
     spec = _spec("backward", source, Variant(reduction, w is not None, grad_source=source_kind))
-    kernel(spec)(grad_loss, grad_zloss, source, lse, y, *([w] if w is not None else []),
+    call(spec, grad_loss, grad_zloss, source, lse, y, *([w] if w is not None else []),
                  ignore_index, label_smoothing, zloss_scale, x_grad)
     return x_grad
 
@@ -71,7 +71,7 @@ def shard_stats(x, y, w, offset: int):
     target_logit, target_weight)``, each ``[N]`` in the accumulation dtype."""
     outs = [x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)) for _ in range(5)]
     spec = _spec("shard_stats", x, Variant(weighted=w is not None))
-    kernel(spec)(x, y, *([w] if w is not None else []), offset, *outs)
+    call(spec, x, y, *([w] if w is not None else []), offset, *outs)
     return outs
 
 
@@ -82,7 +82,7 @@ def shard_combine(lse, target_logit, target_weight, wxsum, y, weight_sum: float,
     loss, zloss = (lse.new_empty(rows, dtype=dtype) for _ in range(2))
     spec = KernelSpec("shard_combine", storage_dtype(lse.new_empty(0, dtype=dtype), "input"),
                       classes, Variant(reduction), *target_for(lse))
-    kernel(spec)(lse, target_logit, target_weight, wxsum, y, weight_sum, ignore_index,
+    call(spec, lse, target_logit, target_weight, wxsum, y, weight_sum, ignore_index,
                  label_smoothing, zloss_scale, loss, zloss)
     return loss, zloss
 
@@ -92,7 +92,7 @@ def shard_backward(grad_loss, x, lse, y, w, target_weight, offset: int, weight_s
     """The gradient of one vocabulary shard, from the full rows' ``lse`` and ``w[y]``."""
     x_grad = pool.empty_like(x)
     spec = _spec("backward", x, Variant(reduction, w is not None, grad_source="shard"))
-    kernel(spec)(grad_loss, torch.zeros_like(grad_loss), x, lse, y,
+    call(spec, grad_loss, torch.zeros_like(grad_loss), x, lse, y,
                  *([w] if w is not None else []), target_weight, offset, weight_sum,
                  float(global_classes), ignore_index, label_smoothing, zloss_scale, x_grad)
     return x_grad

@@ -52,6 +52,18 @@ def kernel(spec: KernelSpec):
     return fn
 
 
+def call(spec: KernelSpec, *args):
+    """Run the kernel for ``spec``; CUDA kernels go on PyTorch's current stream
+    (which also makes them capturable in a CUDA graph)."""
+    fn = kernel(spec)
+    if spec.target != "cuda":
+        return fn(*args)
+    import tvm_ffi
+
+    with tvm_ffi.use_torch_stream():
+        return fn(*args)
+
+
 def loaded_specs() -> list[KernelSpec]:
     """Specs whose kernels this process has loaded (for reports and tests)."""
     return list(_kernels)

@@ -68,6 +68,8 @@ def targets(y, x: torch.Tensor, ignore_index: int, classes: int | None = None) -
     if tuple(y.shape) != (n,):
         raise ValueError(f"target must have shape [N] = [{n}], got {tuple(y.shape)}")
     y = y.to(torch.int64).contiguous()
+    if y.is_cuda and torch.cuda.is_current_stream_capturing():
+        return y  # no host sync inside a CUDA graph; the kernels clamp indices anyway
     bad = (y != ignore_index) & ((y < 0) | (y >= c))
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
@@ -157,11 +159,14 @@ def lse_vector(t, n: int, like: torch.Tensor) -> torch.Tensor:
 
 def check_device(x: torch.Tensor) -> None:
     """Raise unless ce_tvm has kernels for the device of ``x`` (traceable by dynamo)."""
-    if x.device.type != "cpu":
-        raise ValueError(f"ce_tvm has no kernels for device {x.device} yet (supported: cpu)")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"ce_tvm has no kernels for device {x.device} (supported: cpu, cuda)")
 
 
 def target_for(x: torch.Tensor) -> tuple:
     """``(target name, schedule options)`` for the device of ``x``, here and now."""
     check_device(x)
+    if x.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(x.device)
+        return "cuda", (("arch", f"sm_{major}{minor}"),)
     return cpu_schedule()

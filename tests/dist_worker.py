@@ -47,6 +47,7 @@ def main():
     assert torch.isfinite(module(x, torch.zeros(5, dtype=torch.long)))
     dist.barrier()
     print(f"rank {rank}/{world}: {checked} cases ok", flush=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,0 +1,171 @@
+"""One prepared GPU check (under five minutes on one GPU): correctness of the
+CUDA kernels against torch.nn.functional.cross_entropy on a grid of shapes and
+dtypes, then forward and forward+backward timings against PyTorch eager,
+torch.compile, dlight's GeneralReduction schedule of the same compute, and
+Liger Kernel / flash-attn's cross entropy when importable, with achieved
+bandwidth as a share of the device's measured copy bandwidth.
+
+    python benchmarks/gpu_check.py [--json gpu_check.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import ce_tvm
+
+GRID = [(64, 17), (256, 1001), (512, 32000), (128, 128256), (64, 256000)]
+TIMED = [(8192, 128256, torch.bfloat16), (4096, 32000, torch.float32), (8192, 50257, torch.bfloat16)]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def check_correctness() -> list[dict]:
+    rows = []
+    for (n, c), dtype in [(s, d) for s in GRID for d in TOL]:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = (torch.randn(n, c, device="cuda", generator=gen) * 3).to(dtype)
+        y = torch.randint(0, c, (n,), device="cuda", generator=gen)
+        y[::7] = -100
+        w = torch.rand(c, device="cuda", generator=gen) + 0.5
+        xa = x.clone().requires_grad_()
+        loss = ce_tvm.cross_entropy(xa, y, w, label_smoothing=0.1)
+        loss.backward()
+        xr = x.float().requires_grad_()
+        ref = F.cross_entropy(xr, y, w, label_smoothing=0.1)
+        ref.backward()
+        loss_err = abs(loss.float().item() - ref.item()) / abs(ref.item())
+        grad_err = ((xa.grad.float() - xr.grad).abs().max() / xr.grad.abs().max()).item()
+        ok = loss_err <= TOL[dtype] and grad_err <= 2 * TOL[dtype]
+        rows.append(dict(n=n, c=c, dtype=str(dtype), loss_rel_err=loss_err,
+                         grad_rel_err=grad_err, ok=ok))
+        print(f"  {'ok ' if ok else 'BAD'} {n}x{c} {dtype}: loss {loss_err:.1e} grad {grad_err:.1e}")
+    return rows
+
+
+def cuda_ms(fn, reps=10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / cuda_ms(lambda: b.copy_(a)) / 1e6
+
+
+def peers():
+    fns = {"ce_tvm": lambda x, y: ce_tvm.cross_entropy(x, y),
+           "eager": lambda x, y: F.cross_entropy(x, y)}
+    compiled = torch.compile(F.cross_entropy)
+    fns["compile"] = lambda x, y: compiled(x, y)
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+
+        fns["liger"] = lambda x, y: liger_cross_entropy(x, y)
+    except ImportError:
+        pass
+    try:
+        from flash_attn.ops.triton.cross_entropy import cross_entropy_loss as fa_ce
+
+        fns["flash_attn"] = lambda x, y: fa_ce(x, y)[0].mean()
+    except ImportError:
+        pass
+    return fns
+
+
+def dlight_forward_ms(x, y) -> float | None:
+    """Our forward compute scheduled by dlight.gpu.GeneralReduction (the baseline)."""
+    import tvm
+    from tvm.s_tir import dlight as dl
+
+    from ce_tvm.compute import Variant, forward_func
+    from ce_tvm.validation import FLOAT_DTYPES
+
+    n, c = x.shape
+    major, minor = torch.cuda.get_device_capability()
+    target = tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}"})
+    mod = tvm.IRModule({"main": forward_func(c, FLOAT_DTYPES[x.dtype], Variant("mean", False, False))})
+    with target:
+        mod = dl.ApplyDefaultSchedule(dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
+    fn = tvm.compile(mod, target=target)["main"]
+    outs = [x.new_empty(1), x.new_empty(1), x.new_empty(n, dtype=torch.float32)]
+    import tvm_ffi
+
+    def run():
+        with tvm_ffi.use_torch_stream():
+            fn(x, y, -100, 0.0, 0.0, *outs)
+
+    return cuda_ms(run)
+
+
+def time_shapes(peak_gbs: float, shapes) -> list[dict]:
+    rows = []
+    fns = peers()
+    for n, c, dtype in shapes:
+        x = torch.randn(n, c, device="cuda").to(dtype)
+        y = torch.randint(0, c, (n,), device="cuda")
+        nbytes = x.numel() * x.element_size()
+        row = dict(n=n, c=c, dtype=str(dtype), forward_ms={}, fwd_bwd_ms={})
+        for name, fn in fns.items():
+            with torch.no_grad():
+                row["forward_ms"][name] = cuda_ms(lambda: fn(x, y))
+            xg = x.clone().requires_grad_()
+
+            def step():
+                fn(xg, y).backward()
+                xg.grad = None
+
+            row["fwd_bwd_ms"][name] = cuda_ms(step)
+        try:
+            row["forward_ms"]["dlight"] = dlight_forward_ms(x, y)
+        except Exception as err:  # noqa: BLE001 - the baseline is optional
+            row["dlight_error"] = str(err)[:200]
+        row["forward_gbs"] = nbytes / row["forward_ms"]["ce_tvm"] / 1e6
+        row["fwd_bwd_gbs"] = 3 * nbytes / row["fwd_bwd_ms"]["ce_tvm"] / 1e6
+        row["fwd_bwd_share_of_peak"] = row["fwd_bwd_gbs"] / peak_gbs
+        rows.append(row)
+        print(f"  {n}x{c} {dtype}: " + ", ".join(
+            f"{k} fwd {row['forward_ms'].get(k, float('nan')):.3f} / f+b {v:.3f} ms"
+            for k, v in row["fwd_bwd_ms"].items())
+            + f"; ce_tvm f+b {row['fwd_bwd_gbs']:.0f} GB/s = "
+              f"{100 * row['fwd_bwd_share_of_peak']:.0f}% of copy bandwidth")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default="gpu_check.json")
+    p.add_argument("--quick", action="store_true", help="time the first shape only")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 2
+    print(f"device: {torch.cuda.get_device_name()}")
+    print("correctness against F.cross_entropy (weight, ignore_index, smoothing 0.1):")
+    correctness = check_correctness()
+    peak = copy_bandwidth_gbs()
+    print(f"device copy bandwidth: {peak:.0f} GB/s")
+    timings = time_shapes(peak, TIMED[:1] if args.quick else TIMED)
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": peak,
+                   "correctness": correctness, "timings": timings}, f, indent=1)
+    print(f"wrote {args.json}")
+    return 0 if all(r["ok"] for r in correctness) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

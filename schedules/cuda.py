@@ -1,0 +1,188 @@
+"""CUDA schedule for the fused cross-entropy forward and backward.
+
+Expects the blocks that ``ce_tvm.compute`` names; the math is never touched.
+
+Forward (and the vocabulary-shard statistics):
+
+1. One thread block of ``threads`` threads per row (``blockIdx.x``).
+2. The row is reduced in chunks of ``forward_chunk`` classes (the whole row
+   when it fits): each chunk is staged once into shared memory with
+   coalesced, 128-bit vectorised loads (``cache_read`` to ``shared`` at the
+   chunk loop), so the logits are read from global memory exactly once.
+3. The chunk's max, exp-sum and weighted sums are cross-thread reductions
+   (``threadIdx.x`` on the reduction loop: TVM lowers them to warp shuffles
+   plus shared memory), merged over chunks by the compute's online-softmax
+   reducer. Accumulation is float32.
+4. ``log_prob`` (seed API) is written from a second, coalesced pass.
+5. Sums over rows run in one block with a cross-thread reduction: a fixed
+   order, so results are deterministic (no atomics).
+
+Backward: one block per row; per-row coefficients once per thread, then the
+gradient with coalesced (128-bit where the row is 16-byte aligned) loads and
+stores. Indices are int64 throughout (``N`` is an int64 variable).
+
+``dlight.gpu.GeneralReduction`` schedules the same compute too (it is the
+baseline ``benchmarks/gpu_check.py`` compares with): it re-reads the row from
+global memory for every reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+
+from ._common import (
+    CHUNK_REDUCTIONS,
+    COMBINE_ROWS,
+    ROW_FORWARD_REST,
+    ROW_GRAD_COEFS,
+    ROW_TOTALS,
+    SHARD_GATHERS,
+    classes_of,
+    existing_blocks,
+    has_block,
+    inline_row_helpers,
+    is_per_row,
+)
+
+VECTOR_BYTES = 16  # one 128-bit load or store per thread
+
+
+@dataclass(frozen=True)
+class CUDAKnobs:
+    """``threads`` per row block (a multiple of the 32-thread warp); ``max_chunk``:
+    classes staged in shared memory at once (16 KiB of float32 at 4096)."""
+
+    threads: int = 256
+    max_chunk: int = 4096
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[dtype]
+
+
+def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = CUDAKnobs()) -> int:
+    """The whole row when it fits ``max_chunk``; else the smallest number of
+    equal chunks, each a multiple of one vectorised sweep of the block."""
+    if classes <= knobs.max_chunk:
+        return classes
+    sweep = knobs.threads * VECTOR_BYTES // _dtype_bytes(dtype)
+    chunks = -(-classes // knobs.max_chunk)
+    per_chunk = -(-classes // chunks)
+    return -(-per_chunk // sweep) * sweep
+
+
+def _vector_width(classes: int, extent: int, dtype: str) -> int:
+    """128-bit vectors when every row starts 16-byte aligned and ``extent`` divides evenly."""
+    lanes = VECTOR_BYTES // _dtype_bytes(dtype)
+    return lanes if (classes * _dtype_bytes(dtype)) % VECTOR_BYTES == 0 and extent % lanes == 0 else 1
+
+
+def _thread_loop(sch, loop, threads: int, lanes: int = 1) -> None:
+    """Spread ``loop`` over ``threadIdx.x`` (coalesced), vectorising ``lanes`` per thread."""
+    if lanes > 1:
+        _, tx, vec = sch.split(loop, [None, threads, lanes])
+        sch.vectorize(vec)
+    else:
+        _, tx = sch.split(loop, [None, threads])
+    sch.bind(tx, "threadIdx.x")
+
+
+def _bind_rows(sch, loop, threads: int) -> None:
+    """A loop over rows as a grid of ``threads``-thread blocks, one row per thread."""
+    bx, tx = sch.split(loop, [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+
+
+def _bind_single_block_reductions(sch, threads: int) -> None:
+    """Sums over rows (and ``ce_wsum`` over classes) in one block, cross-thread."""
+    for block in existing_blocks(sch, ROW_TOTALS + ("ce_wsum",)):
+        spatial, reduce = sch.get_loops(block)
+        sch.bind(spatial, "blockIdx.x")
+        _, tx = sch.split(reduce, [None, threads])
+        sch.bind(tx, "threadIdx.x")
+    for block in existing_blocks(sch, ("ce_loss", "ce_zloss")):
+        loop = sch.get_loops(block)[0]
+        if not is_per_row(sch, block):
+            bx, tx = sch.split(loop, [None, 1])
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+
+
+def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+    """Schedule ``forward_func`` / ``shard_stats_func`` (built with ``forward_chunk``)."""
+    sch = s_tir.Schedule(func)
+    inline_row_helpers(sch)
+    x = next(p for p in func.params if len(getattr(p, "shape", ())) == 2)
+    dtype, classes = str(x.dtype), classes_of(func)
+    names = [b for b in CHUNK_REDUCTIONS if has_block(sch, b)]
+    row, chunk_loop = sch.get_loops(sch.get_sblock("ce_rowstats"))
+    for name in reversed(names):
+        sch.compute_at(sch.get_sblock(name), chunk_loop)
+    for blk in existing_blocks(sch, ROW_FORWARD_REST):
+        if is_per_row(sch, blk):
+            sch.reverse_compute_at(blk, row)
+    readers = [sch.get_sblock(n) for n in names if n != "ce_chunk_wsum"]
+    staged = sch.cache_read(readers[0], _read_index(sch, readers[0], "x"), "shared",
+                            consumer_blocks=readers)
+    sch.compute_at(staged, chunk_loop)
+    per_row_only = [] if existing_blocks(sch, ROW_TOTALS) else ["ce_row_ce", "ce_row_z"]
+    _keep_on_chip(sch, func, names + ["ce_rowstats"] + per_row_only)
+    sch.bind(row, "blockIdx.x")
+    copy = sch.get_loops(staged)[-1]
+    _thread_loop(sch, copy, knobs.threads,
+                 _vector_width(classes, int(sch.get(copy).extent), dtype))
+    for name in names:
+        _thread_loop(sch, sch.get_loops(sch.get_sblock(name))[-1], knobs.threads)
+    if has_block(sch, "log_prob"):
+        lp = sch.get_sblock("log_prob")
+        inner = sch.get_loops(lp)[-1]
+        _thread_loop(sch, inner, knobs.threads, _vector_width(classes, classes, dtype))
+    for blk in existing_blocks(sch, SHARD_GATHERS):
+        _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
+    _bind_single_block_reductions(sch, knobs.threads)
+    return sch.mod["main"]
+
+
+def _keep_on_chip(sch, func, names) -> None:
+    """Per-row intermediates live in registers (``local``), not global memory."""
+    params = {p.name for p in func.params if hasattr(p, "shape")}
+    for block in existing_blocks(sch, names):
+        for i, region in enumerate(sch.get(block).writes):
+            if region.source.name not in params:
+                sch.set_scope(block, i, "local")
+
+
+def _read_index(sch, block, buffer: str) -> int:
+    return [r.source.name for r in sch.get(block).reads].index(buffer)
+
+
+def backward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+    """Schedule ``backward_func``: a block per row, coalesced element loop."""
+    sch = s_tir.Schedule(func)
+    inline_row_helpers(sch)
+    grad = sch.get_sblock("x_grad")
+    row, col = sch.get_loops(grad)
+    for blk in reversed(existing_blocks(sch, ROW_GRAD_COEFS)):
+        sch.compute_at(blk, row)
+    _keep_on_chip(sch, func, ROW_GRAD_COEFS)
+    sch.bind(row, "blockIdx.x")
+    dtype = str(sch.get(grad).writes[0].source.dtype)
+    classes = classes_of(func)
+    _thread_loop(sch, col, knobs.threads, _vector_width(classes, classes, dtype))
+    _bind_single_block_reductions(sch, knobs.threads)
+    return sch.mod["main"]
+
+
+def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+    """Schedule ``shard_combine_func``: one row per thread."""
+    sch = s_tir.Schedule(func)
+    inline_row_helpers(sch)
+    for blk in existing_blocks(sch, COMBINE_ROWS):
+        if is_per_row(sch, blk):
+            _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
+    _bind_single_block_reductions(sch, knobs.threads)
+    return sch.mod["main"]
