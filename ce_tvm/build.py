@@ -36,6 +36,7 @@ class KernelSpec:
     variant: compute.Variant = field(default_factory=compute.Variant)
     target: str = "llvm"
     options: tuple = ()  # schedule options as sorted (name, value) pairs, e.g. the ascend profile
+    tuned: str = ""  # a tuning record (``ce_tvm.tuning``) to apply instead of the hand schedule
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -53,7 +54,8 @@ class KernelSpec:
         else:  # nor does log_prob the backward
             tag = tag.replace("-lp-", "-").replace("-nolp-", "-")
         opts = "".join(f"-{v}" for _, v in self.options)
-        return f"{self.target}{opts}-{self.op}-{self.dtype}-C{self.classes}-{tag}"
+        tuned = "-tuned" if self.tuned else ""
+        return f"{self.target}{opts}-{self.op}-{self.dtype}-C{self.classes}-{tag}{tuned}"
 
     def key(self) -> dict:
         """Everything the generated code depends on, as a JSON-able dict."""
@@ -66,6 +68,7 @@ class KernelSpec:
             "classes": self.classes,
             "variant": self.stem(),
             "options": [list(kv) for kv in self.options],
+            "tuned": self.tuned and _tuning().record_digest(self.tuned),
             "code": _code_fingerprint(self.target),
         }
 
@@ -105,19 +108,36 @@ def _code_fingerprint(target: str) -> str:
     return _FINGERPRINTS[target]
 
 
-def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
-    """The compute of ``spec`` with its target's schedule applied."""
-    schedule = schedule_module(spec.target)
-    target = spec.tvm_target()
-    options = spec.schedule_options()
+def declared_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
+    """The compute of ``spec``, unscheduled (forward rows chunked as the schedule asks)."""
     args = (spec.classes, spec.dtype, spec.variant)
     if spec.op in ("forward", "shard_stats"):
-        chunk = schedule.forward_chunk(spec.classes, spec.dtype, target, **options)
+        chunk = schedule_module(spec.target).forward_chunk(
+            spec.classes, spec.dtype, spec.tvm_target(), **spec.schedule_options())
         declare = compute.forward_func if spec.op == "forward" else compute.shard_stats_func
-        return schedule.forward(declare(*args, chunk), target, **options)
+        return declare(*args, chunk)
     if spec.op == "shard_combine":
-        return schedule.per_row(compute.shard_combine_func(*args), target, **options)
-    return schedule.backward(compute.backward_func(*args), target, **options)
+        return compute.shard_combine_func(*args)
+    return compute.backward_func(*args)
+
+
+SCHEDULE_OF_OP = {"forward": "forward", "shard_stats": "forward", "backward": "backward",
+                  "shard_combine": "per_row"}
+
+
+def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
+    """The compute of ``spec`` with its tuning record, or its target's hand schedule."""
+    func = declared_func(spec)
+    if spec.tuned:
+        return _tuning().apply_record(spec.tuned, func, spec.tvm_target())
+    schedule = getattr(schedule_module(spec.target), SCHEDULE_OF_OP[spec.op])
+    return schedule(func, spec.tvm_target(), **spec.schedule_options())
+
+
+def _tuning():
+    from . import tuning  # tuning builds on this module
+
+    return tuning
 
 
 def compile_spec(spec: KernelSpec):

@@ -65,6 +65,25 @@ def cmd_cache(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_tune(args) -> int:
+    from . import tuning
+
+    log_root = Path(args.log_dir) if args.log_dir else tuning.PACKAGE_LOGS
+    variants = {"forward": Variant(args.reduction, False, False),
+                "backward": Variant(args.reduction, False, grad_source="logits")}
+    rows = []
+    for op in args.ops.split(","):
+        spec = KernelSpec(op, args.dtype, args.classes, variants[op], args.target)
+        rows.append(tuning.tune(spec, args.rows, args.trials, log_root, args.retune,
+                                args.spaces.split(",")))
+    print(f"\n{'kernel':<48} {'N':>6} {'hand ms':>9} {'tuned ms':>9} {'speedup':>8}  applied")
+    for r in rows:
+        print(f"{r['kernel']:<48} {r['rows']:>6} {r['hand_ms']:>9.3f} {r['tuned_ms']:>9.3f} "
+              f"{r['speedup']:>7.2f}x  {'yes (' + r['space'] + ')' if r['applied'] else 'no'}")
+    print(f"records in {log_root}")
+    return 0
+
+
 def cmd_plan(args) -> int:
     from .schedules import ascend
 
@@ -113,6 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=cmd_cache)
 
     bench.add_parser(sub)
+
+    t = sub.add_parser("tune", help="autotune forward and backward at one shape (meta_schedule)")
+    t.add_argument("--target", choices=["llvm"], default="llvm")
+    t.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    t.add_argument("--classes", type=int, required=True)
+    t.add_argument("--rows", type=int, required=True)
+    t.add_argument("--trials", type=int, default=16, help="trials per search space")
+    t.add_argument("--ops", default="forward,backward")
+    t.add_argument("--reduction", choices=list(REDUCTIONS), default="mean")
+    t.add_argument("--spaces", default="ce_tvm,generic",
+                   help="search spaces: ce_tvm (the hand schedule's knobs), generic")
+    t.add_argument("--log-dir", help="where records go (default: the package's tuning_logs)")
+    t.add_argument("--retune", action="store_true", help="search again where a record exists")
+    t.set_defaults(func=cmd_tune)
 
     pl = sub.add_parser("plan", help="Ascend tiling plan and cost model")
     pl.add_argument("--profile", default="910b")

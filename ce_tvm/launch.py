@@ -16,6 +16,7 @@ from . import pool
 from .build import KernelSpec
 from .compute import Variant
 from .runtime import call
+from .tuning import tuned_spec
 from .validation import accum_torch_dtype, storage_dtype, target_for
 
 
@@ -31,8 +32,10 @@ class ForwardOutputs:
 
 
 def _spec(op, x, variant) -> KernelSpec:
+    """The kernel for ``x``; on the CPU with the tuning record nearest its row count, if any."""
     target, options = target_for(x)
-    return KernelSpec(op, storage_dtype(x, "input"), x.shape[1], variant, target, options)
+    spec = KernelSpec(op, storage_dtype(x, "input"), x.shape[1], variant, target, options)
+    return tuned_spec(spec, x.shape[0]) if target == "llvm" else spec
 
 
 def forward(x, y, w, reduction, ignore_index, label_smoothing, zloss_scale, *,

@@ -85,6 +85,16 @@ class CPUKnobs:
     accumulators: int = 2
 
 
+ACCUMULATOR_CHOICES = (1, 2, 4)
+
+
+def sample_knobs(sch) -> CPUKnobs:
+    """Knobs drawn with a sampling instruction, so a tuning trace records them."""
+    choice = sch.sample_categorical(list(ACCUMULATOR_CHOICES),
+                                    [1.0 / len(ACCUMULATOR_CHOICES)] * len(ACCUMULATOR_CHOICES))
+    return CPUKnobs(accumulators=int(sch.get(choice)))
+
+
 def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
     """float32 lanes of one native vector register of ``target``."""
     return max(1, llvm_get_vector_width(target) // (8 * elem_bytes))
@@ -108,7 +118,11 @@ def forward_chunk(classes: int, dtype: str, target: Target, knobs: CPUKnobs = CP
 
 def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """Schedule ``ce_tvm.compute.forward_func`` for ``target``; returns the scheduled PrimFunc."""
-    sch = s_tir.Schedule(func)
+    return schedule_forward(s_tir.Schedule(func), target, knobs).mod["main"]
+
+
+def schedule_forward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
+    """``forward`` on a given schedule (meta_schedule's search space calls it)."""
     inline_row_helpers(sch)
     chunk = int(sch.get(sch.get_loops(sch.get_sblock("ce_chunk_max"))[-1]).extent)
     lanes = row_lanes(chunk, vector_lanes(target) * knobs.accumulators)
@@ -130,12 +144,16 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     init_row_totals(sch)
     if has_block(sch, "log_prob"):
         vectorize_inner(sch, sch.get_sblock("log_prob"), vector_lanes(target) * knobs.accumulators)
-    return sch.mod["main"]
+    return sch
 
 
 def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """Schedule ``ce_tvm.compute.backward_func`` for ``target``; returns the scheduled PrimFunc."""
-    sch = s_tir.Schedule(func)
+    return schedule_backward(s_tir.Schedule(func), target, knobs).mod["main"]
+
+
+def schedule_backward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
+    """``backward`` on a given schedule (meta_schedule's search space calls it)."""
     inline_row_helpers(sch)
     grad = sch.get_sblock("x_grad")
     row = sch.get_loops(grad)[0]
@@ -144,7 +162,7 @@ def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     sch.parallel(row)
     init_row_totals(sch)
     vectorize_inner(sch, grad, vector_lanes(target) * knobs.accumulators)
-    return sch.mod["main"]
+    return sch
 
 
 def per_row(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
