@@ -46,7 +46,7 @@ class Row:
     extra_peak_mb: dict = field(default_factory=dict)
 
 
-def best_ms(fn, reps: int, warmup: int) -> float:
+def best_ms(fn, reps: int = 5, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
     best = float("inf")

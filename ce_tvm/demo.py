@@ -9,20 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from . import launch
+from .bench import best_ms
 from .functional import cross_entropy_loss, cross_entropy_loss_grad
 from .runtime import loaded_specs
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _best_ms(fn, repeat: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def run_demo(rows: int, classes: int, dtype: str) -> None:
@@ -43,19 +34,19 @@ def run_demo(rows: int, classes: int, dtype: str) -> None:
     loss_err = abs(loss.float().item() - ref.item()) / abs(ref.item())
     grad_err = (grad.float() - xr.grad).abs().max().item()
 
-    fwd_ms = _best_ms(lambda: cross_entropy_loss(x, y, **opts))
-    bwd_ms = _best_ms(lambda: cross_entropy_loss_grad(torch.ones(1), log_prob, y, **opts))
+    fwd_ms = best_ms(lambda: cross_entropy_loss(x, y, **opts))
+    bwd_ms = best_ms(lambda: cross_entropy_loss_grad(torch.ones(1), log_prob, y, **opts))
     # The same kernels writing into buffers allocated once: a fresh [N, C]
     # output costs page faults on every call (see README, "Memory").
     out = launch.forward(x, y, None, "mean", -100, 0.1, 0.0, log_prob=True)
-    fwd_k = _best_ms(lambda: launch.forward(x, y, None, "mean", -100, 0.1, 0.0, log_prob=True,
+    fwd_k = best_ms(lambda: launch.forward(x, y, None, "mean", -100, 0.1, 0.0, log_prob=True,
                                             out=out))
     g, gz, lse, x_grad = torch.ones(1), torch.zeros(1), out.lse, torch.empty_like(x)
-    bwd_k = _best_ms(lambda: launch.backward(g, gz, log_prob, lse, y, None, "mean", -100, 0.1,
+    bwd_k = best_ms(lambda: launch.backward(g, gz, log_prob, lse, y, None, "mean", -100, 0.1,
                                              0.0, source_kind="log_prob", out=x_grad))
     xe = x.detach().requires_grad_()
-    eager_fwd = _best_ms(lambda: F.cross_entropy(xe, y, **opts))
-    eager_fb = _best_ms(lambda: F.cross_entropy(xe, y, **opts).backward())
+    eager_fwd = best_ms(lambda: F.cross_entropy(xe, y, **opts))
+    eager_fb = best_ms(lambda: F.cross_entropy(xe, y, **opts).backward())
 
     print(f"ce_tvm demo: N={rows} C={classes} {dtype}, label_smoothing=0.1, every 7th row ignored")
     print(f"  kernels: {len(loaded_specs())} loaded, first call (build or cache load) {first:.2f} s")

@@ -22,14 +22,9 @@ def cross_entropy_loss(input, target, weight=None, reduction="mean", ignore_inde
     ``return_zloss``; ``lse_for_zloss`` is empty unless the z-loss scale is
     non-zero or ``return_zloss``. All in the dtype of ``input``.
     """
-    x = check.logits(input)
-    check.check_device(x)
-    red = check.reduction(reduction)
-    ii = check.ignore_index(ignore_index)
-    eps = check.label_smoothing(label_smoothing)
-    s = check.zloss_scale(lse_square_scale_for_zloss)
-    y = check.targets(target, x, ii)
-    w = check.weight(weight, x)
+    x, y, w, red, ii, eps, s = check.operator_args(
+        input, "input", target, weight, reduction, ignore_index, label_smoothing,
+        lse_square_scale_for_zloss)
     out = launch.forward(x, y, w, red, ii, eps, s, log_prob=True)
     empty = x.new_empty(0)
     return (
@@ -49,14 +44,9 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, grad_zloss
     ``lse_for_zloss`` is required when the z-loss scale is non-zero. Returns
     ``x_grad [N, C]`` in the dtype of ``log_prob``.
     """
-    lp = check.logits(log_prob, "log_prob")
-    check.check_device(lp)
-    red = check.reduction(reduction)
-    ii = check.ignore_index(ignore_index)
-    eps = check.label_smoothing(label_smoothing)
-    s = check.zloss_scale(lse_square_scale_for_zloss)
-    y = check.targets(target, lp, ii)
-    w = check.weight(weight, lp)
+    lp, y, w, red, ii, eps, s = check.operator_args(
+        log_prob, "log_prob", target, weight, reduction, ignore_index, label_smoothing,
+        lse_square_scale_for_zloss)
     n = lp.shape[0]
     g = check.row_vector(grad_loss, n, lp, "grad_loss", red)
     gz = (torch.zeros_like(g) if grad_zloss is None

@@ -21,7 +21,7 @@ _kernels: dict = {}
 _pool_configured = False
 
 
-def _configure_thread_pool() -> None:
+def configure_thread_pool() -> None:
     """One TVM worker per core this process may use, without pinning the caller.
 
     TVM sizes its pool from ``TVM_NUM_THREADS`` when the pool is first used
@@ -46,7 +46,7 @@ def kernel(spec: KernelSpec):
     with _lock:
         fn = _kernels.get(spec)
         if fn is None:
-            _configure_thread_pool()
+            configure_thread_pool()
             fn = tvm.runtime.load_module(str(module_path(spec)))["main"]
             _kernels[spec] = fn
     return fn

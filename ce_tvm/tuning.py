@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.resources
 import json
 import logging
 import math
@@ -36,9 +37,10 @@ from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
 from .build import KernelSpec, declared_func, schedule_module
+from .runtime import configure_thread_pool
 
 log = logging.getLogger("ce_tvm")
-PACKAGE_LOGS = Path(__file__).with_name("tuning_logs")
+PACKAGE_LOGS = Path(str(importlib.resources.files("ce_tvm.tuning_logs")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,6 +187,7 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
     if (out / "summary.json").exists() and not retune:
         echo(f"  {rid}: already tuned (use --retune to search again)")
         return json.loads((out / "summary.json").read_text())
+    configure_thread_pool()  # measure with the threads the runtime will use
     target = spec.tvm_target()
     sched = schedule_module(spec.target)
     op_schedule = {"forward": sched.schedule_forward, "backward": sched.schedule_backward}[spec.op]

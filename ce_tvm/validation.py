@@ -170,3 +170,16 @@ def target_for(x: torch.Tensor) -> tuple:
         major, minor = torch.cuda.get_device_capability(x.device)
         return "cuda", (("arch", f"sm_{major}{minor}"),)
     return cpu_schedule()
+
+
+def operator_args(x, name, target, weight_, reduction_, ignore_index_, label_smoothing_,
+                  zloss_scale_):
+    """Every check of the seed-compatible pair, in order; returns
+    ``(x, target, weight, reduction, ignore_index, label_smoothing, zloss_scale)``."""
+    x = logits(x, name)
+    check_device(x)
+    red = reduction(reduction_)
+    ii = ignore_index(ignore_index_)
+    eps = label_smoothing(label_smoothing_)
+    s = zloss_scale(zloss_scale_)
+    return x, targets(target, x, ii), weight(weight_, x), red, ii, eps, s

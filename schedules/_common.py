@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tvm import tirx
 
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 ROW_TOTALS = ("ce_total_ce", "ce_total_z", "ce_total_weight", "ce_total_count")
 CHUNK_REDUCTIONS = ("ce_chunk_max", "ce_chunk_expsum", "ce_chunk_wxsum", "ce_chunk_wsum")
 ROW_FORWARD_REST = ("lse", "ce_row_ce", "ce_row_z", "log_prob", "ce_loss", "ce_zloss")

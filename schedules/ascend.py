@@ -31,6 +31,7 @@ from tvm.target import Target
 
 from ._common import (
     CHUNK_REDUCTIONS,
+    DTYPE_BYTES,
     SHARD_GATHERS,
     COMBINE_ROWS,
     ROW_FORWARD_REST,
@@ -47,7 +48,6 @@ from ._common import (
     vectorize_inner,
 )
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 OPS = ("forward", "backward")
 
 

@@ -36,6 +36,7 @@ from tvm.target import Target
 from ._common import (
     CHUNK_REDUCTIONS,
     COMBINE_ROWS,
+    DTYPE_BYTES,
     ROW_FORWARD_REST,
     ROW_GRAD_COEFS,
     ROW_TOTALS,
@@ -59,16 +60,12 @@ class CUDAKnobs:
     max_chunk: int = 4096
 
 
-def _dtype_bytes(dtype: str) -> int:
-    return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[dtype]
-
-
 def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = CUDAKnobs()) -> int:
     """The whole row when it fits ``max_chunk``; else the smallest number of
     equal chunks, each a multiple of one vectorised sweep of the block."""
     if classes <= knobs.max_chunk:
         return classes
-    sweep = knobs.threads * VECTOR_BYTES // _dtype_bytes(dtype)
+    sweep = knobs.threads * VECTOR_BYTES // DTYPE_BYTES[dtype]
     chunks = -(-classes // knobs.max_chunk)
     per_chunk = -(-classes // chunks)
     return -(-per_chunk // sweep) * sweep
@@ -76,8 +73,8 @@ def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = C
 
 def _vector_width(classes: int, extent: int, dtype: str) -> int:
     """128-bit vectors when every row starts 16-byte aligned and ``extent`` divides evenly."""
-    lanes = VECTOR_BYTES // _dtype_bytes(dtype)
-    return lanes if (classes * _dtype_bytes(dtype)) % VECTOR_BYTES == 0 and extent % lanes == 0 else 1
+    lanes = VECTOR_BYTES // DTYPE_BYTES[dtype]
+    return lanes if (classes * DTYPE_BYTES[dtype]) % VECTOR_BYTES == 0 and extent % lanes == 0 else 1
 
 
 def _thread_loop(sch, loop, threads: int, lanes: int = 1) -> None:
