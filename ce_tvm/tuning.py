@@ -6,8 +6,8 @@ symbolic N): the hand schedule's own family (``schedules.<target>
 records them) and meta_schedule's generic space. The best candidate is
 measured against the hand schedule in the same process; the record stores
 both times. The build applies a record only when it beat the hand schedule
-(tuning never makes anything slower), replaying its trace on the symbolic-N
-function.
+by ``MIN_SPEEDUP`` (tuning never makes anything slower), replaying its trace
+on the symbolic-N function.
 
 Layout: ``<logs>/<target key>/<kernel stem>-N<rows>/`` holds the JSON
 database of the winning space and ``summary.json``. Records are looked up in
@@ -40,6 +40,9 @@ from .build import KernelSpec, declared_func, schedule_module
 from .runtime import configure_thread_pool
 
 log = logging.getLogger("ce_tvm")
+# A record is applied only when it beat the hand schedule by this factor when
+# both were measured: a tie within timing noise keeps the hand schedule.
+MIN_SPEEDUP = 1.02
 PACKAGE_LOGS = Path(str(importlib.resources.files("ce_tvm.tuning_logs")))
 
 
@@ -99,7 +102,7 @@ def _records(key: str, stem: str, dirs: tuple) -> tuple:
     for root in dirs:
         for summary in sorted((root / key).glob(f"{stem}-N*/summary.json")):
             data = json.loads(summary.read_text())
-            if data["tuned_ms"] < data["hand_ms"]:
+            if data["hand_ms"] >= MIN_SPEEDUP * data["tuned_ms"]:
                 found.append((int(data["rows"]), f"{key}/{summary.parent.name}"))
     return tuple(found)
 
@@ -227,7 +230,7 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
             shutil.copy(work_dir / name, out / name)
     summary = {"kernel": replace(spec, tuned="").stem(), "rows": rows, "hand_ms": hand_ms,
                "tuned_ms": tuned_ms, "space": space, "trials": trials,
-               "applied": tuned_ms < hand_ms, "speedup": hand_ms / tuned_ms}
+               "applied": hand_ms >= MIN_SPEEDUP * tuned_ms, "speedup": hand_ms / tuned_ms}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     _records.cache_clear()
     return summary
