@@ -71,9 +71,16 @@ def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = C
     return -(-per_chunk // sweep) * sweep
 
 
-def _vector_width(classes: int, extent: int, dtype: str) -> int:
-    """128-bit vectors when every row starts 16-byte aligned and ``extent`` divides evenly."""
+def _vector_width(classes: int, extent: int, dtype: str, computes: bool = False) -> int:
+    """128-bit vectors when every row starts 16-byte aligned and ``extent`` divides evenly.
+
+    A loop that computes in float32 (not a plain copy) is held to 4 lanes: TVM
+    0.27's CUDA codegen emits an invalid ``make_ulonglong4`` for an 8-lane
+    float32 broadcast, so half types load 64 bits there.
+    """
     lanes = VECTOR_BYTES // DTYPE_BYTES[dtype]
+    if computes:
+        lanes = min(lanes, VECTOR_BYTES // 4)
     return lanes if (classes * DTYPE_BYTES[dtype]) % VECTOR_BYTES == 0 and extent % lanes == 0 else 1
 
 
@@ -137,7 +144,7 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     if has_block(sch, "log_prob"):
         lp = sch.get_sblock("log_prob")
         inner = sch.get_loops(lp)[-1]
-        _thread_loop(sch, inner, knobs.threads, _vector_width(classes, classes, dtype))
+        _thread_loop(sch, inner, knobs.threads, _vector_width(classes, classes, dtype, True))
     for blk in existing_blocks(sch, SHARD_GATHERS):
         _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)
@@ -169,7 +176,7 @@ def backward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     sch.bind(row, "blockIdx.x")
     dtype = str(sch.get(grad).writes[0].source.dtype)
     classes = classes_of(func)
-    _thread_loop(sch, col, knobs.threads, _vector_width(classes, classes, dtype))
+    _thread_loop(sch, col, knobs.threads, _vector_width(classes, classes, dtype, True))
     _bind_single_block_reductions(sch, knobs.threads)
     return sch.mod["main"]
 
