@@ -102,7 +102,7 @@ def _records(key: str, stem: str, dirs: tuple) -> tuple:
     for root in dirs:
         for summary in sorted((root / key).glob(f"{stem}-N*/summary.json")):
             data = json.loads(summary.read_text())
-            if data["hand_ms"] >= MIN_SPEEDUP * data["tuned_ms"]:
+            if data["applied"] and data["hand_ms"] >= MIN_SPEEDUP * data["tuned_ms"]:
                 found.append((int(data["rows"]), f"{key}/{summary.parent.name}"))
     return tuple(found)
 
@@ -232,5 +232,11 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
                "tuned_ms": tuned_ms, "space": space, "trials": trials,
                "applied": hand_ms >= MIN_SPEEDUP * tuned_ms, "speedup": hand_ms / tuned_ms}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if summary["applied"]:
+        try:  # a trace that does not replay on the symbolic-N kernel is never applied
+            apply_record(rid, declared_func(spec), target)
+        except Exception as err:  # noqa: BLE001 - recorded in the summary instead
+            summary.update(applied=False, replay_error=str(err).splitlines()[-1][:300])
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
     _records.cache_clear()
     return summary

@@ -38,6 +38,7 @@ def _force(logs, applied: bool):
     path = _summary_path(logs)
     data = json.loads(path.read_text())
     data["tuned_ms"] = data["hand_ms"] * (0.5 if applied else 2.0)
+    data["applied"] = applied
     path.write_text(json.dumps(data))
 
 
