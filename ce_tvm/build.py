@@ -102,7 +102,8 @@ def _code_fingerprint(target: str) -> str:
     """Hash of the sources that define the generated code for ``target``."""
     if target not in _FINGERPRINTS:
         h = hashlib.sha256()
-        for mod in (compute, fastmath, schedule_module(target)):
+        shared = importlib.import_module("ce_tvm.schedules._common")
+        for mod in (compute, fastmath, shared, schedule_module(target)):
             h.update(inspect.getsource(mod).encode())
         _FINGERPRINTS[target] = h.hexdigest()[:16]
     return _FINGERPRINTS[target]

@@ -36,6 +36,11 @@ backward (``backward_func``):
 ``x_grad``             output ``a w[y] (p - onehot) + b (p sum w - w[c]) + z-term``
 =====================  =====================================================
 
+vocabulary shards (``shard_stats_func``, ``shard_combine_func``, and the
+``shard`` source of ``backward_func``) reuse the same stages, plus
+``ce_shard_local`` (target index in the shard), ``ce_shard_target_logit`` and
+``ce_shard_target_weight``.
+
 ``N`` is a symbolic int64 variable, so one compiled module serves every batch
 size; ``C`` is a compile-time constant. ``ignore_index``, ``label_smoothing``
 and ``zloss_scale`` are scalar kernel arguments.
