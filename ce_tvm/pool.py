@@ -40,15 +40,13 @@ class BufferPool:
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised contiguous tensor, from a recycled buffer when one is free."""
-        numel = math.prod(shape)
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if device.type != "cpu" or nbytes < MIN_BYTES or nbytes > self.max_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
         with self._lock:
             buf = self._take(nbytes)
-        out = torch.empty(0, dtype=dtype)
-        stride = torch.empty(shape, dtype=dtype, device="meta").stride()
-        return out.set_(buf.untyped_storage(), 0, shape, stride)
+        stride = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+        return torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), 0, shape, stride)
 
     def _take(self, nbytes: int) -> torch.Tensor:
         idle = [i for i, (b, n) in enumerate(self._buffers) if _use_count(b) == n]
