@@ -1,4 +1,6 @@
-"""The ``ce-tvm`` command line: ``compile`` kernels ahead of time, ``demo`` the loss."""
+"""The ``ce-tvm`` command line: ``compile`` kernels ahead of time, inspect the
+module ``cache``, ``bench`` against PyTorch, ``tune`` kernels (meta_schedule),
+show an Ascend tiling ``plan``, and ``demo`` the loss."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from . import bench, cache
 from .build import KernelSpec
 from .compute import DTYPES, REDUCTIONS, Variant
 from .targets import TARGETS
+
+TRAINING_DTYPES = tuple(d for d in DTYPES if d != "float64")
 
 
 def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> list[KernelSpec]:
@@ -61,7 +65,8 @@ def cmd_cache(args) -> int:
             bad += problem is not None
             print(f"{'ok ' if problem is None else 'BAD'}  {lib.name}" +
                   (f": {problem}" if problem else ""))
-    print(f"{len(libs)} modules in {directory}" + (f", {bad} bad" if args.action == "verify" else ""))
+    verdict = f", {bad} bad" if args.action == "verify" else ""
+    print(f"{len(libs)} modules in {directory}{verdict}")
     return 1 if bad else 0
 
 
@@ -85,10 +90,10 @@ def cmd_tune(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .schedules import ascend
+    from .schedules import ascend_plan
 
-    p = ascend.plan(args.profile, args.rows, args.classes, args.dtype, args.op)
-    est = ascend.cost(p)
+    p = ascend_plan.plan(args.profile, args.rows, args.classes, args.dtype, args.op)
+    est = ascend_plan.cost(p)
     if args.json:
         print(json.dumps({"plan": p.as_dict(), "cost": est}, indent=1))
         return 0
@@ -97,7 +102,7 @@ def cmd_plan(args) -> int:
     print(f"  block_dim {p.block_dim}; rows per core {front[0]} x {front.count(front[0])}"
           + (f", {front[-1]} x {front.count(front[-1])}" if front[-1] != front[0] else ""))
     print(f"  chunk {p.chunk} elements x {p.tiles} tiles; UB {p.ub_bytes} of "
-          f"{ascend.PROFILES[p.profile].ub_bytes} bytes; buffers {p.buffers}; "
+          f"{ascend_plan.PROFILES[p.profile].ub_bytes} bytes; buffers {p.buffers}; "
           f"passes over the logits {p.passes}")
     print("  cost model          reads  writes    MB moved   memory us   vector us    total us")
     for name, e in est.items():
@@ -119,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="compile every kernel variant for one (target, dtype, C)")
     c.add_argument("--target", choices=TARGETS, default="llvm")
-    c.add_argument("--dtype", choices=[d for d in DTYPES], default="float32")
+    c.add_argument("--dtype", choices=DTYPES, default="float32")
     c.add_argument("--classes", type=int, required=True)
     c.add_argument("--out", help="write a precompiled directory here instead of the cache")
     c.add_argument("--profile", default="910b", help="Ascend profile (--target ascend)")
@@ -135,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="autotune forward and backward at one shape (meta_schedule)")
     t.add_argument("--target", choices=["llvm"], default="llvm")
-    t.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    t.add_argument("--dtype", choices=TRAINING_DTYPES, default="float32")
     t.add_argument("--classes", type=int, required=True)
     t.add_argument("--rows", type=int, required=True)
     t.add_argument("--trials", type=int, default=16, help="trials per search space")
@@ -151,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--profile", default="910b")
     pl.add_argument("--classes", type=int, required=True)
     pl.add_argument("--rows", type=int, required=True)
-    pl.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    pl.add_argument("--dtype", choices=TRAINING_DTYPES, default="bfloat16")
     pl.add_argument("--op", choices=["forward", "backward"], default="forward")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
@@ -159,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="compile for the CPU, run forward+backward, print a report")
     d.add_argument("--rows", type=int, default=4096)
     d.add_argument("--classes", type=int, default=32000)
-    d.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    d.add_argument("--dtype", choices=TRAINING_DTYPES, default="float32")
     d.set_defaults(func=cmd_demo)
     return p
 

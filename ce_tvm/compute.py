@@ -1,7 +1,9 @@
 """The cross-entropy math, declared once in TVM TE (SPEC.md sections 1 and 2).
 
 Nothing here knows about targets, schedules or torch. Every stage has a stable
-name; those names are the contract schedules look blocks up by:
+name, exported below as a constant (``CHUNK_MAX = "ce_chunk_max"``, ...; all of
+them in ``STAGES``); those constants are the contract schedules look blocks up
+by:
 
 forward (``forward_func``), per row ``n`` of ``x[N, C]``, the row cut into
 chunks ``k`` of ``chunk`` classes:
@@ -55,12 +57,51 @@ from tvm import te, tirx
 from . import fastmath
 
 REDUCTIONS = ("none", "sum", "mean")
-DTYPES = ("float32", "float16", "bfloat16", "float64")
+# Storage dtypes and their sizes in bytes (the one table of them).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+DTYPES = tuple(DTYPE_BYTES)
+
+# Stage names (see the tables above).
+CHUNK_MAX = "ce_chunk_max"
+CHUNK_EXPSUM = "ce_chunk_expsum"
+CHUNK_WXSUM = "ce_chunk_wxsum"
+CHUNK_WSUM = "ce_chunk_wsum"
+ROWSTATS = "ce_rowstats"
+LSE = "lse"
+ROW_MASK = "ce_row_mask"
+ROW_CE = "ce_row_ce"
+ROW_Z = "ce_row_z"
+ROW_WEIGHT = "ce_row_weight"
+LOG_PROB = "log_prob"
+TOTAL_CE = "ce_total_ce"
+TOTAL_Z = "ce_total_z"
+TOTAL_WEIGHT = "ce_total_weight"
+TOTAL_COUNT = "ce_total_count"
+LOSS = "ce_loss"
+ZLOSS = "ce_zloss"
+WSUM = "ce_wsum"
+GRAD_MASK = "ce_grad_mask"
+GRAD_HOT = "ce_grad_hot"
+GRAD_SMOOTH = "ce_grad_smooth"
+GRAD_PSCALE = "ce_grad_pscale"
+X_GRAD = "x_grad"
+SHARD_LOCAL = "ce_shard_local"
+SHARD_TARGET_LOGIT = "ce_shard_target_logit"
+SHARD_TARGET_WEIGHT = "ce_shard_target_weight"
+STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
+          ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
+          WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
+          SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT)
 
 
 def accum_dtype(dtype: str) -> str:
     """Arithmetic dtype for a storage dtype: float64 stays, all others use float32."""
     return "float64" if dtype == "float64" else "float32"
+
+
+def matrix_param(func: tirx.PrimFunc):
+    """The ``[N, C]`` input of a declared function (``x``, or ``log_prob``)."""
+    return next(p for p in func.params if len(getattr(p, "shape", ())) == 2)
 
 
 @dataclass(frozen=True)
@@ -126,10 +167,10 @@ def _masked_target(y, ii, classes: int):
     return mask, index
 
 
-def _row_total(name, term, n_rows):
+def _row_total(stage, term, n_rows):
     """Serial, fixed-order sum over rows of a per-row term (deterministic, no atomics)."""
     r = te.reduce_axis((_int64(0), n_rows), name="r")
-    return te.compute((1,), lambda _: te.sum(term[r], axis=r), name=f"ce_total_{name}")
+    return te.compute((1,), lambda _: te.sum(term[r], axis=r), name=stage)
 
 
 def _softmax_merge(n_outputs: int):
@@ -171,7 +212,7 @@ def _row_stats(x, w, n_rows, classes: int, acc: str, chunk: int | None):
     def xf(n, c):
         return x[n, c].astype(acc)
 
-    def per_chunk(name, reducer, pad, body):
+    def per_chunk(stage, reducer, pad, body):
         j = te.reduce_axis((_int64(0), _int64(chunk)), name="j")
 
         def value(n, k):
@@ -182,22 +223,22 @@ def _row_stats(x, w, n_rows, classes: int, acc: str, chunk: int | None):
             fresh = j.astype("int32") >= overlap
             return reducer(tirx.Select(fresh, body(n, start + j, k), pad), axis=j)
 
-        return te.compute((n_rows, _int64(n_chunks)), value, name=f"ce_chunk_{name}")
+        return te.compute((n_rows, _int64(n_chunks)), value, name=stage)
 
     zero, lowest = tirx.const(0.0, acc), tirx.min_value(acc)
-    cmax = per_chunk("max", te.max, lowest, lambda n, c, k: xf(n, c))
+    cmax = per_chunk(CHUNK_MAX, te.max, lowest, lambda n, c, k: xf(n, c))
     parts = [
         cmax,
-        per_chunk("expsum", te.sum, zero, lambda n, c, k: fastmath.exp(xf(n, c) - cmax[n, k])),
-        per_chunk("wxsum", te.sum, zero,
+        per_chunk(CHUNK_EXPSUM, te.sum, zero, lambda n, c, k: fastmath.exp(xf(n, c) - cmax[n, k])),
+        per_chunk(CHUNK_WXSUM, te.sum, zero,
                   lambda n, c, k: (w[c] * xf(n, c)) if w is not None else xf(n, c)),
     ]
     if w is not None:
-        parts.append(per_chunk("wsum", te.sum, zero, lambda n, c, k: w[c]))
+        parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k: w[c]))
     k_axis = te.reduce_axis((_int64(0), _int64(n_chunks)), name="k")
     stats = te.compute(
         (n_rows,), lambda n: _softmax_merge(len(parts))(
-            tuple(p[n, k_axis] for p in parts), axis=k_axis), name="ce_rowstats")
+            tuple(p[n, k_axis] for p in parts), axis=k_axis), name=ROWSTATS)
     return stats[0], stats[1], stats[2], (stats[3] if w is not None else None)
 
 
@@ -211,7 +252,7 @@ def _row_losses(n_rows, classes, acc, eps, s, mask, lse, target_logit, target_we
     ``_reduce_forward`` reduces.
     """
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
-    m = te.compute((n_rows,), lambda n: mask(n).astype(acc), name="ce_row_mask")
+    m = te.compute((n_rows,), lambda n: mask(n).astype(acc), name=ROW_MASK)
 
     def masked(n, value):
         # A select, not a product: an ignored row is exactly 0 even when its logits are NaN.
@@ -228,12 +269,12 @@ def _row_losses(n_rows, classes, acc, eps, s, mask, lse, target_logit, target_we
 
     rows = {
         "ce": te.compute((n_rows,), lambda n: masked(n, (one - eps) * nll(n) + smoothing(n)),
-                         name="ce_row_ce"),
-        "z": te.compute((n_rows,), lambda n: masked(n, s * lse[n] * lse[n]), name="ce_row_z"),
+                         name=ROW_CE),
+        "z": te.compute((n_rows,), lambda n: masked(n, s * lse[n] * lse[n]), name=ROW_Z),
     }
     if reduction == "mean":
         rows["weight"] = te.compute((n_rows,), lambda n: target_weight(n) * m[n],
-                                    name="ce_row_weight")
+                                    name=ROW_WEIGHT)
         rows["count"] = m
     return rows
 
@@ -261,7 +302,7 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     ii, eps, s = _scalars(acc)
     mask, index = _masked_target(y, ii, classes)
     rowmax, expsum, wxsum, wsum = _row_stats(x, w, n_rows, classes, acc, chunk)
-    lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name="lse")
+    lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name=LSE)
     rows = _row_losses(
         n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
         target_logit=lambda n: x[n, index(n)].astype(acc),
@@ -275,7 +316,7 @@ def forward_func(classes: int, dtype: str, variant: Variant,
         log_prob = te.compute(
             (n_rows, _int64(classes)),
             lambda n, c: (x[n, c].astype(acc) - lse[n]).astype(dtype),
-            name="log_prob",
+            name=LOG_PROB,
         )
         args.append(log_prob)
     return te.create_prim_func(args).with_attr("global_symbol", "main")
@@ -298,7 +339,7 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
     w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
     offset = te.var("shard_offset", "int64")
     rowmax, expsum, wxsum, _ = _row_stats(x, w, n_rows, classes, acc, chunk)
-    local = te.compute((n_rows,), lambda n: y[n] - offset, name="ce_shard_local")
+    local = te.compute((n_rows,), lambda n: y[n] - offset, name=SHARD_LOCAL)
 
     def here(n):
         return tirx.all(local[n] >= _int64(0), local[n] < _int64(classes))
@@ -308,10 +349,10 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
 
     zero = tirx.const(0.0, acc)
     xt = te.compute((n_rows,), lambda n: tirx.Select(here(n), x[n, clamp(n)].astype(acc), zero),
-                    name="ce_shard_target_logit")
+                    name=SHARD_TARGET_LOGIT)
     wy = te.compute((n_rows,), lambda n: tirx.Select(
         here(n), w[clamp(n)] if w is not None else tirx.const(1.0, acc), zero),
-        name="ce_shard_target_weight")
+        name=SHARD_TARGET_WEIGHT)
     args = [x, y] + ([w] if w is not None else []) + [offset, rowmax, expsum, wxsum, xt, wy]
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
@@ -343,19 +384,22 @@ def shard_combine_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimF
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
 
+_TOTALS = {"ce": TOTAL_CE, "z": TOTAL_Z, "weight": TOTAL_WEIGHT, "count": TOTAL_COUNT}
+
+
 def _reduce_forward(rows, n_rows, dtype, reduction):
     """``loss`` and ``zloss`` outputs from the per-row terms (SPEC section 1 table)."""
     ce, z = rows["ce"], rows["z"]
     if reduction == "none":
-        loss = te.compute((n_rows,), lambda n: (ce[n] + z[n]).astype(dtype), name="ce_loss")
-        zloss = te.compute((n_rows,), lambda n: z[n].astype(dtype), name="ce_zloss")
+        loss = te.compute((n_rows,), lambda n: (ce[n] + z[n]).astype(dtype), name=LOSS)
+        zloss = te.compute((n_rows,), lambda n: z[n].astype(dtype), name=ZLOSS)
         return [loss, zloss]
-    tot = {name: _row_total(name, term, n_rows) for name, term in rows.items()}
+    tot = {name: _row_total(_TOTALS[name], term, n_rows) for name, term in rows.items()}
     ce_t, z_t = tot["ce"][0], tot["z"][0]
     if reduction == "mean":
         ce_t, z_t = ce_t / tot["weight"][0], z_t / tot["count"][0]
-    loss = te.compute((1,), lambda _: (ce_t + z_t).astype(dtype), name="ce_loss")
-    zloss = te.compute((1,), lambda _: z_t.astype(dtype), name="ce_zloss")
+    loss = te.compute((1,), lambda _: (ce_t + z_t).astype(dtype), name=LOSS)
+    zloss = te.compute((1,), lambda _: z_t.astype(dtype), name=ZLOSS)
     return [loss, zloss]
 
 
@@ -412,7 +456,7 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
 
         if w is not None:
             c4 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
-            total_w = te.compute((1,), lambda _: te.sum(w[c4], axis=c4), name="ce_wsum")[0]
+            total_w = te.compute((1,), lambda _: te.sum(w[c4], axis=c4), name=WSUM)[0]
         else:
             total_w = tirx.const(float(classes), acc)
 
@@ -424,10 +468,10 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         r1 = te.reduce_axis((_int64(0), n_rows), name="r")
         denom = te.compute(
             (1,), lambda _: te.sum(target_weight(r1) * mask(r1).astype(acc), axis=r1),
-            name="ce_total_weight")
+            name=TOTAL_WEIGHT)
         r2 = te.reduce_axis((_int64(0), n_rows), name="r")
         count = te.compute(
-            (1,), lambda _: te.sum(mask(r2).astype(acc), axis=r2), name="ce_total_count"
+            (1,), lambda _: te.sum(mask(r2).astype(acc), axis=r2), name=TOTAL_COUNT
         )
 
     def row_grad(n):
@@ -439,20 +483,20 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         gz = g[gi] + gzl[gi]
         return gz / count[0] if variant.reduction == "mean" else gz
 
-    def row(name, f):
-        return te.compute((n_rows,), f, name=f"ce_grad_{name}")
+    def row(stage, f):
+        return te.compute((n_rows,), f, name=stage)
 
-    m = row("mask", lambda n: mask(n).astype(acc))
+    m = row(GRAD_MASK, lambda n: mask(n).astype(acc))
 
     def masked(n, value):
         # An ignored row contributes exactly 0, also when every row is ignored
         # (D = 0 or M = 0 would make SPEC's formula 0/0): PyTorch's behaviour.
         return tirx.Select(m[n] != zero, value, zero)
 
-    hot = row("hot", lambda n: masked(n, row_grad(n) * (one - eps) * target_weight(n)))
-    smooth = row("smooth", lambda n: masked(n, row_grad(n) * eps / c_full))
+    hot = row(GRAD_HOT, lambda n: masked(n, row_grad(n) * (one - eps) * target_weight(n)))
+    smooth = row(GRAD_SMOOTH, lambda n: masked(n, row_grad(n) * eps / c_full))
     p_scale = row(
-        "pscale",
+        GRAD_PSCALE,
         lambda n: hot[n] + smooth[n] * total_w
         + tirx.Select(s != zero, masked(n, tirx.const(2.0, acc) * s * lse[n] * row_zgrad(n)), zero),
     )
@@ -461,7 +505,7 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         onehot = tirx.Select(c == onehot_index(n), hot[n], zero)
         return (fastmath.exp(logp(n, c)) * p_scale[n] - onehot - smooth[n] * wc(c)).astype(dtype)
 
-    x_grad = te.compute((n_rows, _int64(classes)), grad, name="x_grad")
+    x_grad = te.compute((n_rows, _int64(classes)), grad, name=X_GRAD)
     args = ([g, gzl, src, lse, y] + ([w] if w is not None else []) + shard_args
             + [ii, eps, s, x_grad])
     return te.create_prim_func(args).with_attr("global_symbol", "main")

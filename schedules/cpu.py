@@ -28,8 +28,8 @@ logits) is read once and ``x_grad`` written once.
 
 Vector width: two native vectors (32 float32 lanes on AVX-512). A chunk is a
 multiple of it when it can be (C = 32000 -> 4000, 128256 -> 5344; C = 50257
--> 9 chunks of 5600, the last overlapping the one before), so the reductions carry no tail predicate; a
-row shorter than ``MAX_CHUNK`` is one chunk, vectorised by the largest
+-> 9 chunks of 5600, the last overlapping the one before), so the reductions
+carry no tail predicate; a row shorter than ``MAX_CHUNK`` is one chunk, vectorised by the largest
 divisor of C up to 32 lanes. The element-wise loops (``log_prob``,
 ``x_grad``) peel a tail that is not a multiple of the width off with
 ``loop_partition`` and keep it scalar.
@@ -47,23 +47,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import s_tir, tirx
+from tvm import s_tir
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
+from ..compute import CHUNK_MAX, LOG_PROB
 from ._common import (
-    CHUNK_REDUCTIONS,
-    SHARD_GATHERS,
     COMBINE_ROWS,
-    ROW_FORWARD_REST,
-    ROW_GRAD_COEFS,
-    existing_blocks,
-    has_block,
+    SHARD_GATHERS,
+    has_stage,
     init_row_totals,
     inline_row_helpers,
     is_per_row,
+    place_grad_coefficients,
+    place_row_stages,
+    present_blocks,
     row_lanes,
-    split_reduction,
     vector_accumulators,
     vectorize_inner,
 )
@@ -103,7 +102,8 @@ def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
 def forward_chunk(classes: int, dtype: str, target: Target, knobs: CPUKnobs = CPUKnobs()) -> int:
     """Chunk of the compute's row reduction, a multiple of the vector width:
     the largest one dividing ``C`` and at most ``MAX_CHUNK``; else (``C`` like
-    50257) equal chunks of at most ``MAX_CHUNK``, the last one padded; a row
+    50257) equal chunks of at most ``MAX_CHUNK``, the last one overlapping the
+    one before (``compute._row_stats``); a row
     shorter than ``MAX_CHUNK`` is one chunk. ``dtype`` does not matter here:
     the float32 accumulators size the chunk."""
     lanes = vector_lanes(target) * knobs.accumulators
@@ -124,26 +124,16 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 def schedule_forward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """``forward`` on a given schedule (meta_schedule's search space calls it)."""
     inline_row_helpers(sch)
-    chunk = int(sch.get(sch.get_loops(sch.get_sblock("ce_chunk_max"))[-1]).extent)
+    chunk = int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
     lanes = row_lanes(chunk, vector_lanes(target) * knobs.accumulators)
-    names = [b for b in CHUNK_REDUCTIONS if has_block(sch, b)]
-    stages = {name: split_reduction(sch, name, lanes) for name in names}
-    row, chunk_loop = sch.get_loops(sch.get_sblock("ce_rowstats"))
-    for name in reversed(names):
-        for blk in reversed(stages[name]):
-            sch.compute_at(blk, chunk_loop)
-    for blk in existing_blocks(sch, ROW_FORWARD_REST):
-        if is_per_row(sch, blk):
-            sch.reverse_compute_at(blk, row)
+    row, _, stages = place_row_stages(sch, lanes)
     sch.parallel(row)
-    for blk in existing_blocks(sch, SHARD_GATHERS):
+    for blk in present_blocks(sch, SHARD_GATHERS):
         sch.parallel(sch.get_loops(blk)[0])
-    for blocks in stages.values():
-        if len(blocks) == 2:
-            vector_accumulators(sch, blocks[0], outer=2)
+    vector_accumulators(sch, stages, outer=2)
     init_row_totals(sch)
-    if has_block(sch, "log_prob"):
-        vectorize_inner(sch, sch.get_sblock("log_prob"), vector_lanes(target) * knobs.accumulators)
+    if has_stage(sch, LOG_PROB):
+        vectorize_inner(sch, sch.get_sblock(LOG_PROB), vector_lanes(target) * knobs.accumulators)
     return sch
 
 
@@ -155,10 +145,7 @@ def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 def schedule_backward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """``backward`` on a given schedule (meta_schedule's search space calls it)."""
     inline_row_helpers(sch)
-    grad = sch.get_sblock("x_grad")
-    row = sch.get_loops(grad)[0]
-    for blk in reversed(existing_blocks(sch, ROW_GRAD_COEFS)):
-        sch.compute_at(blk, row)
+    grad, row = place_grad_coefficients(sch)
     sch.parallel(row)
     init_row_totals(sch)
     vectorize_inner(sch, grad, vector_lanes(target) * knobs.accumulators)
@@ -169,7 +156,7 @@ def per_row(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """Schedule a kernel over rows only (``shard_combine_func``): rows in parallel."""
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
-    for blk in existing_blocks(sch, COMBINE_ROWS):
+    for blk in [sch.get_sblock(name) for name in COMBINE_ROWS]:
         if is_per_row(sch, blk):
             sch.parallel(sch.get_loops(blk)[0])
     init_row_totals(sch)

@@ -30,22 +30,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import s_tir, tirx
+from tvm import s_tir
 from tvm.target import Target
 
-from ._common import (
-    CHUNK_REDUCTIONS,
-    COMBINE_ROWS,
+from ..compute import (
+    CHUNK_WSUM,
     DTYPE_BYTES,
-    ROW_FORWARD_REST,
+    LOG_PROB,
+    LOSS,
+    ROW_CE,
+    ROW_Z,
+    ROWSTATS,
+    WSUM,
+    ZLOSS,
+    matrix_param,
+)
+from ._common import (
+    COMBINE_ROWS,
     ROW_GRAD_COEFS,
     ROW_TOTALS,
     SHARD_GATHERS,
     classes_of,
-    existing_blocks,
-    has_block,
+    has_stage,
     inline_row_helpers,
     is_per_row,
+    place_grad_coefficients,
+    place_row_stages,
+    present_blocks,
 )
 
 VECTOR_BYTES = 16  # one 128-bit load or store per thread
@@ -81,7 +92,8 @@ def _vector_width(classes: int, extent: int, dtype: str, computes: bool = False)
     lanes = VECTOR_BYTES // DTYPE_BYTES[dtype]
     if computes:
         lanes = min(lanes, VECTOR_BYTES // 4)
-    return lanes if (classes * DTYPE_BYTES[dtype]) % VECTOR_BYTES == 0 and extent % lanes == 0 else 1
+    aligned = (classes * DTYPE_BYTES[dtype]) % VECTOR_BYTES == 0
+    return lanes if aligned and extent % lanes == 0 else 1
 
 
 def _thread_loop(sch, loop, threads: int, lanes: int = 1) -> None:
@@ -103,12 +115,12 @@ def _bind_rows(sch, loop, threads: int) -> None:
 
 def _bind_single_block_reductions(sch, threads: int) -> None:
     """Sums over rows (and ``ce_wsum`` over classes) in one block, cross-thread."""
-    for block in existing_blocks(sch, ROW_TOTALS + ("ce_wsum",)):
+    for block in present_blocks(sch, ROW_TOTALS + (WSUM,)):
         spatial, reduce = sch.get_loops(block)
         sch.bind(spatial, "blockIdx.x")
         _, tx = sch.split(reduce, [None, threads])
         sch.bind(tx, "threadIdx.x")
-    for block in existing_blocks(sch, ("ce_loss", "ce_zloss")):
+    for block in present_blocks(sch, (LOSS, ZLOSS)):
         loop = sch.get_loops(block)[0]
         if not is_per_row(sch, block):
             bx, tx = sch.split(loop, [None, 1])
@@ -120,32 +132,26 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     """Schedule ``forward_func`` / ``shard_stats_func`` (built with ``forward_chunk``)."""
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
-    x = next(p for p in func.params if len(getattr(p, "shape", ())) == 2)
-    dtype, classes = str(x.dtype), classes_of(func)
-    names = [b for b in CHUNK_REDUCTIONS if has_block(sch, b)]
-    row, chunk_loop = sch.get_loops(sch.get_sblock("ce_rowstats"))
-    for name in reversed(names):
-        sch.compute_at(sch.get_sblock(name), chunk_loop)
-    for blk in existing_blocks(sch, ROW_FORWARD_REST):
-        if is_per_row(sch, blk):
-            sch.reverse_compute_at(blk, row)
-    readers = [sch.get_sblock(n) for n in names if n != "ce_chunk_wsum"]
+    dtype, classes = str(matrix_param(func).dtype), classes_of(func)
+    row, chunk_loop, stages = place_row_stages(sch, lanes=1)
+    names = list(stages)
+    readers = [sch.get_sblock(n) for n in names if n != CHUNK_WSUM]
     staged = sch.cache_read(readers[0], _read_index(sch, readers[0], "x"), "shared",
                             consumer_blocks=readers)
     sch.compute_at(staged, chunk_loop)
-    per_row_only = [] if existing_blocks(sch, ROW_TOTALS) else ["ce_row_ce", "ce_row_z"]
-    _keep_on_chip(sch, func, names + ["ce_rowstats"] + per_row_only)
+    per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
+    _keep_on_chip(sch, func, names + [ROWSTATS] + per_row_only)
     sch.bind(row, "blockIdx.x")
     copy = sch.get_loops(staged)[-1]
     _thread_loop(sch, copy, knobs.threads,
                  _vector_width(classes, int(sch.get(copy).extent), dtype))
     for name in names:
         _thread_loop(sch, sch.get_loops(sch.get_sblock(name))[-1], knobs.threads)
-    if has_block(sch, "log_prob"):
-        lp = sch.get_sblock("log_prob")
+    if has_stage(sch, LOG_PROB):
+        lp = sch.get_sblock(LOG_PROB)
         inner = sch.get_loops(lp)[-1]
         _thread_loop(sch, inner, knobs.threads, _vector_width(classes, classes, dtype, True))
-    for blk in existing_blocks(sch, SHARD_GATHERS):
+    for blk in present_blocks(sch, SHARD_GATHERS):
         _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)
     return sch.mod["main"]
@@ -154,7 +160,7 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
 def _keep_on_chip(sch, func, names) -> None:
     """Per-row intermediates live in registers (``local``), not global memory."""
     params = {p.name for p in func.params if hasattr(p, "shape")}
-    for block in existing_blocks(sch, names):
+    for block in present_blocks(sch, names):
         for i, region in enumerate(sch.get(block).writes):
             if region.source.name not in params:
                 sch.set_scope(block, i, "local")
@@ -168,10 +174,8 @@ def backward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     """Schedule ``backward_func``: a block per row, coalesced element loop."""
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
-    grad = sch.get_sblock("x_grad")
-    row, col = sch.get_loops(grad)
-    for blk in reversed(existing_blocks(sch, ROW_GRAD_COEFS)):
-        sch.compute_at(blk, row)
+    grad, row = place_grad_coefficients(sch)
+    col = sch.get_loops(grad)[-1]
     _keep_on_chip(sch, func, ROW_GRAD_COEFS)
     sch.bind(row, "blockIdx.x")
     dtype = str(sch.get(grad).writes[0].source.dtype)
@@ -185,7 +189,7 @@ def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     """Schedule ``shard_combine_func``: one row per thread."""
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
-    for blk in existing_blocks(sch, COMBINE_ROWS):
+    for blk in [sch.get_sblock(name) for name in COMBINE_ROWS]:
         if is_per_row(sch, blk):
             _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)

@@ -1,0 +1,167 @@
+"""Ascend hardware profiles, the tiling plan and the cost model (``ce-tvm plan``).
+
+Plain arithmetic on public facts about the parts: how one (profile, N, C,
+dtype, op) is laid out on the vector cores and the Unified Buffer (UB), and
+what that costs next to the vendor's 3-read + 1-write tiling. The tiled
+schedule (``ascend.py``) is built from these plans.
+
+Tile sizes are multiples of 32 bytes of the storage dtype and of one float32
+vector repeat (64 elements), unless the tile is the whole row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..compute import DTYPE_BYTES
+
+OPS = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Public facts about one Ascend part, as the planner and cost model use them."""
+
+    name: str
+    vector_cores: int
+    ub_bytes: int
+    ub_align: int = 32        # UB addresses and tile sizes are 32-byte aligned
+    hbm_gbs: float = 1600.0   # global-memory bandwidth
+    launch_us: float = 3.0    # fixed cost of one kernel launch
+    repeat_bytes: int = 256   # bytes one vector instruction processes per repeat
+    repeat_ns: float = 0.55   # one repeat per cycle at ~1.8 GHz
+    note: str = ""
+
+
+PROFILES = {
+    "910b": Profile("910b", vector_cores=48, ub_bytes=196608,
+                    note="Ascend 910B: 48 AIV cores, 192 KiB UB, ~1.6 TB/s HBM"),
+    "950": Profile("950", vector_cores=64, ub_bytes=253952,
+                   note="Ascend 950: 64 vector cores, 248 KiB UB; HBM bandwidth assumed as 910B"),
+}
+
+# float32 vector operations per element and pass (cast, max, sub, exp ~4, add,
+# the smoothing sum, the log_prob subtract and cast); used by the cost model.
+FORWARD_OPS_PER_ELEMENT = 10
+BACKWARD_OPS_PER_ELEMENT = 8
+
+
+@dataclass
+class Plan:
+    """How one (profile, N, C, dtype, op) is laid out on the cores and the UB."""
+
+    profile: str
+    op: str
+    dtype: str
+    rows: int
+    classes: int
+    block_dim: int
+    rows_per_core: list
+    chunk: int
+    tiles: int
+    ub_bytes: int
+    buffers: int
+    passes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _align(nbytes: int, align: int) -> int:
+    return -(-nbytes // align) * align
+
+
+def ub_bytes(profile: Profile, chunk: int, dtype: str, op: str, buffers: int) -> int:
+    """Peak UB bytes of one core for tiles of ``chunk`` elements, every live buffer counted.
+
+    Staged input and output tiles (storage dtype, ``buffers`` each), the
+    float32 cast of the input for half types, a float32 work tile (x - max,
+    exp), the float32 weight tile, and the reduction scratch (partial max and
+    sums: four repeats) plus 256 bytes of per-row scalars.
+    """
+    a, esize = profile.ub_align, DTYPE_BYTES[dtype]
+    tile = _align(chunk * esize, a)
+    f32 = _align(chunk * 4, a)
+    cast = f32 if esize < 4 else 0
+    staged = 2 * tile * buffers  # input tile in, output tile (log_prob or x_grad) out
+    return staged + cast + f32 + f32 + 4 * profile.repeat_bytes + 256
+
+
+def _tile_quantum(profile: Profile, dtype: str) -> int:
+    """Tile sizes are multiples of this many elements (alignment and one fp32 repeat)."""
+    return math.lcm(profile.ub_align // DTYPE_BYTES[dtype], profile.repeat_bytes // 4)
+
+
+def get_profile(profile: str) -> Profile:
+    """The profile named ``profile`` (``ValueError`` naming the known ones otherwise)."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown Ascend profile {profile!r}; known: {sorted(PROFILES)}")
+    return PROFILES[profile]
+
+
+def split_rows(rows: int, cores: int) -> list:
+    """Front/tail split: the first ``rows % cores`` cores take one row more."""
+    block_dim = max(1, min(cores, rows))
+    base, extra = divmod(rows, block_dim)
+    return [base + (i < extra) for i in range(block_dim)]
+
+
+def plan(profile, rows: int, classes: int, dtype: str, op: str = "forward") -> Plan:
+    """The tiling plan: whole rows in UB when they fit (one pass), else the
+    largest aligned tile that fits, double-buffered when two fit."""
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {dtype!r}")
+    if classes < 1 or rows < 0:
+        raise ValueError(f"need C >= 1 and N >= 0, got C={classes}, N={rows}")
+    per_core = split_rows(rows, prof.vector_cores)
+    chunk, buffers = None, 2
+    for buffers in (2, 1):
+        if ub_bytes(prof, classes, dtype, op, buffers) <= prof.ub_bytes:
+            chunk = classes
+            break
+    if chunk is None:
+        quantum = _tile_quantum(prof, dtype)
+        for buffers in (2, 1):
+            one, two = (ub_bytes(prof, q * quantum, dtype, op, buffers) for q in (1, 2))
+            per_elem, fixed = (two - one) / quantum, 2 * one - two
+            chunk = int((prof.ub_bytes - fixed) / per_elem) // quantum * quantum
+            while chunk and ub_bytes(prof, chunk, dtype, op, buffers) > prof.ub_bytes:
+                chunk -= quantum
+            if chunk >= quantum * 2 or buffers == 1:
+                break
+    tiles = -(-classes // chunk)
+    passes = 1 if (tiles == 1 or op == "backward") else 2
+    return Plan(prof.name, op, dtype, rows, classes, len(per_core), per_core, chunk, tiles,
+                ub_bytes(prof, chunk, dtype, op, buffers), buffers, passes)
+
+
+def cost(p: Plan) -> dict:
+    """Estimated time of ``p`` and of the vendor's 3-read + 1-write tiling.
+
+    Time = launch + global-memory bytes / HBM bandwidth + vector repeats of
+    the busiest core x ``repeat_ns``, with the memory and vector terms added
+    (no overlap assumed, for both kernels alike).
+    """
+    prof = PROFILES[p.profile]
+    esize = DTYPE_BYTES[p.dtype]
+    row_bytes = p.classes * esize
+    total = p.rows * row_bytes
+    repeats_per_row = math.ceil(p.classes * 4 / prof.repeat_bytes)
+    ops = FORWARD_OPS_PER_ELEMENT if p.op == "forward" else BACKWARD_OPS_PER_ELEMENT
+    vector_us = max(p.rows_per_core) * repeats_per_row * ops * prof.repeat_ns / 1e3
+
+    def estimate(reads: int, writes: int) -> dict:
+        moved = (reads + writes) * total
+        mem_us = moved / (prof.hbm_gbs * 1e3)
+        return {"reads": reads, "writes": writes, "bytes_per_pass": total, "bytes_moved": moved,
+                "memory_us": mem_us, "vector_us": vector_us,
+                "time_us": prof.launch_us + mem_us + vector_us}
+
+    if p.op == "backward":
+        return {"ce_tvm": estimate(1, 1), "vendor": estimate(1, 1)}
+    return {"ce_tvm": estimate(p.passes, 1), "vendor": estimate(3, 1)}
+

@@ -1,0 +1,89 @@
+"""Stage names: declared once by the compute, used by the schedules, never re-typed."""
+
+import ast
+import itertools
+from pathlib import Path
+
+import pytest
+from tvm import s_tir
+
+from ce_tvm import compute
+from ce_tvm.compute import Variant
+from ce_tvm.schedules import _common
+
+SCHEDULES = Path(__file__).resolve().parents[1] / "schedules"
+
+
+def declared_funcs():
+    """Every declaration of the compute in every variant, with a chunked row."""
+    for reduction, weighted, log_prob in itertools.product(
+            compute.REDUCTIONS, (False, True), (False, True)):
+        yield compute.forward_func(10, "float32", Variant(reduction, weighted, log_prob), 4)
+    for reduction, weighted, source in itertools.product(
+            compute.REDUCTIONS, (False, True), ("log_prob", "logits", "shard")):
+        yield compute.backward_func(10, "float32", Variant(reduction, weighted,
+                                                           grad_source=source))
+    for weighted in (False, True):
+        yield compute.shard_stats_func(10, "float32", Variant(weighted=weighted), 4)
+    for reduction in compute.REDUCTIONS:
+        yield compute.shard_combine_func(10, "float32", Variant(reduction))
+
+
+def block_names(func) -> set:
+    sch = s_tir.Schedule(func)
+    return {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
+
+
+def test_exported_stages_are_exactly_the_blocks_of_the_compute():
+    emitted = set().union(*(block_names(f) for f in declared_funcs()))
+    assert sorted(emitted) == sorted(compute.STAGES)
+    assert len(set(compute.STAGES)) == len(compute.STAGES)
+
+
+def _stage_constants_used(path: Path) -> set:
+    """Values of the compute's stage constants a schedule module names."""
+    source = ast.parse(path.read_text())
+    names = {node.id for node in ast.walk(source) if isinstance(node, ast.Name)}
+    names |= {alias.asname or alias.name for node in ast.walk(source)
+              if isinstance(node, ast.ImportFrom) for alias in node.names}
+    used = set()
+    for name in names:
+        value = getattr(compute, name, getattr(_common, name, None))
+        if isinstance(value, str) and value in compute.STAGES:
+            used.add(value)
+        elif isinstance(value, tuple) and set(value) & set(compute.STAGES):  # a stage group
+            used.update(value)
+    return used
+
+
+@pytest.mark.parametrize("module", ["_common", "cpu", "cuda", "ascend"])
+def test_every_stage_a_schedule_uses_exists_in_some_variant(module):
+    used = _stage_constants_used(SCHEDULES / f"{module}.py")
+    assert used, f"{module} names no stage"
+    emitted = set().union(*(block_names(f) for f in declared_funcs()))
+    assert used <= emitted, sorted(used - emitted)
+
+
+@pytest.mark.parametrize("module", ["_common", "cpu", "cuda", "ascend"])
+def test_schedules_never_retype_a_stage_name(module):
+    tree = ast.parse((SCHEDULES / f"{module}.py").read_text())
+    literals = {node.value for node in ast.walk(tree)
+                if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert not literals & set(compute.STAGES), sorted(literals & set(compute.STAGES))
+
+
+def test_a_name_that_is_not_a_stage_is_an_error():
+    sch = s_tir.Schedule(compute.forward_func(10, "float32", Variant("mean", True, True)))
+    assert [sch.get(b).name_hint for b in _common.present_blocks(sch, _common.ROW_TOTALS)] == [
+        "ce_total_ce", "ce_total_z", "ce_total_weight", "ce_total_count"]
+    with pytest.raises(ValueError, match="ce_rowmax"):
+        _common.present_blocks(sch, ["ce_rowmax"])
+
+
+def test_a_stage_the_variant_lacks_is_skipped_and_a_required_one_is_not():
+    sch = s_tir.Schedule(compute.forward_func(10, "float32", Variant("none", False, False)))
+    assert _common.present_blocks(sch, _common.ROW_TOTALS + (compute.LOG_PROB,)) == []
+    assert _common.chunk_reductions(sch) == list(_common.ROW_REDUCTIONS)
+    shard = s_tir.Schedule(compute.shard_combine_func(10, "float32", Variant("sum")))
+    with pytest.raises(s_tir.ScheduleError):  # a forward phase on a kernel without row stats
+        _common.place_row_stages(shard, lanes=1)
