@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from .functional import cross_entropy_loss
 from .nn import cross_entropy
 from .pool import POOL
+from .tensors import TORCH_DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHAPES = "4096x32000,8192x50257,2048x128256"
 
 
@@ -59,7 +59,7 @@ def best_ms(fn, reps: int = 5, warmup: int = 1) -> float:
 
 def _inputs(n, c, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, c, generator=gen).to(DTYPES[dtype])
+    x = torch.randn(n, c, generator=gen).to(TORCH_DTYPES[dtype])
     y = torch.randint(0, c, (n,), generator=gen)
     y[::17] = -100
     return x, y
@@ -74,14 +74,19 @@ def _loss_fns(eps, with_compile):
     return fns
 
 
+def _bandwidth_probes(x, reps, warmup) -> dict:
+    """GB/s of ``x.sum()`` (a read of ``x``) and of a copy of ``x`` (a read and a write)."""
+    nbytes = x.numel() * x.element_size()
+    out = torch.empty_like(x)
+    return {"sum": nbytes / best_ms(lambda: x.sum(), reps, warmup) / 1e6,
+            "copy": 2 * nbytes / best_ms(lambda: out.copy_(x), reps, warmup) / 1e6}
+
+
 def bench_shape(n, c, dtype, modes, reps, warmup, eps, with_compile) -> list[Row]:
     torch._dynamo.reset()  # each shape compiles afresh instead of hitting the recompile limit
     x, y = _inputs(n, c, dtype)
     nbytes = x.numel() * x.element_size()
-    out = torch.empty_like(x)
-    probes = {"sum": nbytes / best_ms(lambda: x.sum(), reps, warmup) / 1e6,
-              "copy": 2 * nbytes / best_ms(lambda: out.copy_(x), reps, warmup) / 1e6}
-    del out
+    probes = _bandwidth_probes(x, reps, warmup)
     rows = []
     fns = _loss_fns(eps, with_compile)
     for mode in modes:
@@ -143,9 +148,9 @@ def measure_peaks(n, c, dtype, eps, with_compile) -> dict:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = (f"| shape | dtype | mode | ce_tvm ms | eager ms | compile ms | x eager | x compile "
-            f"| ce_tvm GB/s | roofline | extra peak MB (ce_tvm / eager / compile) |\n"
-            f"|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| shape | dtype | mode | ce_tvm ms | eager ms | compile ms | x eager | x compile "
+            "| ce_tvm GB/s | roofline | extra peak MB (ce_tvm / eager / compile) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         comp = r.ms.get("compile", float("nan"))

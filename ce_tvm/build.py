@@ -2,28 +2,35 @@
 
 A ``KernelSpec`` names everything that changes the generated code; its
 ``key()`` (which also fingerprints the compute and schedule sources, the TVM
-version and the exact target) is what the module cache is keyed by.
+version and the exact target) is what the module cache is keyed by. Building
+a key reads no files: a tuning record's digest is resolved into the spec once
+(``tuned_spec``).
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import json
+import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import tvm
 
-from . import compute, fastmath
+from . import compute, fastmath, records
 from .targets import tvm_target
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("ce-tvm")
 OPS = ("forward", "backward", "shard_stats", "shard_combine")
+TUNED_OPS = ("forward", "backward")  # the kernels tuning records exist for
+log = logging.getLogger("ce_tvm")
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,8 @@ class KernelSpec:
     variant: compute.Variant = field(default_factory=compute.Variant)
     target: str = "llvm"
     options: tuple = ()  # schedule options as sorted (name, value) pairs, e.g. the ascend profile
-    tuned: str = ""  # a tuning record (``ce_tvm.tuning``) to apply instead of the hand schedule
+    tuned: str = ""  # id of a tuning record (``ce_tvm.records``) used instead of the hand schedule
+    tuned_digest: str = ""  # that record's digest (``records.record_digest``), resolved once
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -45,17 +53,22 @@ class KernelSpec:
             raise ValueError(f"dtype must be one of {compute.DTYPES}, got {self.dtype!r}")
         if self.classes < 1:
             raise ValueError(f"classes must be >= 1, got {self.classes}")
+        if bool(self.tuned) != bool(self.tuned_digest):
+            raise ValueError("a tuned KernelSpec needs its record's digest (see tuned_spec)")
 
     def stem(self) -> str:
         """Readable file-name stem (the key hash is appended by the cache)."""
+        return self.name() + ("-tuned" if self.tuned else "")
+
+    def name(self) -> str:
+        """The kernel's name, tuning aside: what its tuning records are filed under."""
         tag = self.variant.tag()
         if self.op != "backward":  # grad_source only changes the backward
             tag = tag.rsplit("-", 1)[0]
         else:  # nor does log_prob the backward
             tag = tag.replace("-lp-", "-").replace("-nolp-", "-")
         opts = "".join(f"-{v}" for _, v in self.options)
-        tuned = "-tuned" if self.tuned else ""
-        return f"{self.target}{opts}-{self.op}-{self.dtype}-C{self.classes}-{tag}{tuned}"
+        return f"{self.target}{opts}-{self.op}-{self.dtype}-C{self.classes}-{tag}"
 
     def key(self) -> dict:
         """Everything the generated code depends on, as a JSON-able dict."""
@@ -68,7 +81,7 @@ class KernelSpec:
             "classes": self.classes,
             "variant": self.stem(),
             "options": [list(kv) for kv in self.options],
-            "tuned": self.tuned and _tuning().record_digest(self.tuned),
+            "tuned": self.tuned_digest,
             "code": _code_fingerprint(self.target),
         }
 
@@ -78,6 +91,10 @@ class KernelSpec:
 
     def schedule_options(self) -> dict:
         return {k: v for k, v in self.options if k != "arch"}
+
+    def record_id(self, rows: int) -> str:
+        """The id of this kernel's tuning record at ``rows`` rows."""
+        return records.record_id(self.tvm_target(), self.name(), rows)
 
     def key_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.key(), sort_keys=True).encode()).hexdigest()[:16]
@@ -99,14 +116,22 @@ _FINGERPRINTS: dict = {}
 
 
 def _code_fingerprint(target: str) -> str:
-    """Hash of the sources that define the generated code for ``target``."""
+    """Hash of the sources that define the generated code for ``target``: the
+    compute, and the target's schedule with the schedule modules it imports."""
     if target not in _FINGERPRINTS:
         h = hashlib.sha256()
-        shared = importlib.import_module("ce_tvm.schedules._common")
-        for mod in (compute, fastmath, shared, schedule_module(target)):
+        for mod in (compute, fastmath, *_schedule_modules(schedule_module(target))):
             h.update(inspect.getsource(mod).encode())
         _FINGERPRINTS[target] = h.hexdigest()[:16]
     return _FINGERPRINTS[target]
+
+
+def _schedule_modules(module) -> list:
+    """``module`` and the ``ce_tvm.schedules`` modules it imports from (``from ._common ...``)."""
+    tree = ast.parse(inspect.getsource(module))
+    siblings = sorted({node.module for node in ast.walk(tree)
+                       if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module})
+    return [module] + [importlib.import_module(f"ce_tvm.schedules.{name}") for name in siblings]
 
 
 def declared_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
@@ -130,15 +155,29 @@ def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     """The compute of ``spec`` with its tuning record, or its target's hand schedule."""
     func = declared_func(spec)
     if spec.tuned:
-        return _tuning().apply_record(spec.tuned, func, spec.tvm_target())
+        return records.apply_record(spec.tuned, func, spec.tvm_target())
     schedule = getattr(schedule_module(spec.target), SCHEDULE_OF_OP[spec.op])
     return schedule(func, spec.tvm_target(), **spec.schedule_options())
 
 
-def _tuning():
-    from . import tuning  # tuning builds on this module
+_told: set = set()
 
-    return tuning
+
+def tuned_spec(spec: KernelSpec, rows: int) -> KernelSpec:
+    """``spec`` with the tuning record nearest to ``rows`` rows, if one applies
+    (``records.nearest_record``); its digest is read here, once per record."""
+    if spec.op not in TUNED_OPS:
+        return spec
+    found = records.nearest_record(spec.tvm_target(), spec.name(), rows)
+    if found is None:
+        if spec not in _told:
+            _told.add(spec)
+            log.debug("ce_tvm: no tuning record for %s; tune it with: ce-tvm tune --target %s "
+                      "--dtype %s --classes %d --rows %d", spec.stem(), spec.target, spec.dtype,
+                      spec.classes, max(rows, 1))
+        return spec
+    rid, digest = found
+    return replace(spec, tuned=rid, tuned_digest=digest)
 
 
 def compile_spec(spec: KernelSpec):

@@ -72,7 +72,8 @@ def cache_dir() -> Path:
 
 
 def module_dirs() -> list[Path]:
-    """Precompiled directories to look in first: ``$CE_TVM_MODULE_DIR`` (``os.pathsep``-separated)."""
+    """Precompiled directories to look in first: ``$CE_TVM_MODULE_DIR``
+    (``os.pathsep``-separated)."""
     env = os.environ.get("CE_TVM_MODULE_DIR", "")
     return [Path(p) for p in env.split(os.pathsep) if p]
 
@@ -104,8 +105,9 @@ def check_module(lib: Path, spec: KernelSpec) -> str | None:
         manifest = json.loads(manifest_path(lib).read_text())
     except (OSError, ValueError) as err:
         return f"unreadable manifest {manifest_path(lib)} ({err})"
-    if manifest.get("key") != spec.key():
-        diff = sorted(k for k in spec.key() if manifest.get("key", {}).get(k) != spec.key()[k])
+    key = spec.key()
+    if manifest.get("key") != key:
+        diff = sorted(k for k in key if manifest.get("key", {}).get(k) != key[k])
         return f"manifest was written for another key (differs in: {', '.join(diff)})"
     digest = sha256_file(lib)
     if manifest.get("sha256") != digest:

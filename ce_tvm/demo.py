@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from . import launch
 from .bench import best_ms
 from .functional import cross_entropy_loss, cross_entropy_loss_grad
+from .options import LossOptions
 from .runtime import loaded_specs
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from .tensors import TORCH_DTYPES
 
 
 def run_demo(rows: int, classes: int, dtype: str) -> None:
     torch.manual_seed(0)
-    x = (torch.randn(rows, classes) * 2).to(_DTYPES[dtype])
+    x = (torch.randn(rows, classes) * 2).to(TORCH_DTYPES[dtype])
     y = torch.randint(0, classes, (rows,))
     y[::7] = -100
     opts = dict(label_smoothing=0.1)
@@ -38,18 +38,19 @@ def run_demo(rows: int, classes: int, dtype: str) -> None:
     bwd_ms = best_ms(lambda: cross_entropy_loss_grad(torch.ones(1), log_prob, y, **opts))
     # The same kernels writing into buffers allocated once (the API call gets
     # its [N, C] output from the buffer pool).
-    out = launch.forward(x, y, None, "mean", -100, 0.1, 0.0, log_prob=True)
-    fwd_k = best_ms(lambda: launch.forward(x, y, None, "mean", -100, 0.1, 0.0, log_prob=True,
-                                            out=out))
+    options = LossOptions(**opts)
+    out = launch.forward(x, y, None, options, log_prob=True)
+    fwd_k = best_ms(lambda: launch.forward(x, y, None, options, log_prob=True, out=out))
     g, gz, lse, x_grad = torch.ones(1), torch.zeros(1), out.lse, torch.empty_like(x)
-    bwd_k = best_ms(lambda: launch.backward(g, gz, log_prob, lse, y, None, "mean", -100, 0.1,
-                                             0.0, source_kind="log_prob", out=x_grad))
+    bwd_k = best_ms(lambda: launch.backward(g, gz, log_prob, lse, y, None, options,
+                                             source_kind="log_prob", out=x_grad))
     xe = x.detach().requires_grad_()
     eager_fwd = best_ms(lambda: F.cross_entropy(xe, y, **opts))
     eager_fb = best_ms(lambda: F.cross_entropy(xe, y, **opts).backward())
 
     print(f"ce_tvm demo: N={rows} C={classes} {dtype}, label_smoothing=0.1, every 7th row ignored")
-    print(f"  kernels: {len(loaded_specs())} loaded, first call (build or cache load) {first:.2f} s")
+    print(f"  kernels: {len(loaded_specs())} loaded, "
+          f"first call (build or cache load) {first:.2f} s")
     print(f"  loss {loss.float().item():.6f} vs torch {ref.item():.6f} (rel err {loss_err:.1e}); "
           f"max |grad - torch grad| {grad_err:.1e}")
     print("  best of 5, ms                   API call   kernel only   torch eager")

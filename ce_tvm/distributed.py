@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from . import launch
 from . import validation as check
+from .options import LossOptions
 
 _LAYOUTS: dict = {}
 
@@ -41,9 +42,9 @@ def shard_layout(local_classes: int, group=None) -> tuple[int, int]:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, w, reduction, ignore_index, label_smoothing, zloss_scale, group):
+    def forward(ctx, x, y, w, options: LossOptions, group):
         offset, classes = shard_layout(x.shape[1], group)
-        y = check.targets(y, x, ignore_index, classes)
+        y = check.targets(y, x, options.ignore_index, classes)
         w = check.weight(w, x)
         rowmax, expsum, wxsum, logit, weight = launch.shard_stats(x, y, w, offset)
         gmax = rowmax.clone()
@@ -54,12 +55,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sumexp, logit, weight, wxsum = packed[:-1].view(4, -1)
         lse = gmax + torch.log(sumexp)
         weight_sum = float(packed[-1]) if w is not None else float(classes)
-        loss, zloss = launch.shard_combine(lse, logit, weight, wxsum, y, weight_sum, classes,
-                                           x.dtype, reduction, ignore_index, label_smoothing,
-                                           zloss_scale)
+        loss, zloss = launch.shard_combine(lse, logit, weight, wxsum, y, weight_sum=weight_sum,
+                                           classes=classes, dtype=x.dtype, options=options)
         ctx.save_for_backward(x, lse, y, w, weight)
-        ctx.options = (offset, weight_sum, classes, reduction, ignore_index, label_smoothing,
-                       zloss_scale)
+        ctx.layout = dict(offset=offset, weight_sum=weight_sum, global_classes=classes)
+        ctx.options = options
         ctx.mark_non_differentiable(zloss)
         return loss, zloss
 
@@ -67,8 +67,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_zloss):
         x, lse, y, w, weight = ctx.saved_tensors
         g = grad_loss.to(lse.dtype).reshape(-1).contiguous()
-        grad = launch.shard_backward(g, x, lse, y, w, weight, *ctx.options)
-        return grad, None, None, None, None, None, None, None
+        grad = launch.shard_backward(g, x, lse, y, w, weight, **ctx.layout, options=ctx.options)
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: Tensor | None = None,
@@ -86,11 +86,10 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
     check.check_device(x)
     if not isinstance(target, Tensor) or target.dtype not in check.TARGET_DTYPES:
         raise TypeError("target must be an int64 or int32 tensor of global class ids")
-    loss, zloss = _VocabParallelCrossEntropy.apply(
-        x, target, weight, check.reduction(reduction), check.ignore_index(ignore_index),
-        check.label_smoothing(label_smoothing),
-        check.zloss_scale(lse_square_scale, "lse_square_scale"), group)
-    if reduction != "none":
+    options = LossOptions(reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
+    loss, zloss = _VocabParallelCrossEntropy.apply(x, target, weight, options, group)
+    if options.reduction != "none":
         loss, zloss = loss.reshape(()), zloss.reshape(())
     return (loss, zloss) if return_zloss else loss
 
@@ -103,12 +102,14 @@ class VocabParallelCrossEntropyLoss(nn.Module):
                  lse_square_scale: float = 0.0, group=None):
         super().__init__()
         self.register_buffer("weight", weight)
-        self.ignore_index, self.reduction = ignore_index, check.reduction(reduction)
-        self.label_smoothing = check.label_smoothing(label_smoothing)
-        self.lse_square_scale = check.zloss_scale(lse_square_scale, "lse_square_scale")
+        options = LossOptions(reduction=reduction, ignore_index=ignore_index,
+                              label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
+        self.ignore_index, self.reduction = options.ignore_index, options.reduction
+        self.label_smoothing, self.lse_square_scale = options.label_smoothing, options.zloss_scale
         self.group = group
 
     def forward(self, logits_shard: Tensor, target: Tensor) -> Tensor:
         return vocab_parallel_cross_entropy(
-            logits_shard, target, self.weight, self.ignore_index, self.reduction,
-            self.label_smoothing, self.lse_square_scale, self.group)
+            logits_shard, target, self.weight, ignore_index=self.ignore_index,
+            reduction=self.reduction, label_smoothing=self.label_smoothing,
+            lse_square_scale=self.lse_square_scale, group=self.group)

@@ -11,6 +11,7 @@ import torch
 
 from . import launch
 from . import validation as check
+from .tensors import accum_torch_dtype
 
 
 def cross_entropy_loss(input, target, weight=None, reduction="mean", ignore_index=-100,
@@ -22,16 +23,16 @@ def cross_entropy_loss(input, target, weight=None, reduction="mean", ignore_inde
     ``return_zloss``; ``lse_for_zloss`` is empty unless the z-loss scale is
     non-zero or ``return_zloss``. All in the dtype of ``input``.
     """
-    x, y, w, red, ii, eps, s = check.operator_args(
-        input, "input", target, weight, reduction, ignore_index, label_smoothing,
-        lse_square_scale_for_zloss)
-    out = launch.forward(x, y, w, red, ii, eps, s, log_prob=True)
+    x, y, w, options = check.operator_args(
+        input, "input", target, weight, reduction=reduction, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, zloss_scale=lse_square_scale_for_zloss)
+    out = launch.forward(x, y, w, options, log_prob=True)
     empty = x.new_empty(0)
     return (
         out.loss,
         out.log_prob,
         out.zloss if return_zloss else empty,
-        out.lse.to(x.dtype) if (s != 0.0 or return_zloss) else empty,
+        out.lse.to(x.dtype) if (options.zloss_scale != 0.0 or return_zloss) else empty,
     )
 
 
@@ -44,20 +45,20 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, grad_zloss
     ``lse_for_zloss`` is required when the z-loss scale is non-zero. Returns
     ``x_grad [N, C]`` in the dtype of ``log_prob``.
     """
-    lp, y, w, red, ii, eps, s = check.operator_args(
-        log_prob, "log_prob", target, weight, reduction, ignore_index, label_smoothing,
-        lse_square_scale_for_zloss)
+    lp, y, w, options = check.operator_args(
+        log_prob, "log_prob", target, weight, reduction=reduction, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, zloss_scale=lse_square_scale_for_zloss)
     n = lp.shape[0]
-    g = check.row_vector(grad_loss, n, lp, "grad_loss", red)
+    g = check.row_vector(grad_loss, n, lp, "grad_loss", options.reduction)
     gz = (torch.zeros_like(g) if grad_zloss is None
-          else check.row_vector(grad_zloss, n, lp, "grad_zloss", red))
+          else check.row_vector(grad_zloss, n, lp, "grad_zloss", options.reduction))
     if lse_for_zloss is None:
-        if s != 0.0:
+        if options.zloss_scale != 0.0:
             raise ValueError(
                 "lse_for_zloss is required when lse_square_scale_for_zloss != 0 "
                 "(lse cannot be recovered from log_prob)"
             )
-        lse = lp.new_zeros(n, dtype=check.accum_torch_dtype(lp))
+        lse = lp.new_zeros(n, dtype=accum_torch_dtype(lp))
     else:
         lse = check.lse_vector(lse_for_zloss, n, lp)
-    return launch.backward(g, gz, lp, lse, y, w, red, ii, eps, s, source_kind="log_prob")
+    return launch.backward(g, gz, lp, lse, y, w, options, source_kind="log_prob")

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from . import validation as check
-from .ops import cross_entropy_forward
+from .ops import cross_entropy_forward, schema_scalars
+from .options import LossOptions
 
 
 def _flatten(input: Tensor, target: Tensor):
@@ -51,12 +51,10 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
         raise TypeError(f"target must be int64 or int32 class indices, got {y.dtype}")
     if tuple(y.shape) != (x.shape[0],):
         raise ValueError(f"target must have shape [N] = [{x.shape[0]}], got {tuple(y.shape)}")
-    red = check.reduction(reduction)
-    loss, zloss, _ = cross_entropy_forward(
-        x, y, weight, red, check.ignore_index(ignore_index),
-        check.label_smoothing(label_smoothing), check.zloss_scale(lse_square_scale,
-                                                                  "lse_square_scale"))
-    if red == "none":
+    options = LossOptions(reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
+    loss, zloss, _ = cross_entropy_forward(x, y, weight, **schema_scalars(options))
+    if options.reduction == "none":
         loss, zloss = unflatten(loss), unflatten(zloss)
     else:
         loss, zloss = loss.reshape(()), zloss.reshape(())
@@ -71,15 +69,17 @@ class CrossEntropyLoss(nn.Module):
                  lse_square_scale: float = 0.0, return_zloss: bool = False):
         super().__init__()
         self.register_buffer("weight", weight)
-        self.ignore_index = ignore_index
-        self.reduction = check.reduction(reduction)
-        self.label_smoothing = check.label_smoothing(label_smoothing)
-        self.lse_square_scale = check.zloss_scale(lse_square_scale, "lse_square_scale")
+        options = LossOptions(reduction=reduction, ignore_index=ignore_index,
+                              label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
+        self.ignore_index, self.reduction = options.ignore_index, options.reduction
+        self.label_smoothing, self.lse_square_scale = options.label_smoothing, options.zloss_scale
         self.return_zloss = return_zloss
 
     def forward(self, input: Tensor, target: Tensor):
-        return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction,
-                             self.label_smoothing, self.lse_square_scale, self.return_zloss)
+        return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index,
+                             reduction=self.reduction, label_smoothing=self.label_smoothing,
+                             lse_square_scale=self.lse_square_scale,
+                             return_zloss=self.return_zloss)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "

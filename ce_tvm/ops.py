@@ -11,13 +11,24 @@ target range check, which needs the target values.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
 from . import launch
 from . import validation as check
+from .options import LossOptions
+from .tensors import accum_torch_dtype
+
+
+def schema_scalars(options: LossOptions) -> dict:
+    """``options`` by the names of the ops' schema (whose scalars stay primitive)."""
+    return dict(reduction=options.reduction, ignore_index=options.ignore_index,
+                label_smoothing=options.label_smoothing, lse_square_scale=options.zloss_scale)
+
+
+def _options(reduction, ignore_index, label_smoothing, lse_square_scale) -> LossOptions:
+    return LossOptions(reduction=reduction, ignore_index=ignore_index,
+                       label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
 
 
 def _rows(x: Tensor, reduction: str) -> int:
@@ -25,13 +36,13 @@ def _rows(x: Tensor, reduction: str) -> int:
 
 
 @torch.library.custom_op("ce_tvm::cross_entropy_forward", mutates_args=())
-def cross_entropy_forward(x: Tensor, target: Tensor, weight: Optional[Tensor], reduction: str,
+def cross_entropy_forward(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
                           ignore_index: int, label_smoothing: float,
                           lse_square_scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss, zloss, lse)``; ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``."""
-    y = check.targets(target, x, ignore_index)
-    out = launch.forward(x.contiguous(), y, check.weight(weight, x), reduction, ignore_index,
-                         label_smoothing, lse_square_scale, log_prob=False)
+    options = _options(reduction, ignore_index, label_smoothing, lse_square_scale)
+    y = check.targets(target, x, options.ignore_index)
+    out = launch.forward(x.contiguous(), y, check.weight(weight, x), options, log_prob=False)
     return out.loss, out.zloss, out.lse
 
 
@@ -39,20 +50,19 @@ def cross_entropy_forward(x: Tensor, target: Tensor, weight: Optional[Tensor], r
 def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale):
     rows = _rows(x, reduction)
     return (x.new_empty(rows), x.new_empty(rows),
-            x.new_empty(x.shape[0], dtype=check.accum_torch_dtype(x)))
+            x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)))
 
 
 @torch.library.custom_op("ce_tvm::cross_entropy_backward", mutates_args=())
 def cross_entropy_backward(grad_loss: Tensor, x: Tensor, lse: Tensor, target: Tensor,
-                           weight: Optional[Tensor], reduction: str, ignore_index: int,
+                           weight: Tensor | None, reduction: str, ignore_index: int,
                            label_smoothing: float, lse_square_scale: float) -> Tensor:
     """The logits gradient, recomputed from the logits and their ``lse``."""
-    acc = check.accum_torch_dtype(x)
-    g = grad_loss.to(acc).reshape(-1).contiguous()
+    options = _options(reduction, ignore_index, label_smoothing, lse_square_scale)
+    g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
     return launch.backward(g, torch.zeros_like(g), x.contiguous(), lse.contiguous(),
                            target.to(torch.int64).contiguous(), check.weight(weight, x),
-                           reduction, ignore_index, label_smoothing, lse_square_scale,
-                           source_kind="logits")
+                           options, source_kind="logits")
 
 
 @cross_entropy_backward.register_fake
@@ -64,7 +74,7 @@ def _(grad_loss, x, lse, target, weight, reduction, ignore_index, label_smoothin
 def _setup_context(ctx, inputs, output):
     x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale = inputs
     ctx.save_for_backward(x, output[2], target, weight)
-    ctx.options = (reduction, ignore_index, label_smoothing, lse_square_scale)
+    ctx.options = _options(reduction, ignore_index, label_smoothing, lse_square_scale)
 
 
 def _backward(ctx, grad_loss, grad_zloss, grad_lse):
@@ -72,7 +82,8 @@ def _backward(ctx, grad_loss, grad_zloss, grad_lse):
     x, lse, target, weight = ctx.saved_tensors
     if grad_loss is None:
         return None, None, None, None, None, None, None
-    grad = cross_entropy_backward(grad_loss, x, lse, target, weight, *ctx.options)
+    grad = cross_entropy_backward(grad_loss, x, lse, target, weight,
+                                  **schema_scalars(ctx.options))
     return grad, None, None, None, None, None, None
 
 

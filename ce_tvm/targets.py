@@ -14,13 +14,13 @@ TARGETS = ("llvm", "cuda", "ascend")
 DEFAULT_CUDA_ARCH = "sm_90"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def host_cores() -> int:
     """CPU cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tvm_target(name: str, arch: str | None = None) -> Target:
     """The TVM target for a target name.
 

@@ -3,17 +3,15 @@
 import json
 import logging
 import shutil
-from dataclasses import replace
 
 import pytest
 import torch
 
 import ce_tvm
-from ce_tvm import tuning
-from ce_tvm.build import KernelSpec
+from ce_tvm import runtime
+from ce_tvm.build import KernelSpec, tuned_spec
 from ce_tvm.compute import Variant
 from ce_tvm.launch import _spec
-from checks import Case, check_once
 from processes import CLI, run
 
 C, TUNED_ROWS = 300, 64
@@ -31,7 +29,7 @@ def tuned_logs(tmp_path_factory):
 
 
 def _summary_path(logs):
-    return logs / tuning.record_id(FORWARD, TUNED_ROWS) / "summary.json"
+    return logs / FORWARD.record_id(TUNED_ROWS) / "summary.json"
 
 
 def _force(logs, applied: bool):
@@ -50,7 +48,7 @@ def test_record_round_trips_and_applies_at_other_row_counts(tuned_logs, monkeypa
     monkeypatch.setenv("CE_TVM_TUNING_LOGS", str(tuned_logs))
     x = torch.randn(5, C)
     spec = _spec("forward", x, FORWARD.variant)
-    assert spec.tuned == tuning.record_id(FORWARD, TUNED_ROWS)
+    assert spec.tuned == FORWARD.record_id(TUNED_ROWS) and spec.stem().endswith("-tuned")
     for rows in (1, 7, TUNED_ROWS, 1000):
         xs = torch.randn(rows, C, requires_grad=True)
         ys = torch.randint(0, C, (rows,))
@@ -61,6 +59,7 @@ def test_record_round_trips_and_applies_at_other_row_counts(tuned_logs, monkeypa
         loss.backward()
         ref.backward()
         torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-5, atol=1e-8)
+    assert spec in runtime.loaded_specs()  # the losses above ran the tuned kernel
 
 
 def test_record_slower_than_hand_is_not_applied(tuned_logs, tmp_path, monkeypatch):
@@ -75,7 +74,7 @@ def test_nearest_row_bucket_is_chosen(tuned_logs, tmp_path, monkeypatch):
     logs = tmp_path / "logs"
     shutil.copytree(tuned_logs, logs)
     _force(logs, applied=True)
-    big = logs / tuning.record_id(FORWARD, 4096)
+    big = logs / FORWARD.record_id(4096)
     shutil.copytree(_summary_path(logs).parent, big)
     data = json.loads((big / "summary.json").read_text())
     (big / "summary.json").write_text(json.dumps({**data, "rows": 4096}))
@@ -88,7 +87,7 @@ def test_untuned_shape_says_how_to_tune_once(caplog, tmp_path, monkeypatch):
     monkeypatch.setenv("CE_TVM_TUNING_LOGS", str(tmp_path))
     spec = KernelSpec("forward", "float32", 77, Variant("sum", False, False))
     with caplog.at_level(logging.DEBUG, logger="ce_tvm"):
-        assert tuning.tuned_spec(spec, 10) == spec
-        tuning.tuned_spec(spec, 10)
+        assert tuned_spec(spec, 10) == spec
+        tuned_spec(spec, 10)
     hints = [r for r in caplog.records if "ce-tvm tune" in r.getMessage()]
     assert len(hints) == 1 and "--classes 77" in hints[0].getMessage()

@@ -1,0 +1,57 @@
+"""The loss's runtime scalars as one validated value (SPEC section 3).
+
+Everything the loss does that is not a compile-time variant travels as one
+``LossOptions``, from the Python surface through ``ce_tvm.launch`` to the
+kernels' scalar arguments; changing any of them never recompiles.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import InitVar, dataclass
+
+from .compute import REDUCTIONS
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """``reduction`` (``none``, ``sum`` or ``mean``), ``ignore_index`` (an int),
+    ``label_smoothing`` in ``[0, 1)`` and the z-loss scale ``zloss_scale``
+    (finite, ``>= 0``; the ``s`` of ``s * lse^2``).
+
+    Constructing one checks every field, in that order, and raises
+    ``TypeError``/``ValueError`` saying what was expected; ``zloss_name`` is the
+    name the caller's API gives the z-loss scale, for those messages.
+    """
+
+    reduction: str = "mean"
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    zloss_scale: float = 0.0
+    zloss_name: InitVar[str] = "lse_square_scale"
+
+    def __post_init__(self, zloss_name: str):
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        ii = self.ignore_index
+        if isinstance(ii, bool) or not isinstance(ii, numbers.Integral):
+            raise TypeError(f"ignore_index must be an int, got {type(ii).__name__}")
+        eps = _real(self.label_smoothing, "label_smoothing")
+        if not 0.0 <= eps < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {eps}")
+        s = _real(self.zloss_scale, zloss_name)
+        if s < 0.0 or math.isinf(s):
+            raise ValueError(f"{zloss_name} must be finite and >= 0, got {s}")
+        object.__setattr__(self, "ignore_index", int(ii))
+        object.__setattr__(self, "label_smoothing", eps)
+        object.__setattr__(self, "zloss_scale", s)
+
+
+def _real(v, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    v = float(v)
+    if math.isnan(v):
+        raise ValueError(f"{name} must not be NaN")
+    return v
