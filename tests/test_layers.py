@@ -1,0 +1,121 @@
+"""Imports run one way: ce_tvm's modules and schedules/ form layers, lowest first.
+
+Every module is parsed with ``ast``; every import counts, also one inside a
+function. The graph of imports between the package's own modules must be
+acyclic and point downward (or sideways within a layer).
+"""
+
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest first. A module may import modules of its own layer or of layers below.
+LAYERS = [
+    ("fastmath", "targets"),
+    ("compute",),
+    ("options", "schedules._common", "schedules.ascend_plan"),
+    ("schedules.cpu", "schedules.cuda", "schedules.ascend", "schedules"),
+    ("records",),  # tuning records, read side
+    ("build",),
+    ("cache",),
+    ("runtime", "tensors", "pool"),
+    ("launch",),
+    ("validation", "functional", "ops", "nn", "distributed", "__init__"),
+    ("bench", "demo", "tuning"),  # tools and the search, above the API
+    ("cli",),
+]
+# Modules that must not depend on torch or on meta_schedule (the search).
+NO_TORCH = ("fastmath", "targets", "compute", "options", "records", "build", "cache",
+            "schedules._common", "schedules.ascend_plan", "schedules.cpu", "schedules.cuda",
+            "schedules.ascend")
+SEARCH_ONLY = "tuning"
+
+
+def module_files() -> dict:
+    """``{name relative to ce_tvm: path}`` for the package's modules."""
+    files = {p.stem: p for p in (ROOT / "ce_tvm").glob("*.py")}
+    files.update({f"schedules.{p.stem}": p for p in (ROOT / "schedules").glob("*.py")})
+    files["schedules"] = files.pop("schedules.__init__")
+    return files
+
+
+def package_of(name: str) -> str:
+    """The package that the relative imports of module ``name`` start from."""
+    if name == "schedules":  # schedules/__init__.py
+        return "ce_tvm.schedules"
+    parent = name.rpartition(".")[0]
+    return f"ce_tvm.{parent}" if parent else "ce_tvm"
+
+
+def imports(name: str, path: Path) -> set:
+    """Absolute names of every module ``path`` imports, at any depth of its code."""
+    package = package_of(name)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module) if part)
+            if node.module:
+                found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)  # submodules
+    return found
+
+
+def package_graph() -> dict:
+    """``{module: {package modules it imports}}``, names relative to ce_tvm."""
+    files = module_files()
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for full in imports(name, path):
+            if full == "ce_tvm":
+                deps.add("__init__")
+            elif full.startswith("ce_tvm."):
+                rel = full.removeprefix("ce_tvm.")
+                if rel in files:
+                    deps.add(rel)
+        graph[name] = deps - {name}
+    return graph
+
+
+def layer_of(name: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if name in layer)
+
+
+def test_every_module_has_a_layer():
+    assert sorted(module_files()) == sorted(m for layer in LAYERS for m in layer)
+
+
+def test_imports_are_acyclic():
+    graphlib.TopologicalSorter(package_graph()).prepare()  # raises CycleError on a cycle
+
+
+def test_imports_point_downward():
+    upward = [f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
+              for a, deps in package_graph().items() for b in deps if layer_of(b) > layer_of(a)]
+    assert not upward, "\n".join(upward)
+
+
+def test_only_the_cli_imports_the_search():
+    importers = sorted(a for a, deps in package_graph().items() if SEARCH_ONLY in deps)
+    assert importers == ["cli"]
+
+
+@pytest.mark.parametrize("name", NO_TORCH)
+def test_kernel_side_needs_neither_torch_nor_the_search(name):
+    found = imports(name, module_files()[name])
+    assert not [m for m in found if m == "torch" or m.startswith("torch.")], name
+    assert not [m for m in found if "meta_schedule" in m], name
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path):
+    """The graph counts a function-level import (the kind that hid a cycle before)."""
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from . import tuning\n    from .compute import Variant\n")
+    assert {"ce_tvm.tuning", "ce_tvm.compute"} <= imports("probe", path)
