@@ -3,7 +3,6 @@ MASTER_ADDR, MASTER_PORT). Every rank checks its loss and gradient shard
 against single-process ce_tvm.cross_entropy on the full logits."""
 
 import itertools
-import os
 import sys
 
 import torch
@@ -42,9 +41,16 @@ def main():
         loss.backward(g)
         torch.testing.assert_close(shard.grad, ref_x.grad[:, lo:hi], rtol=1e-6, atol=1e-7)
         checked += 1
-    module = VocabParallelCrossEntropyLoss(label_smoothing=0.1)
-    x = torch.randn(5, widths[rank])
-    assert torch.isfinite(module(x, torch.zeros(5, dtype=torch.long)))
+    # The module form, weighted, against torch on the full logits (z-loss added by hand).
+    gen = torch.Generator().manual_seed(11)
+    full = torch.randn(6, c, generator=gen) * 2
+    y = torch.randint(0, c, (6,), generator=gen)
+    w = torch.rand(c, generator=gen) + 0.5
+    module = VocabParallelCrossEntropyLoss(w[lo:hi], reduction="sum", label_smoothing=0.1,
+                                           lse_square_scale=1e-2)
+    ref = (torch.nn.functional.cross_entropy(full, y, w, reduction="sum", label_smoothing=0.1)
+           + 1e-2 * (torch.logsumexp(full, 1) ** 2).sum())
+    torch.testing.assert_close(module(full[:, lo:hi].clone(), y), ref, rtol=1e-6, atol=1e-5)
     dist.barrier()
     print(f"rank {rank}/{world}: {checked} cases ok", flush=True)
     dist.barrier()
