@@ -11,6 +11,7 @@ import pytest
 from ce_tvm.cache import sha256_file
 from processes import CLI, PROBE, probe, run
 
+
 def libs(directory: Path):
     return sorted(directory.glob("*.so"))
 

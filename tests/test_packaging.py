@@ -24,11 +24,12 @@ def test_wheel_installs_and_runs(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(target), str(wheel)], check=True)
-    code = ("import ce_tvm, torch; assert ce_tvm.__file__.startswith(%r), ce_tvm.__file__; "
+    code = (f"import ce_tvm, torch; assert ce_tvm.__file__.startswith({str(target)!r}), "
+            "ce_tvm.__file__; "
             "x = torch.randn(3, 6); y = torch.tensor([0, 5, 2]); "
             "l = ce_tvm.cross_entropy_loss(x, y)[0]; "
             "torch.testing.assert_close(l[0], torch.nn.functional.cross_entropy(x, y)); "
-            "print('installed ok')" % str(target))
+            "print('installed ok')")
     env = {**os.environ, "PYTHONPATH": str(target), "CE_TVM_CACHE": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True)
