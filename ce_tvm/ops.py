@@ -74,7 +74,8 @@ def _(grad_loss, x, lse, target, weight, reduction, ignore_index, label_smoothin
 def _setup_context(ctx, inputs, output):
     x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale = inputs
     ctx.save_for_backward(x, output[2], target, weight)
-    ctx.options = _options(reduction, ignore_index, label_smoothing, lse_square_scale)
+    ctx.scalars = dict(reduction=reduction, ignore_index=ignore_index,  # checked by the forward
+                       label_smoothing=label_smoothing, lse_square_scale=lse_square_scale)
 
 
 def _backward(ctx, grad_loss, grad_zloss, grad_lse):
@@ -82,8 +83,7 @@ def _backward(ctx, grad_loss, grad_zloss, grad_lse):
     x, lse, target, weight = ctx.saved_tensors
     if grad_loss is None:
         return None, None, None, None, None, None, None
-    grad = cross_entropy_backward(grad_loss, x, lse, target, weight,
-                                  **schema_scalars(ctx.options))
+    grad = cross_entropy_backward(grad_loss, x, lse, target, weight, **ctx.scalars)
     return grad, None, None, None, None, None, None
 
 

@@ -35,21 +35,22 @@ class LossOptions:
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         ii = self.ignore_index
-        if isinstance(ii, bool) or not isinstance(ii, numbers.Integral):
-            raise TypeError(f"ignore_index must be an int, got {type(ii).__name__}")
+        if type(ii) is not int:  # the common case skips the (slower) ABC checks
+            if isinstance(ii, bool) or not isinstance(ii, numbers.Integral):
+                raise TypeError(f"ignore_index must be an int, got {type(ii).__name__}")
+            object.__setattr__(self, "ignore_index", int(ii))
         eps = _real(self.label_smoothing, "label_smoothing")
         if not 0.0 <= eps < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {eps}")
         s = _real(self.zloss_scale, zloss_name)
         if s < 0.0 or math.isinf(s):
             raise ValueError(f"{zloss_name} must be finite and >= 0, got {s}")
-        object.__setattr__(self, "ignore_index", int(ii))
         object.__setattr__(self, "label_smoothing", eps)
         object.__setattr__(self, "zloss_scale", s)
 
 
 def _real(v, name: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+    if type(v) is not float and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
     v = float(v)
     if math.isnan(v):
