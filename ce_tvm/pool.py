@@ -20,6 +20,8 @@ import threading
 
 import torch
 
+from .runtime import row_major_strides
+
 MIN_BYTES = 1 << 20
 
 
@@ -45,8 +47,8 @@ class BufferPool:
             return torch.empty(shape, dtype=dtype, device=device)
         with self._lock:
             buf = self._take(nbytes)
-        stride = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-        return torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), 0, shape, stride)
+        return torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), 0, shape,
+                                                 row_major_strides(shape))
 
     def _take(self, nbytes: int) -> torch.Tensor:
         idle = [i for i, (b, n) in enumerate(self._buffers) if _use_count(b) == n]

@@ -1,15 +1,20 @@
 """Kernel registry: one loaded module per ``KernelSpec`` per process.
 
-Torch tensors are passed to the kernels as they are (DLPack through
-tvm-ffi, no copies). TVM's thread pool is sized to the cores this process
-may use, unless ``TVM_NUM_THREADS`` says otherwise.
+Torch tensors are passed to the kernels by DLPack through tvm-ffi, without
+copies. The kernels check strides exactly, so a tensor torch calls
+contiguous but with other strides (an empty one, a size-1 dimension) is
+passed as a view with the canonical strides (``canonical_strides``): the
+one place every tensor enters the kernels. TVM's thread pool is sized to
+the cores this process may use, unless ``TVM_NUM_THREADS`` says otherwise.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
+import torch
 import tvm
 
 from .build import KernelSpec
@@ -52,10 +57,34 @@ def kernel(spec: KernelSpec):
     return fn
 
 
+def row_major_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``, in elements."""
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def canonical_strides(arg):
+    """``arg`` itself, or, for a tensor torch calls contiguous whose strides are
+    not the row-major ones, a view of the same elements with those strides.
+
+    Only an empty tensor or one with a size-1 dimension can be contiguous
+    with other strides (``torch.tensor(np.zeros((0, 65)))`` has strides
+    ``(0, 0)``), so every other tensor is returned at the cost of one check.
+    A non-contiguous tensor is returned as it is (the kernels refuse it).
+    """
+    if not isinstance(arg, torch.Tensor) or (arg.numel() and 1 not in arg.shape):
+        return arg
+    if not arg.is_contiguous():
+        return arg
+    stride = row_major_strides(arg.shape)
+    return arg if arg.stride() == stride else arg.as_strided(arg.shape, stride)
+
+
 def call(spec: KernelSpec, *args):
-    """Run the kernel for ``spec``; CUDA kernels go on PyTorch's current stream
+    """Run the kernel for ``spec`` on ``args`` (tensors re-strided by
+    ``canonical_strides``); CUDA kernels go on PyTorch's current stream
     (which also makes them capturable in a CUDA graph)."""
     fn = kernel(spec)
+    args = [canonical_strides(a) for a in args]
     if spec.target != "cuda":
         return fn(*args)
     import tvm_ffi
