@@ -1,24 +1,34 @@
 """One rank of the vocab-parallel test (launched like torchrun: RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT). Every rank checks its loss and gradient shard
-against single-process ce_tvm.cross_entropy on the full logits."""
+against single-process ce_tvm.cross_entropy on the full logits (``cases``,
+the default), or empty batches and size-1 dimensions with strides that are
+not the row-major ones (``odd_strides``)."""
 
 import itertools
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import ce_tvm
 from ce_tvm.distributed import VocabParallelCrossEntropyLoss, vocab_parallel_cross_entropy
 
 
-def main():
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    n, c = 24, 53  # 53 classes: shards of unequal width for 2 and 3 ranks
-    widths = [c // world + (r < c % world) for r in range(world)]
+C = 53  # shards of unequal width for 2 and 3 ranks
+
+
+def shard_bounds(rank, world):
+    widths = [C // world + (r < C % world) for r in range(world)]
     lo = sum(widths[:rank])
-    hi = lo + widths[rank]
+    return widths, lo, lo + widths[rank]
+
+
+def check_cases(rank, world):
+    """24 option combinations; returns how many were checked."""
+    n, c = 24, C
+    widths, lo, hi = shard_bounds(rank, world)
     checked = 0
     for reduction, weighted, eps, zloss in itertools.product(
             ("none", "sum", "mean"), (False, True), (0.0, 0.1), (0.0, 1e-2)):
@@ -51,8 +61,57 @@ def main():
     ref = (torch.nn.functional.cross_entropy(full, y, w, reduction="sum", label_smoothing=0.1)
            + 1e-2 * (torch.logsumexp(full, 1) ** 2).sum())
     torch.testing.assert_close(module(full[:, lo:hi].clone(), y), ref, rtol=1e-6, atol=1e-5)
+    return checked
+
+
+def check_odd_strides(rank, world):
+    """Empty batches with strides 0 (every dtype; every reduction in float32), and
+    one row with a row stride of 1000 and a target of stride 7, against PyTorch;
+    returns the count. Every rank holds as many columns as rank 0 of
+    ``check_cases`` (one set of kernels, shared with it)."""
+    width = shard_bounds(0, world)[0][0]
+    lo, hi = rank * width, (rank + 1) * width
+    checked = 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        for reduction in ("mean", "sum", "none") if dtype == torch.float32 else ("mean",):
+            x = torch.tensor(np.zeros((0, width)), dtype=dtype).requires_grad_()
+            y = torch.tensor(np.zeros(0), dtype=torch.int64)
+            assert x.stride() == (0, 0) and y.stride() == (0,)
+            w = torch.tensor(np.ones(width))  # float64 weights, converted by ce_tvm
+            loss = vocab_parallel_cross_entropy(x, y, w, reduction=reduction,
+                                                label_smoothing=0.1, lse_square_scale=1e-3)
+            ref = F.cross_entropy(x.detach().float(), y, reduction=reduction)
+            assert loss.dtype == dtype and loss.shape == ref.shape
+            torch.testing.assert_close(loss.float(), ref, equal_nan=True)
+            grad = torch.empty_strided((0,), (0,)) if reduction == "none" else None
+            loss.backward(grad)
+            assert x.grad.shape == (0, width) and x.grad.dtype == dtype
+            checked += 1
+    gen = torch.Generator().manual_seed(8)
+    full = torch.randn(1, width * world, generator=gen) * 3
+    y = torch.tensor([width * world - 1])
+    ref_x = full.clone().requires_grad_()
+    ref = F.cross_entropy(ref_x, y, label_smoothing=0.1)
+    ref.backward()
+    shard = torch.empty_strided((1, width), (1000, 1)).copy_(full[:, lo:hi]).requires_grad_()
+    y_odd = torch.empty_strided((1,), (7,), dtype=torch.int64).copy_(y)
+    loss = vocab_parallel_cross_entropy(shard, y_odd, label_smoothing=0.1)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    loss.backward()
+    torch.testing.assert_close(shard.grad, ref_x.grad[:, lo:hi], rtol=1e-5, atol=1e-7)
+    return checked + 1
+
+
+CHECKS = {"cases": check_cases, "odd_strides": check_odd_strides}
+
+
+def main():
+    mode = sys.argv[1] if len(sys.argv) > 1 else "cases"
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checked = CHECKS[mode](rank, world)
     dist.barrier()
-    print(f"rank {rank}/{world}: {checked} cases ok", flush=True)
+    print(f"rank {rank}/{world}: {checked} {mode} ok", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
