@@ -43,6 +43,9 @@ def row_terms(x, y, weight=None, ignore_index=-100, label_smoothing=0.0, zloss_s
     m, t = _mask_and_index(y, ignore_index, c)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         mx = x.max(axis=1, keepdims=True) if n else np.zeros((0, 1))
+        # A row of only -inf has lse = log(0) = -inf (as torch.logsumexp), not
+        # the NaN of -inf - (-inf): shift it by 0 instead of its max.
+        mx = np.where(mx == -np.inf, 0.0, mx)
         lse = (mx + np.log(np.exp(x - mx).sum(axis=1, keepdims=True)))[:, 0]
         logp = x - lse[:, None]
         nll = -w[t] * logp[np.arange(n), t]
