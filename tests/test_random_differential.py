@@ -17,6 +17,8 @@ around ``schedules.cpu.MAX_CHUNK`` (6144) and its multiples, primes, and
 vocabularies up to ~70000. Every loss, ``log_prob``, ``lse`` and gradient
 is compared with ``reference`` after rounding it to the output dtype (an
 overflow to Inf in float16 is then expected, not a mismatch).
+``test_concurrent_calls_from_threads`` runs other cases of the same groups
+(``stream=1``) from several threads at once.
 """
 
 from __future__ import annotations
@@ -83,8 +85,13 @@ class DrawnCase:
 
     def __str__(self):
         params = ", ".join(f"{k}={v!r}" for k, v in asdict(self).items())
-        replay = (f"CE_TVM_RANDOM_SEED={self.seed} .venv/bin/python -m pytest "
-                  f"\"tests/test_random_differential.py::test_random_case[{self.index}]\"")
+        if self.stream == 0:
+            replay = (f"CE_TVM_RANDOM_SEED={self.seed} .venv/bin/python -m pytest "
+                      f"\"tests/test_random_differential.py::test_random_case[{self.index}]\"")
+        else:
+            replay = (".venv/bin/python -c \"import sys; sys.path.insert(0, 'tests'); "
+                      "from test_random_differential import draw, run_case; "
+                      f"run_case(draw({self.seed}, {self.index}, stream={self.stream}))\"")
         return f"DrawnCase({params})\nreplay: {replay}"
 
 
@@ -135,8 +142,9 @@ def strided_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def odd_strides_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with strides torch calls contiguous but not row-major: 0 on an empty
-    tensor, 7 * numel + 3 on a size-1 dimension (else ``t`` itself)."""
+    """A copy of row-major ``t`` with strides torch calls contiguous but that are
+    not row-major: 0 on an empty tensor, 7 * numel + 3 on size-1 dimensions
+    (a plain copy when ``t`` has neither)."""
     if t.numel() == 0:
         return torch.empty_strided(t.shape, (0,) * t.dim(), dtype=t.dtype)
     stride = list(t.stride())
@@ -153,7 +161,11 @@ def logits_of(case: DrawnCase, gen: torch.Generator) -> torch.Tensor:
     special = torch.rand(rows, case.classes, generator=gen)
     if case.logits == "-inf":  # masked classes, a target's sometimes among them
         x[special < 0.2] = float("-inf")
-    elif case.logits == "huge":  # exp overflows in float32, lse stays exact to ~1e-5
+    elif case.logits == "huge":
+        # Past exp's float32 range (e^88.7), yet small enough that the float32
+        # lse (ulp 3e-5 at 400) keeps p = exp(x - lse) within the float32
+        # tolerance: the gradient recomputes p from the rounded lse, so logits
+        # of 1e4 and more lose gradient precision that torch's float32 keeps.
         huge = 90.0 + 310.0 * float(torch.rand((), generator=gen))
         x[special < 0.05] = huge
         x[special > 0.97] = -huge
