@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import ce_tvm
 from ce_tvm.distributed import VocabParallelCrossEntropyLoss, vocab_parallel_cross_entropy
 
-
 C = 53  # shards of unequal width for 2 and 3 ranks
 
 
