@@ -1,17 +1,20 @@
 """``ce-tvm bench``: ce_tvm against PyTorch eager and torch.compile in one run.
 
-For each shape x dtype x mode it times (min over repetitions after warm-up):
+For each shape x dtype x mode it times every method and the memory probes
+interleaved rep by rep (this machine's bandwidth swings between runs, so
+only ratios within one run mean much), keeping each one's best:
 
 - ``forward``: the loss only (``torch.no_grad``); ce_tvm also times the
-  seed-compatible ``cross_entropy_loss``, which writes ``log_prob``;
-- ``fwd_bwd``: ``loss = f(x, y); loss.backward()`` through autograd.
+  seed-compatible ``cross_entropy_loss``, which writes ``log_prob``. The
+  floor is ``x.sum()``: one read of the logits.
+- ``fwd_bwd``: ``loss = f(x, y); loss.backward()`` through autograd; ce_tvm
+  runs its one-pass training kernel and, as ``ce_tvm_recompute``, the path
+  whose backward recomputes the gradient from the logits. The floor is
+  ``dst.copy_(x)`` into a buffer allocated once: one read, one write.
 
-Bandwidth probes in the same process (``x.sum()``, a copy of the same bytes)
-give the roofline; ce_tvm's achieved GB/s counts the bytes it must move
-(forward: read the logits once; forward+backward: read them twice, write the
-gradient once). Extra peak memory of one forward+backward beyond the inputs
-and the gradient is measured in a fresh process per method (peak RSS, reset
-through ``/proc/self/clear_refs``).
+Extra peak memory of one forward+backward beyond the inputs and the gradient
+is measured in a fresh process per method (peak RSS, reset through
+``/proc/self/clear_refs``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import nn as ce_nn
 from .functional import cross_entropy_loss
 from .nn import cross_entropy
 from .pool import POOL
@@ -39,22 +43,31 @@ class Row:
     shape: str
     dtype: str
     mode: str
-    ms: dict = field(default_factory=dict)       # method -> best milliseconds
-    probes_gbs: dict = field(default_factory=dict)
-    ce_tvm_gbs: float = 0.0
-    roofline_share: float = 0.0
+    ms: dict = field(default_factory=dict)       # method or probe -> best milliseconds
+    floor: str = ""                              # the probe this mode is judged against
     extra_peak_mb: dict = field(default_factory=dict)
+
+    def vs_floor(self, method: str = "ce_tvm") -> float:
+        """Time as a multiple of the floor probe's (1.0 = at the floor)."""
+        return self.ms[method] / self.ms[self.floor]
 
 
 def best_ms(fn, reps: int = 5, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
+    return interleaved_ms({"fn": fn}, reps, warmup)["fn"]
+
+
+def interleaved_ms(fns: dict, reps: int = 5, warmup: int = 1) -> dict:
+    """Best milliseconds of each callable, timed in turn within every rep."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: t * 1e3 for name, t in best.items()}
 
 
 def _inputs(n, c, dtype, seed=0):
@@ -65,8 +78,20 @@ def _inputs(n, c, dtype, seed=0):
     return x, y
 
 
+def _recomputing(eps):
+    """ce_tvm with the backward recomputing the gradient (the path before the one-pass kernel)."""
+    def fn(x, y):
+        ce_nn.ONE_PASS_TRAINING = False
+        try:
+            return cross_entropy(x, y, label_smoothing=eps)
+        finally:
+            ce_nn.ONE_PASS_TRAINING = True
+    return fn
+
+
 def _loss_fns(eps, with_compile):
     fns = {"ce_tvm": lambda x, y: cross_entropy(x, y, label_smoothing=eps),
+           "ce_tvm_recompute": _recomputing(eps),
            "eager": lambda x, y: F.cross_entropy(x, y, label_smoothing=eps)}
     if with_compile:
         compiled = torch.compile(F.cross_entropy, dynamic=False)
@@ -74,42 +99,34 @@ def _loss_fns(eps, with_compile):
     return fns
 
 
-def _bandwidth_probes(x, reps, warmup) -> dict:
-    """GB/s of ``x.sum()`` (a read of ``x``) and of a copy of ``x`` (a read and a write)."""
-    nbytes = x.numel() * x.element_size()
-    out = torch.empty_like(x)
-    return {"sum": nbytes / best_ms(lambda: x.sum(), reps, warmup) / 1e6,
-            "copy": 2 * nbytes / best_ms(lambda: out.copy_(x), reps, warmup) / 1e6}
-
-
 def bench_shape(n, c, dtype, modes, reps, warmup, eps, with_compile) -> list[Row]:
     torch._dynamo.reset()  # each shape compiles afresh instead of hitting the recompile limit
     x, y = _inputs(n, c, dtype)
-    nbytes = x.numel() * x.element_size()
-    probes = _bandwidth_probes(x, reps, warmup)
-    rows = []
     fns = _loss_fns(eps, with_compile)
+    rows = []
     for mode in modes:
-        row = Row(f"{n}x{c}", dtype, mode, probes_gbs=probes)
+        row = Row(f"{n}x{c}", dtype, mode)
         if mode == "forward":
+            timed = {name: (lambda fn=fn: fn(x, y)) for name, fn in fns.items()
+                     if name != "ce_tvm_recompute"}
+            timed["ce_tvm_seed"] = lambda: cross_entropy_loss(x, y, label_smoothing=eps)
+            timed["x.sum"] = x.sum
             with torch.no_grad():
-                for name, fn in fns.items():
-                    row.ms[name] = best_ms(lambda: fn(x, y), reps, warmup)
-                row.ms["ce_tvm_seed"] = best_ms(
-                    lambda: cross_entropy_loss(x, y, label_smoothing=eps), reps, warmup)
-            row.ce_tvm_gbs = nbytes / row.ms["ce_tvm"] / 1e6
-            row.roofline_share = row.ce_tvm_gbs / probes["sum"]
+                row.ms = interleaved_ms(timed, reps, warmup)
+            row.floor = "x.sum"
         else:
             xg = x.clone().requires_grad_()
+            out = torch.empty_like(x)
 
             def step(fn):
                 fn(xg, y).backward()
                 xg.grad = None
 
-            for name, fn in fns.items():
-                row.ms[name] = best_ms(lambda: step(fn), reps, warmup)
-            row.ce_tvm_gbs = 3 * nbytes / row.ms["ce_tvm"] / 1e6
-            row.roofline_share = row.ce_tvm_gbs / probes["copy"]
+            timed = {name: (lambda fn=fn: step(fn)) for name, fn in fns.items()}
+            timed["copy"] = lambda: out.copy_(x)
+            row.ms = interleaved_ms(timed, reps, warmup)
+            row.floor = "copy"
+            del out
         rows.append(row)
     return rows
 
@@ -149,23 +166,29 @@ def measure_peaks(n, c, dtype, eps, with_compile) -> dict:
 
 def format_table(rows: list[Row]) -> str:
     head = ("| shape | dtype | mode | ce_tvm ms | eager ms | compile ms | x eager | x compile "
-            "| ce_tvm GB/s | roofline | extra peak MB (ce_tvm / eager / compile) |\n"
+            "| floor ms | ce_tvm / floor | extra peak MB (ce_tvm / eager / compile) |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
+    nan = float("nan")
+
+    def line(label, r, method, floor=True, peak=""):
+        ms, eager, comp = r.ms[method], r.ms["eager"], r.ms.get("compile", nan)
+        floor_cells = (f"{r.ms[r.floor]:.1f} ({r.floor}) | {r.vs_floor(method):.2f}x"
+                       if floor else " | ")
+        return (f"| {r.shape} | {r.dtype} | {label} | {ms:.1f} | {eager:.1f} | {comp:.1f} | "
+                f"{eager / ms:.2f} | {comp / ms:.2f} | {floor_cells} | {peak} |")
+
     for r in rows:
-        comp = r.ms.get("compile", float("nan"))
-        peak = " / ".join(f"{r.extra_peak_mb.get(m, float('nan')):.0f}"
+        peak = " / ".join(f"{r.extra_peak_mb.get(m, nan):.0f}"
                           for m in ("ce_tvm", "eager", "compile")) if r.extra_peak_mb else ""
-        lines.append(
-            f"| {r.shape} | {r.dtype} | {r.mode} | {r.ms['ce_tvm']:.1f} | {r.ms['eager']:.1f} | "
-            f"{comp:.1f} | {r.ms['eager'] / r.ms['ce_tvm']:.2f} | {comp / r.ms['ce_tvm']:.2f} | "
-            f"{r.ce_tvm_gbs:.1f} | {100 * r.roofline_share:.0f}% | {peak} |")
+        lines.append(line(r.mode if r.mode == "forward" else "fwd_bwd (one pass)", r, "ce_tvm",
+                          peak=peak))
         if r.mode == "forward":
-            lines.append(
-                f"| {r.shape} | {r.dtype} | forward, seed API (writes log_prob) | "
-                f"{r.ms['ce_tvm_seed']:.1f} | {r.ms['eager']:.1f} | {comp:.1f} | "
-                f"{r.ms['eager'] / r.ms['ce_tvm_seed']:.2f} | {comp / r.ms['ce_tvm_seed']:.2f} "
-                f"| | | |")
+            lines.append(line("forward, seed API (writes log_prob)", r, "ce_tvm_seed", False))
+        else:
+            speedup = r.ms["ce_tvm_recompute"] / r.ms["ce_tvm"]
+            lines.append(line(f"fwd_bwd, recompute path (one pass {speedup:.2f}x faster)", r,
+                              "ce_tvm_recompute"))
     return head + "\n".join(lines)
 
 
@@ -175,7 +198,7 @@ def draw_chart(rows: list[Row], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = ["ce_tvm", "eager", "compile"]
+    methods = ["ce_tvm", "ce_tvm_recompute", "eager", "compile"]
     labels = [f"{r.shape}\n{r.dtype}\n{r.mode}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
     width = 0.8 / len(methods)

@@ -28,7 +28,7 @@ from . import compute, fastmath, records
 from .targets import tvm_target
 
 __version__ = importlib.metadata.version("ce-tvm")
-OPS = ("forward", "backward", "shard_stats", "shard_combine")
+OPS = ("forward", "train", "backward", "shard_stats", "shard_combine")
 TUNED_OPS = ("forward", "backward")  # the kernels tuning records exist for
 log = logging.getLogger("ce_tvm")
 
@@ -135,27 +135,40 @@ def _schedule_modules(module) -> list:
 
 
 def declared_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
-    """The compute of ``spec``, unscheduled (forward rows chunked as the schedule asks)."""
+    """The compute of ``spec``, unscheduled (forward rows chunked, and ``exp``
+    scaled, as the schedule asks)."""
+    schedule = schedule_module(spec.target)
+    scaling = getattr(schedule, "exp_scaling", lambda target: "bits")(spec.tvm_target())
+    with fastmath.scaling(scaling):
+        return _declare(spec, schedule)
+
+
+def _declare(spec: KernelSpec, schedule) -> tvm.tirx.PrimFunc:
     args = (spec.classes, spec.dtype, spec.variant)
-    if spec.op in ("forward", "shard_stats"):
-        chunk = schedule_module(spec.target).forward_chunk(
-            spec.classes, spec.dtype, spec.tvm_target(), **spec.schedule_options())
-        declare = compute.forward_func if spec.op == "forward" else compute.shard_stats_func
+    if spec.op in ("forward", "train", "shard_stats"):
+        chunk_of = getattr(schedule, f"{spec.op}_chunk", schedule.forward_chunk)
+        chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(), **spec.schedule_options())
+        declare = {"forward": compute.forward_func, "train": compute.train_func,
+                   "shard_stats": compute.shard_stats_func}[spec.op]
         return declare(*args, chunk)
     if spec.op == "shard_combine":
         return compute.shard_combine_func(*args)
     return compute.backward_func(*args)
 
 
-SCHEDULE_OF_OP = {"forward": "forward", "shard_stats": "forward", "backward": "backward",
-                  "shard_combine": "per_row"}
+SCHEDULE_OF_OP = {"forward": "forward", "train": "train", "shard_stats": "forward",
+                  "backward": "backward", "shard_combine": "per_row"}
 
 
 def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     """The compute of ``spec`` with its tuning record, or its target's hand schedule."""
     func = declared_func(spec)
     if spec.tuned:
-        return records.apply_record(spec.tuned, func, spec.tvm_target())
+        try:
+            return records.apply_record(spec.tuned, func, spec.tvm_target())
+        except RuntimeError as err:  # a record of an older compute: never fail the build
+            log.warning("ce_tvm: %s (it was tuned for another version of the compute); "
+                        "using the hand schedule. Retune it with ce-tvm tune.", err)
     schedule = getattr(schedule_module(spec.target), SCHEDULE_OF_OP[spec.op])
     return schedule(func, spec.tvm_target(), **spec.schedule_options())
 
@@ -187,7 +200,10 @@ def compile_spec(spec: KernelSpec):
     compiled with ``nvcc`` when one is on ``PATH`` so that errors surface here.
     """
     with tvm.transform.PassContext(opt_level=3):
-        executable = tvm.compile(scheduled_func(spec), target=spec.tvm_target())
+        # A schedule may name its own lowering pipeline (the CPU's adds prefetches).
+        pipeline = getattr(schedule_module(spec.target), "TIR_PIPELINE", None)
+        executable = tvm.compile(scheduled_func(spec), target=spec.tvm_target(),
+                                 **({"tir_pipeline": pipeline} if pipeline else {}))
     if spec.target == "cuda" and shutil.which("nvcc") and not tvm.cuda().exist:
         check_cuda_source(executable, spec.tvm_target())
     return executable

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from . import bench, cache
-from .build import KernelSpec
+from .build import KernelSpec, schedule_module
 from .compute import DTYPES, REDUCTIONS, Variant
 from .targets import TARGETS
 
@@ -20,12 +20,16 @@ TRAINING_DTYPES = tuple(d for d in DTYPES if d != "float64")
 
 
 def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> list[KernelSpec]:
-    """Every forward and backward variant for one (target, dtype, C)."""
+    """Every forward, training and backward variant for one (target, dtype, C)
+    (training kernels where the target's schedule has them)."""
     fwd = [KernelSpec("forward", dtype, classes, Variant(r, w, lp), target, options)
            for r, w, lp in itertools.product(REDUCTIONS, (False, True), (True, False))]
     bwd = [KernelSpec("backward", dtype, classes, Variant(r, w, grad_source=src), target, options)
            for r, w, src in itertools.product(REDUCTIONS, (False, True), ("log_prob", "logits"))]
-    return fwd + bwd
+    train = [KernelSpec("train", dtype, classes, Variant(r, w, False), target, options)
+             for r, w in itertools.product(("sum", "mean"), (False, True))
+             if hasattr(schedule_module(target), "train")]
+    return fwd + train + bwd
 
 
 def cmd_compile(args) -> int:
@@ -157,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--classes", type=int, required=True)
     pl.add_argument("--rows", type=int, required=True)
     pl.add_argument("--dtype", choices=TRAINING_DTYPES, default="bfloat16")
-    pl.add_argument("--op", choices=["forward", "backward"], default="forward")
+    pl.add_argument("--op", choices=["forward", "backward", "train"], default="forward")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 

@@ -38,6 +38,16 @@ backward (``backward_func``):
 ``x_grad``             output ``a w[y] (p - onehot) + b (p sum w - w[c]) + z-term``
 =====================  =====================================================
 
+training (``train_func``: the forward's stages, and the backward's
+coefficients for a unit upstream gradient, plus):
+
+=====================  =====================================================
+``ce_chunk_exp``       ``e = exp(x[n, kB + j] - chunk_max[n, k])``, kept
+``ce_mean_norms``      ``(D, M)`` from the targets, before the sweep (mean only)
+``ce_chunk_pscale``    ``exp(chunk_max[n, k] - lse[n]) * pscale[n]``
+``x_grad``             output ``e * chunk_pscale - onehot - smooth w[c]``
+=====================  =====================================================
+
 vocabulary shards (``shard_stats_func``, ``shard_combine_func``, and the
 ``shard`` source of ``backward_func``) reuse the same stages, plus
 ``ce_shard_local`` (target index in the shard), ``ce_shard_target_logit`` and
@@ -88,10 +98,13 @@ X_GRAD = "x_grad"
 SHARD_LOCAL = "ce_shard_local"
 SHARD_TARGET_LOGIT = "ce_shard_target_logit"
 SHARD_TARGET_WEIGHT = "ce_shard_target_weight"
+CHUNK_EXP = "ce_chunk_exp"
+CHUNK_PSCALE = "ce_chunk_pscale"
+MEAN_NORMS = "ce_mean_norms"
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
-          SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT)
+          SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS)
 
 
 def accum_dtype(dtype: str) -> str:
@@ -167,6 +180,12 @@ def _masked_target(y, ii, classes: int):
     return mask, index
 
 
+def _same_class(c, index):
+    """``c == index`` for a column and a per-row class index, compared in int32
+    (C < 2**31): a vector of int32 lanes instead of int64 ones built by shuffles."""
+    return c.astype("int32") == index.astype("int32")
+
+
 def _row_total(stage, term, n_rows):
     """Serial, fixed-order sum over rows of a per-row term (deterministic, no atomics)."""
     r = te.reduce_axis((_int64(0), n_rows), name="r")
@@ -186,7 +205,7 @@ def _softmax_merge(n_outputs: int):
         m = tirx.max(a[0], b[0])
 
         def rescaled(mi, si):
-            return tirx.Select(mi == m, si, si * fastmath.exp(mi - m))
+            return tirx.Select(mi == m, si, si * fastmath.exp(mi - m, nonpositive=True))
 
         return [m, rescaled(a[0], a[1]) + rescaled(b[0], b[1])] + [
             ai + bi for ai, bi in zip(a[2:], b[2:])]
@@ -197,49 +216,117 @@ def _softmax_merge(n_outputs: int):
     return te.comm_reducer(combine, identity, name=f"softmax_merge{n_outputs}")
 
 
-def _row_stats(x, w, n_rows, classes: int, acc: str, chunk: int | None):
-    """Per-row ``(rowmax, expsum, wxsum, wsum)`` of ``x`` (``wsum`` is ``None``
-    without a weight), reduced chunk by chunk and merged by ``_softmax_merge``.
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How a row of ``classes`` is cut into ``n_chunks`` chunks of ``chunk``.
 
-    The last chunk ends at ``C``, overlapping the one before; the overlap
-    counts as the identity, so indices stay in the row and contiguous.
+    Chunk ``k`` starts at ``min(k * chunk, C - chunk)``: the last chunk ends at
+    ``C``, overlapping the one before, so indices stay in the row and every
+    chunk is contiguous and full. Its first ``overlap`` entries belong to the
+    chunk before; sums count them as 0 (the max may count them twice).
+    """
+
+    classes: int
+    chunk: int
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.classes // self.chunk)
+
+    @property
+    def exact(self) -> bool:
+        """True when the chunks tile the row without overlap."""
+        return self.classes % self.chunk == 0
+
+    def start(self, k):
+        if self.exact:
+            return k * _int64(self.chunk)
+        return tirx.min(k * _int64(self.chunk), _int64(self.classes - self.chunk))
+
+    def fresh(self, k, j):
+        """Whether entry ``j`` (an int32 axis) of chunk ``k`` is not counted by an
+        earlier chunk. Compared in int32: a vector of int32 lanes, where int64
+        lanes are built by shuffles."""
+        return j >= (k * _int64(self.chunk) - self.start(k)).astype("int32")
+
+    def last_full(self) -> int:
+        """Columns ``[0, last_full)`` lie in chunk ``c // chunk`` at offset ``c % chunk``;
+        the rest lie in the last chunk, at offset ``c - (C - chunk)``."""
+        return self.classes if self.exact else (self.n_chunks - 1) * self.chunk
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Per-row statistics from ``_row_stats`` (``[N]`` tensors; ``wsum`` is
+    ``None`` without a weight), the per-chunk maxima ``[N, n_chunks]``, and the
+    kept ``exp(x - chunk_max)`` ``[N, n_chunks, chunk]`` when asked for."""
+
+    rowmax: te.Tensor
+    expsum: te.Tensor
+    wxsum: te.Tensor
+    wsum: te.Tensor | None
+    chunk_max: te.Tensor
+    chunk_exp: te.Tensor | None
+    layout: ChunkLayout
+
+
+def _row_stats(x, w, n_rows, classes: int, acc: str, chunk: int | None,
+               keep_exp: bool = False) -> RowStats:
+    """Row statistics of ``x``, reduced chunk by chunk (``ChunkLayout``) and
+    merged by ``_softmax_merge``.
+
+    ``keep_exp``: ``exp(x - chunk_max)`` is a stage of its own
+    (``ce_chunk_exp``) that the chunk's exp-sum reduces, so a gradient can
+    reuse it instead of evaluating ``exp`` again.
     """
     chunk = classes if chunk is None else min(chunk, classes)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    n_chunks = -(-classes // chunk)
+    layout = ChunkLayout(classes, chunk)
 
     def xf(n, c):
         return x[n, c].astype(acc)
 
     def per_chunk(stage, reducer, pad, body):
-        j = te.reduce_axis((_int64(0), _int64(chunk)), name="j")
+        """``pad``: what an overlapped entry counts as; ``None`` for an idempotent
+        reducer (max), which may count it twice."""
+        j = te.reduce_axis((0, chunk), name="j")
 
         def value(n, k):
-            if classes % chunk == 0:
-                return reducer(body(n, k * _int64(chunk) + j, k), axis=j)
-            start = tirx.min(k * _int64(chunk), _int64(classes - chunk))
-            overlap = (k * _int64(chunk) - start).astype("int32")
-            fresh = j.astype("int32") >= overlap
-            return reducer(tirx.Select(fresh, body(n, start + j, k), pad), axis=j)
+            term = body(n, layout.start(k) + j.astype("int64"), k, j.astype("int64"))
+            if not layout.exact and pad is not None:
+                term = tirx.Select(layout.fresh(k, j), term, pad)
+            return reducer(term, axis=j)
 
-        return te.compute((n_rows, _int64(n_chunks)), value, name=stage)
+        return te.compute((n_rows, _int64(layout.n_chunks)), value, name=stage)
 
-    zero, lowest = tirx.const(0.0, acc), tirx.min_value(acc)
-    cmax = per_chunk(CHUNK_MAX, te.max, lowest, lambda n, c, k: xf(n, c))
+    zero = tirx.const(0.0, acc)
+    cmax = per_chunk(CHUNK_MAX, te.max, None, lambda n, c, k, j: xf(n, c))
+    if keep_exp:
+        kept = te.compute(
+            (n_rows, _int64(layout.n_chunks), _int64(chunk)),
+            lambda n, k, j: fastmath.exp(xf(n, layout.start(k) + j) - cmax[n, k],
+                                         nonpositive=True, storage=str(x.dtype)),
+            name=CHUNK_EXP)
+        exp_term = lambda n, c, k, j: kept[n, k, j]  # noqa: E731
+    else:
+        kept = None
+        exp_term = lambda n, c, k, j: fastmath.exp(  # noqa: E731
+            xf(n, c) - cmax[n, k], nonpositive=True, storage=str(x.dtype))
     parts = [
         cmax,
-        per_chunk(CHUNK_EXPSUM, te.sum, zero, lambda n, c, k: fastmath.exp(xf(n, c) - cmax[n, k])),
+        per_chunk(CHUNK_EXPSUM, te.sum, zero, exp_term),
         per_chunk(CHUNK_WXSUM, te.sum, zero,
-                  lambda n, c, k: (w[c] * xf(n, c)) if w is not None else xf(n, c)),
+                  lambda n, c, k, j: (w[c] * xf(n, c)) if w is not None else xf(n, c)),
     ]
     if w is not None:
-        parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k: w[c]))
-    k_axis = te.reduce_axis((_int64(0), _int64(n_chunks)), name="k")
+        parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: w[c]))
+    k_axis = te.reduce_axis((_int64(0), _int64(layout.n_chunks)), name="k")
     stats = te.compute(
         (n_rows,), lambda n: _softmax_merge(len(parts))(
             tuple(p[n, k_axis] for p in parts), axis=k_axis), name=ROWSTATS)
-    return stats[0], stats[1], stats[2], (stats[3] if w is not None else None)
+    return RowStats(stats[0], stats[1], stats[2], stats[3] if w is not None else None,
+                    cmax, kept, layout)
 
 
 def _row_losses(n_rows, classes, acc, eps, s, mask, lse, target_logit, target_weight, wxsum,
@@ -301,7 +388,8 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
     ii, eps, s = _scalars(acc)
     mask, index = _masked_target(y, ii, classes)
-    rowmax, expsum, wxsum, wsum = _row_stats(x, w, n_rows, classes, acc, chunk)
+    st = _row_stats(x, w, n_rows, classes, acc, chunk)
+    rowmax, expsum, wxsum, wsum = st.rowmax, st.expsum, st.wxsum, st.wsum
     lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name=LSE)
     rows = _row_losses(
         n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
@@ -310,7 +398,7 @@ def forward_func(classes: int, dtype: str, variant: Variant,
         wxsum=lambda n: wxsum[n],
         wsum=lambda n: wsum[n] if w is not None else tirx.const(float(classes), acc),
         reduction=variant.reduction)
-    outs = _reduce_forward(rows, n_rows, dtype, variant.reduction)
+    outs = _reduce_forward(rows, n_rows, dtype, variant.reduction).outputs
     args = [x, y] + ([w] if w is not None else []) + [ii, eps, s] + outs + [lse]
     if variant.log_prob:
         log_prob = te.compute(
@@ -338,7 +426,8 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
     y = te.placeholder((n_rows,), "int64", name="target")
     w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
     offset = te.var("shard_offset", "int64")
-    rowmax, expsum, wxsum, _ = _row_stats(x, w, n_rows, classes, acc, chunk)
+    st = _row_stats(x, w, n_rows, classes, acc, chunk)
+    rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
     local = te.compute((n_rows,), lambda n: y[n] - offset, name=SHARD_LOCAL)
 
     def here(n):
@@ -379,7 +468,7 @@ def shard_combine_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimF
         target_logit=lambda n: vec["target_logit"][n],
         target_weight=lambda n: vec["target_weight"][n],
         wxsum=lambda n: vec["wxsum"][n], wsum=lambda n: wsum, reduction=variant.reduction)
-    outs = _reduce_forward(rows, n_rows, dtype, variant.reduction)
+    outs = _reduce_forward(rows, n_rows, dtype, variant.reduction).outputs
     args = list(vec.values()) + [y, wsum, ii, eps, s] + outs
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
@@ -387,20 +476,74 @@ def shard_combine_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimF
 _TOTALS = {"ce": TOTAL_CE, "z": TOTAL_Z, "weight": TOTAL_WEIGHT, "count": TOTAL_COUNT}
 
 
-def _reduce_forward(rows, n_rows, dtype, reduction):
+@dataclass(frozen=True)
+class Totals:
+    """``outputs``: ``[loss, zloss]``; ``weight``/``count``: the mean's ``D`` and
+    ``M`` (``[1]`` stages; ``None`` unless the reduction is ``mean``)."""
+
+    outputs: list
+    weight: te.Tensor | None = None
+    count: te.Tensor | None = None
+
+
+def _reduce_forward(rows, n_rows, dtype, reduction) -> Totals:
     """``loss`` and ``zloss`` outputs from the per-row terms (SPEC section 1 table)."""
     ce, z = rows["ce"], rows["z"]
     if reduction == "none":
         loss = te.compute((n_rows,), lambda n: (ce[n] + z[n]).astype(dtype), name=LOSS)
         zloss = te.compute((n_rows,), lambda n: z[n].astype(dtype), name=ZLOSS)
-        return [loss, zloss]
+        return Totals([loss, zloss])
     tot = {name: _row_total(_TOTALS[name], term, n_rows) for name, term in rows.items()}
     ce_t, z_t = tot["ce"][0], tot["z"][0]
     if reduction == "mean":
         ce_t, z_t = ce_t / tot["weight"][0], z_t / tot["count"][0]
     loss = te.compute((1,), lambda _: (ce_t + z_t).astype(dtype), name=LOSS)
     zloss = te.compute((1,), lambda _: z_t.astype(dtype), name=ZLOSS)
-    return [loss, zloss]
+    return Totals([loss, zloss], tot.get("weight"), tot.get("count"))
+
+
+def _mean_totals(n_rows, acc, mask, target_weight):
+    """``D = sum_n w[y[n]] m[n]`` and ``M = sum_n m[n]``, serial over rows, from
+    the targets alone (``ce_total_weight``, ``ce_total_count``)."""
+    r1 = te.reduce_axis((_int64(0), n_rows), name="r")
+    denom = te.compute(
+        (1,), lambda _: te.sum(target_weight(r1) * mask(r1).astype(acc), axis=r1),
+        name=TOTAL_WEIGHT)
+    r2 = te.reduce_axis((_int64(0), n_rows), name="r")
+    count = te.compute(
+        (1,), lambda _: te.sum(mask(r2).astype(acc), axis=r2), name=TOTAL_COUNT)
+    return denom, count
+
+
+def _grad_coefficients(n_rows, acc, eps, s, mask, lse, target_weight, total_w, c_full,
+                       row_grad, row_zgrad):
+    """Per-row coefficients of SPEC section 2: ``(hot, smooth, pscale)`` with
+    ``x_grad = p * pscale - [c == y] hot - smooth * w[c]``.
+
+    ``row_grad(n)``/``row_zgrad(n)``: the upstream gradient of row ``n``'s
+    loss and z-loss terms, normalisers included; ``total_w(n)``: ``sum_c w[c]``;
+    ``c_full``: the number of classes (of the full vocabulary for a shard).
+    """
+    one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
+
+    def row(stage, f):
+        return te.compute((n_rows,), f, name=stage)
+
+    m = row(GRAD_MASK, lambda n: mask(n).astype(acc))
+
+    def masked(n, value):
+        # An ignored row contributes exactly 0, also when every row is ignored
+        # (D = 0 or M = 0 would make SPEC's formula 0/0): PyTorch's behaviour.
+        return tirx.Select(m[n] != zero, value, zero)
+
+    hot = row(GRAD_HOT, lambda n: masked(n, row_grad(n) * (one - eps) * target_weight(n)))
+    smooth = row(GRAD_SMOOTH, lambda n: masked(n, row_grad(n) * eps / c_full))
+    p_scale = row(
+        GRAD_PSCALE,
+        lambda n: hot[n] + smooth[n] * total_w(n)
+        + tirx.Select(s != zero, masked(n, tirx.const(2.0, acc) * s * lse[n] * row_zgrad(n)), zero),
+    )
+    return hot, smooth, p_scale
 
 
 def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
@@ -465,14 +608,7 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         return value if variant.grad_source == "log_prob" else value - lse[n]
 
     if variant.reduction == "mean":
-        r1 = te.reduce_axis((_int64(0), n_rows), name="r")
-        denom = te.compute(
-            (1,), lambda _: te.sum(target_weight(r1) * mask(r1).astype(acc), axis=r1),
-            name=TOTAL_WEIGHT)
-        r2 = te.reduce_axis((_int64(0), n_rows), name="r")
-        count = te.compute(
-            (1,), lambda _: te.sum(mask(r2).astype(acc), axis=r2), name=TOTAL_COUNT
-        )
+        denom, count = _mean_totals(n_rows, acc, mask, target_weight)
 
     def row_grad(n):
         g_n = g[n if variant.reduction == "none" else 0]
@@ -483,29 +619,98 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         gz = g[gi] + gzl[gi]
         return gz / count[0] if variant.reduction == "mean" else gz
 
-    def row(stage, f):
-        return te.compute((n_rows,), f, name=stage)
-
-    m = row(GRAD_MASK, lambda n: mask(n).astype(acc))
-
-    def masked(n, value):
-        # An ignored row contributes exactly 0, also when every row is ignored
-        # (D = 0 or M = 0 would make SPEC's formula 0/0): PyTorch's behaviour.
-        return tirx.Select(m[n] != zero, value, zero)
-
-    hot = row(GRAD_HOT, lambda n: masked(n, row_grad(n) * (one - eps) * target_weight(n)))
-    smooth = row(GRAD_SMOOTH, lambda n: masked(n, row_grad(n) * eps / c_full))
-    p_scale = row(
-        GRAD_PSCALE,
-        lambda n: hot[n] + smooth[n] * total_w
-        + tirx.Select(s != zero, masked(n, tirx.const(2.0, acc) * s * lse[n] * row_zgrad(n)), zero),
-    )
+    hot, smooth, p_scale = _grad_coefficients(n_rows, acc, eps, s, mask, lse, target_weight,
+                                              lambda n: total_w, c_full, row_grad, row_zgrad)
 
     def grad(n, c):
-        onehot = tirx.Select(c == onehot_index(n), hot[n], zero)
-        return (fastmath.exp(logp(n, c)) * p_scale[n] - onehot - smooth[n] * wc(c)).astype(dtype)
+        onehot = tirx.Select(_same_class(c, onehot_index(n)), hot[n], zero)
+        # x - lse <= 0 for a logits source; a caller's log_prob gets the full clamps.
+        p = fastmath.exp(logp(n, c), nonpositive=variant.grad_source != "log_prob",
+                         storage=dtype)
+        return (p * p_scale[n] - onehot - smooth[n] * wc(c)).astype(dtype)
 
     x_grad = te.compute((n_rows, _int64(classes)), grad, name=X_GRAD)
     args = ([g, gzl, src, lse, y] + ([w] if w is not None else []) + shard_args
             + [ii, eps, s, x_grad])
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+def train_func(classes: int, dtype: str, variant: Variant,
+               chunk: int | None = None) -> tirx.PrimFunc:
+    """The forward of SPEC section 1 and, in the same sweep over each row, the
+    logits gradient of SPEC section 2 for a unit upstream gradient
+    (``grad_loss = 1``, no ``grad_zloss``): what autograd needs in training.
+
+    Per row, chunk by chunk (the layout of ``forward_func``): the chunk max,
+    ``e = exp(x - chunk_max)`` kept (``ce_chunk_exp``, float32) and summed;
+    after the chunks merge into ``lse``, the gradient reads ``e`` back, scaled
+    per chunk by ``exp(chunk_max - lse) * pscale`` (``ce_chunk_pscale``: one
+    ``exp`` per chunk, not per element). ``D`` and ``M`` of the mean come
+    from the targets alone. ``sum`` and ``mean`` only: ``none`` needs an
+    upstream gradient per row, so its gradient waits for the backward.
+
+    Arguments: those of ``forward_func``; outputs (``mean`` only) ``norms[2]``
+    = ``(D, M)`` (accumulation dtype), ``x_grad[N, C]`` (dtype, rounded once),
+    ``lse[N]``, then ``loss`` and ``zloss`` as in ``forward_func``.
+    """
+    if variant.reduction == "none":
+        raise ValueError("train_func needs reduction 'sum' or 'mean'")
+    acc = accum_dtype(dtype)
+    n_rows = _rows()
+    x = te.placeholder((n_rows, _int64(classes)), dtype, name="x")
+    y = te.placeholder((n_rows,), "int64", name="target")
+    w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
+    ii, eps, s = _scalars(acc)
+    mask, index = _masked_target(y, ii, classes)
+    one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
+    st = _row_stats(x, w, n_rows, classes, acc, chunk, keep_exp=True)
+    lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
+
+    def wc(c):
+        return w[c] if w is not None else one
+
+    def target_weight(n):
+        return wc(index(n))
+
+    rows = _row_losses(
+        n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
+        target_logit=lambda n: x[n, index(n)].astype(acc), target_weight=target_weight,
+        wxsum=lambda n: st.wxsum[n],
+        wsum=lambda n: st.wsum[n] if w is not None else tirx.const(float(classes), acc),
+        reduction=variant.reduction)
+    totals = _reduce_forward(rows, n_rows, dtype, variant.reduction)
+    outs = totals.outputs
+    if variant.reduction == "mean":
+        denom, count = totals.weight, totals.count
+        row_grad, row_zgrad = (lambda n: one / denom[0]), (lambda n: one / count[0])
+        norms = [te.compute((2,), lambda i: tirx.Select(i == 0, denom[0], count[0]),
+                            name=MEAN_NORMS)]
+    else:
+        row_grad = row_zgrad = lambda n: one
+        norms = []
+    hot, smooth, p_scale = _grad_coefficients(
+        n_rows, acc, eps, s, mask, lse, target_weight,
+        lambda n: st.wsum[n] if w is not None else tirx.const(float(classes), acc),
+        tirx.const(float(classes), acc), row_grad, row_zgrad)
+    lay, kept = st.layout, st.chunk_exp
+    chunk_scale = te.compute(
+        (n_rows, _int64(lay.n_chunks)),
+        lambda n, k: fastmath.exp(st.chunk_max[n, k] - lse[n], nonpositive=True) * p_scale[n],
+        name=CHUNK_PSCALE)
+    size = _int64(lay.chunk)
+
+    def grad(n, c):
+        if lay.exact:
+            k, j = tirx.floordiv(c, size), tirx.floormod(c, size)
+        else:  # columns past the last full chunk are read from the (overlapping) last one
+            tail = c >= _int64(lay.last_full())
+            k = tirx.Select(tail, _int64(lay.n_chunks - 1), tirx.floordiv(c, size))
+            j = tirx.Select(tail, c - _int64(classes - lay.chunk), tirx.floormod(c, size))
+        onehot = tirx.Select(_same_class(c, index(n)), hot[n], zero)
+        return (kept[n, k, j] * chunk_scale[n, k] - onehot - smooth[n] * wc(c)).astype(dtype)
+
+    x_grad = te.compute((n_rows, _int64(classes)), grad, name=X_GRAD)
+    # Outputs in dependence order (the kernel's stages follow them): the mean's
+    # D and M before the row sweep, the sweep's x_grad before the sums over rows.
+    args = [x, y] + ([w] if w is not None else []) + [ii, eps, s] + norms + [x_grad, lse] + outs
     return te.create_prim_func(args).with_attr("global_symbol", "main")

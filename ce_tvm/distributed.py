@@ -9,8 +9,11 @@ z-loss the global ``lse``.
 
 Communication per step: two ``all_reduce`` calls in the forward (the row
 max, then one packed sum of the rescaled exp-sums, target logits, target
-weights, weighted logit sums and the weight sum) and none in the backward,
-which needs only the saved global row statistics. The shard layout (one
+weights, weighted logit sums and the weight sum) and none in the backward.
+With ``sum``/``mean`` under autograd the shard's gradient is computed in the
+forward, right after the all_reduces, and the backward only scales it (the
+shard's logits are not kept); ``none`` keeps the logits and the global row
+statistics for a backward that computes it. The shard layout (one
 ``all_gather`` of the widths) is exchanged once per (group, width) and cached.
 """
 
@@ -22,6 +25,7 @@ from torch import Tensor, nn
 
 from . import launch
 from . import validation as check
+from .ops import scale_unit_gradient
 from .options import LossOptions
 
 _LAYOUTS: dict = {}
@@ -57,17 +61,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         weight_sum = float(packed[-1]) if w is not None else float(classes)
         loss, zloss = launch.shard_combine(lse, logit, weight, wxsum, y, weight_sum=weight_sum,
                                            classes=classes, dtype=x.dtype, options=options)
-        ctx.save_for_backward(x, lse, y, w, weight)
-        ctx.layout = dict(offset=offset, weight_sum=weight_sum, global_classes=classes)
-        ctx.options = options
+        layout = dict(offset=offset, weight_sum=weight_sum, global_classes=classes)
         ctx.mark_non_differentiable(zloss)
+        if ctx.needs_input_grad[0] and options.reduction != "none":
+            # The shard's gradient for a unit upstream gradient, right after the
+            # all_reduces: the backward only scales it, and the logits need not be kept.
+            ctx.x_grad = launch.shard_backward(lse.new_ones(1), x, lse, y, w, weight, **layout,
+                                               options=options)
+        else:
+            ctx.save_for_backward(x, lse, y, w, weight)
+            ctx.layout, ctx.options = layout, options
         return loss, zloss
 
     @staticmethod
     def backward(ctx, grad_loss, grad_zloss):
-        x, lse, y, w, weight = ctx.saved_tensors
-        g = grad_loss.to(lse.dtype).reshape(-1).contiguous()
-        grad = launch.shard_backward(g, x, lse, y, w, weight, **ctx.layout, options=ctx.options)
+        if hasattr(ctx, "x_grad"):
+            grad = scale_unit_gradient(ctx.x_grad, grad_loss.reshape(-1))
+        else:
+            x, lse, y, w, weight = ctx.saved_tensors
+            g = grad_loss.to(lse.dtype).reshape(-1).contiguous()
+            grad = launch.shard_backward(g, x, lse, y, w, weight, **ctx.layout,
+                                         options=ctx.options)
         return grad, None, None, None, None
 
 

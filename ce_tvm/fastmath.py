@@ -1,48 +1,99 @@
 """Vectorisable ``exp`` for the compute declarations.
 
 ``tvm.te.exp`` on float32 lowers to scalar ``expf`` calls on LLVM, which
-cannot be vectorised and dominate the loss. This is the Cephes-style
-polynomial that ``topi.fast_exp`` uses (range reduction by ``ln 2``, degree-6
-polynomial, exponent built by bit shift), written as plain TIR arithmetic so
-it vectorises on every target and can sit inside a reduction. Relative error
-is below 4e-7, about 3 ulp (``tests/test_fastmath.py``). It differs from ``topi``'s in
-two ways that the loss needs: NaN propagates (``topi`` clamps it away), and
-results below ~1e-38 flush to exactly 0, so ``exp(-inf) == 0``.
+cannot be vectorised and dominate the loss. This is a branchless
+polynomial ``exp`` written as plain TIR arithmetic, so it vectorises on
+every target and can sit inside a reduction:
+
+    k = round(x log2(e)),  r = x - k ln(2)  (|r| <= ln(2) / 2, one FMA),
+    e**r by a minimax polynomial (Horner), times 2**k.
+
+Relative error is below 4e-7, about 3 ulp, for float32 results; 4e-6 for
+results stored in 16 bits (``tests/test_fastmath.py``).
+Unlike ``topi.fast_exp`` NaN propagates (every step is arithmetic on it,
+and the clamps are selects that keep it), and ``exp(-inf)`` is exactly 0.
+
+How ``2**k`` is applied is the one target-dependent choice, made by the
+schedule around the declaration (``scaling``): ``"bits"`` builds ``2**k``
+from its exponent bits and multiplies (portable; results below ~1.2e-38
+flush to 0); ``"ldexp"`` calls ``tirx.ldexp``, which a target lowers to its
+scaling instruction (AVX-512 ``vscalefps``: one instruction instead of four).
 
 float64 keeps the exact ``exp`` (``gradcheck`` needs it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 from tvm import te, tirx
 
-_LOG2E = 1.44269504088896341
+_LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-_HI = 88.3762626647950
-_LO = -88.3762626647949
-_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
-         1.6666665459e-1, 5.0000001201e-1)
+# Horner coefficients of e**r on [-ln2/2, ln2/2], highest power first:
+# minimax for relative error with the constant term fixed at 1, so exp(0) is
+# exactly 1 (Lawson-weighted least squares; float32 Horner error 1.0e-7 for
+# degree 6, 2.9e-6 for degree 4). The degree follows the
+# precision the result is stored in: a float32 result gets the 3-ulp ``exp``;
+# a float16/bfloat16 one (rounded to 2**-11 or 2**-8) gets an ``exp`` that is
+# still more than 100 times finer than that rounding, two FMAs cheaper.
+_POLY = {
+    "float32": (1.3843608665e-03, 8.3741467382e-03, 4.1668002251e-02, 1.6666431364e-01,
+                4.9999994210e-01, 1.0000000321e+00, 1.0),
+    "half": (4.1513489222e-02, 1.6787414118e-01, 5.0003014061e-01, 9.9996687006e-01, 1.0),
+}
+# Clamps keep k where 2**k is representable: with "bits", k = -127 gives the
+# all-zero exponent, i.e. exactly 0; with "ldexp", 2**-160 underflows to 0.
+_LOW = {"bits": -127 * _LN2, "ldexp": -160 * _LN2}
+_HIGH = 128 * _LN2
+
+SCALINGS = ("bits", "ldexp")
+_SCALING = contextvars.ContextVar("ce_tvm_exp_scaling", default="bits")
 
 
-def exp(x):
-    """``e**x`` for a float32 or float64 TIR expression."""
+@contextlib.contextmanager
+def scaling(name: str):
+    """Declare computes inside the block with ``2**k`` applied by ``name``."""
+    if name not in SCALINGS:
+        raise ValueError(f"exp scaling must be one of {SCALINGS}, got {name!r}")
+    token = _SCALING.set(name)
+    try:
+        yield
+    finally:
+        _SCALING.reset(token)
+
+
+def exp(x, nonpositive: bool = False, storage: str = "float32"):
+    """``e**x`` for a float32 or float64 TIR expression.
+
+    ``nonpositive``: the caller knows ``x <= 0`` (or NaN), as for ``x - max``;
+    the upper clamp is then left out. ``storage``: the dtype the result ends
+    up rounded to (``float16``/``bfloat16`` take the shorter polynomial).
+    """
     if str(x.ty) != "float32":
         return te.exp(x)
 
     def f32(v):
         return tirx.const(v, "float32")
 
+    how = _SCALING.get()
     # Plain subexpressions, no ``Let``: TVM 0.27's BF16ComputeLegalize rewrites
     # a Let-bound cast of a bfloat16 load into its raw bits. CSE (TIR's and
-    # LLVM's) folds the repeats.
-    clamped = tirx.Select(x < f32(_LO), f32(_LO), tirx.Select(x > f32(_HI), f32(_HI), x))
-    k = te.floor(clamped * f32(_LOG2E) + f32(0.5))
-    r = clamped - k * f32(_LN2)
-    poly = f32(_POLY[0])
-    for coef in _POLY[1:]:
+    # LLVM's) folds the repeats. ``max(low, x)`` is one ``maxps(low, x)``,
+    # which returns ``x`` when it is NaN, so NaN passes through every step.
+    t = tirx.max(f32(_LOW[how]), x)
+    if not nonpositive:
+        t = tirx.Select(t > f32(_HIGH), f32(_HIGH), t)
+    k = tirx.nearbyint(t * f32(_LOG2E))
+    r = k * f32(-_LN2) + t
+    coefs = _POLY["float32" if storage in ("float32", "float64") else "half"]
+    poly = f32(coefs[0])
+    for coef in coefs[1:]:
         poly = poly * r + f32(coef)
+    if how == "ldexp":
+        return tirx.ldexp(poly, k.astype("int32"))
     two_k = tirx.reinterpret(
         "float32", tirx.shift_left(k.astype("int32") + tirx.const(127, "int32"),
-                                   tirx.const(23, "int32"))
-    )
-    return tirx.Select(x != x, x, two_k * (poly * r * r + r + f32(1.0)))
+                                   tirx.const(23, "int32")))
+    return poly * two_k

@@ -66,6 +66,21 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool,
     return out
 
 
+def train(x, y, w, options: LossOptions) -> tuple[ForwardOutputs, torch.Tensor]:
+    """The forward and, in the same sweep, the logits gradient for a unit
+    upstream gradient (``sum``/``mean`` only); returns ``(ForwardOutputs,
+    x_grad)`` with ``x_grad`` from the buffer pool and ``log_prob`` ``None``."""
+    n = x.shape[0]
+    out = ForwardOutputs(loss=x.new_empty(1), zloss=x.new_empty(1),
+                         lse=x.new_empty(n, dtype=accum_torch_dtype(x)), log_prob=None)
+    x_grad = pool.empty_like(x)
+    norms = [x.new_empty(2, dtype=accum_torch_dtype(x))] if options.reduction == "mean" else []
+    spec = _spec("train", x, Variant(options.reduction, w is not None, log_prob=False))
+    call(spec, x, y, *_weight(w), *_scalars(options), *norms, x_grad, out.lse, out.loss,
+         out.zloss)
+    return out, x_grad
+
+
 def backward(grad_loss, grad_zloss, source, lse, y, w, options: LossOptions, *,
              source_kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Run the fused backward from ``log_prob`` (``source_kind='log_prob'``) or

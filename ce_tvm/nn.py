@@ -3,11 +3,21 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
 from torch import Tensor, nn
 
 from . import validation as check
-from .ops import cross_entropy_forward, schema_scalars
+from .ops import cross_entropy_forward, cross_entropy_train, schema_scalars
 from .options import LossOptions
+
+# Training with sum/mean computes the gradient in the forward sweep
+# (``ops.cross_entropy_train``); ``CE_TVM_TRAINING=recompute`` (or setting
+# this to False) keeps the logits for a backward that recomputes it instead.
+ONE_PASS_TRAINING = os.environ.get("CE_TVM_TRAINING", "one_pass") != "recompute"
+# Devices whose schedules have the one-pass kernel (CUDA recomputes for now).
+TRAINING_KERNEL_DEVICES = ("cpu",)
 
 
 def _flatten(input: Tensor, target: Tensor):
@@ -53,7 +63,12 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
         raise ValueError(f"target must have shape [N] = [{x.shape[0]}], got {tuple(y.shape)}")
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
-    loss, zloss, _ = cross_entropy_forward(x, y, weight, **schema_scalars(options))
+    # The gradient in the same sweep as the loss, when autograd will need it
+    # and it does not depend on a per-row upstream gradient.
+    one_pass = (ONE_PASS_TRAINING and options.reduction != "none" and torch.is_grad_enabled()
+                and x.requires_grad and x.device.type in TRAINING_KERNEL_DEVICES)
+    op = cross_entropy_train if one_pass else cross_entropy_forward
+    loss, zloss = op(x, y, weight, **schema_scalars(options))[:2]
     if options.reduction == "none":
         loss, zloss = unflatten(loss), unflatten(zloss)
     else:

@@ -4,17 +4,26 @@
 ``log_prob``: it returns ``loss``, ``zloss`` and the per-row ``lse`` (float32,
 float64 for float64 inputs). Autograd saves the logits and ``lse`` (``N``
 floats), never an ``[N, C]`` intermediate; ``ce_tvm::cross_entropy_backward``
-recomputes the probabilities from them in one pass. Both ops are opaque to
-``torch.compile`` (no graph break) and do no host synchronisation beyond the
-target range check, which needs the target values.
+recomputes the probabilities from them in one pass.
+
+``ce_tvm::cross_entropy_train`` (``sum``/``mean``, when autograd will need
+the gradient) also returns the logits gradient for a unit upstream
+gradient, computed in the same sweep over the logits (read once, gradient
+written once, one ``exp`` per element). Autograd saves only that gradient
+(the logits may be freed) and scales it by the upstream gradient when that
+is not exactly 1.
+
+The ops are opaque to ``torch.compile`` (no graph break) and do no host
+synchronisation beyond the target range check, which needs the target values.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
-from . import launch
+from . import launch, pool
 from . import validation as check
 from .options import LossOptions
 from .tensors import accum_torch_dtype
@@ -88,3 +97,70 @@ def _backward(ctx, grad_loss, grad_zloss, grad_lse):
 
 
 cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("ce_tvm::cross_entropy_train", mutates_args=())
+def cross_entropy_train(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
+                        ignore_index: int, label_smoothing: float,
+                        lse_square_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, zloss, lse, x_grad)``: ``loss``/``zloss`` ``[1]``; ``x_grad`` is
+    d(loss)/d(x) for a unit upstream gradient (``sum``/``mean`` only)."""
+    options = _options(reduction, ignore_index, label_smoothing, lse_square_scale)
+    y = check.targets(target, x, options.ignore_index)
+    out, x_grad = launch.train(x.contiguous(), y, check.weight(weight, x), options)
+    return out.loss, out.zloss, out.lse, x_grad
+
+
+@cross_entropy_train.register_fake
+def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale):
+    return (x.new_empty(1), x.new_empty(1),
+            x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def _setup_train_context(ctx, inputs, output):
+    # The gradient is kept as an attribute, not saved: a saved tensor stays
+    # referenced until the graph is freed, so autograd would copy it into a
+    # leaf's .grad (a fresh [N, C] buffer every step) instead of taking it.
+    # Being non-differentiable, it makes no reference cycle with the graph.
+    ctx.mark_non_differentiable(output[3])
+    ctx.set_materialize_grads(False)  # no [N, C] of zeros for the unused outputs' gradients
+    ctx.x_grad, ctx.version = output[3], output[3]._version
+    ctx.leaf = inputs[0].requires_grad and inputs[0].grad_fn is None
+
+
+def _is_exactly_one(g: Tensor) -> bool:
+    """Whether ``g`` is 1, when that can be read without a device sync or a trace."""
+    if g.device.type != "cpu" or torch.compiler.is_compiling() or is_fake(g):
+        return False
+    return bool(g == 1)
+
+
+_REUSED = ("ce_tvm.cross_entropy computed this gradient in the forward pass and autograd has "
+           "since taken it (a backward through the same graph more than once, with "
+           "retain_graph=True). Set CE_TVM_TRAINING=recompute for such graphs: the backward "
+           "then recomputes the gradient from the logits.")
+
+
+def _train_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_x_grad):
+    x_grad = getattr(ctx, "x_grad", None)
+    if x_grad is None or x_grad._version != ctx.version:
+        raise RuntimeError(_REUSED)
+    if ctx.leaf:  # let the leaf's .grad take the buffer itself
+        del ctx.x_grad
+    if grad_loss is None:
+        return None, None, None, None, None, None, None
+    return scale_unit_gradient(x_grad, grad_loss), None, None, None, None, None, None
+
+
+def scale_unit_gradient(x_grad: Tensor, grad_loss: Tensor) -> Tensor:
+    """The gradient for upstream ``grad_loss`` from the one for a unit upstream
+    gradient: ``x_grad`` itself when ``grad_loss`` is exactly 1, else a
+    scaled copy (from the buffer pool; ``x_grad`` is never modified)."""
+    if _is_exactly_one(grad_loss):
+        return x_grad
+    scaled = pool.empty_like(x_grad) if not is_fake(x_grad) else torch.empty_like(x_grad)
+    return torch.mul(x_grad, grad_loss.to(x_grad.dtype), out=scaled)
+
+
+cross_entropy_train.register_autograd(_train_backward, setup_context=_setup_train_context)

@@ -9,10 +9,13 @@ have, looked up with ``present_blocks``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvm import tirx
 from tvm.s_tir import ScheduleError
 
 from ..compute import (
+    CHUNK_EXP,
     CHUNK_EXPSUM,
     CHUNK_MAX,
     CHUNK_WSUM,
@@ -184,25 +187,109 @@ def vector_accumulator(sch, rf, outer: int):
 
 
 def vectorize_inner(sch, block, lanes: int) -> None:
-    """Vectorise the innermost (spatial) loop of ``block`` by ``lanes``.
+    """Vectorise the innermost (spatial) loop of ``block`` by ``lanes`` (``vectorize_loop``)."""
+    vectorize_loop(sch, sch.get_loops(block)[-1], lanes)
+
+
+def vectorize_loop(sch, loop, lanes: int) -> None:
+    """Vectorise the spatial ``loop`` by ``lanes``.
 
     A tail that is not a multiple of ``lanes`` is peeled off with
     ``loop_partition`` and stays scalar (a split would put a predicate inside
     the vector loop, which TVM scalarises whole). Call it last: the partition
     wraps the loop in opaque blocks.
     """
-    inner = sch.get_loops(block)[-1]
-    extent = sch.get(inner).extent
+    extent = sch.get(loop).extent
     if lanes == 1 or not isinstance(extent, tirx.IntImm) or extent.value < lanes:
         return  # nothing to vectorise (C = 1 leaves only the row loop)
     extent = extent.value
     main = extent // lanes * lanes
     if main != extent:
-        inner = sch.loop_partition(inner, [main])[0]
-    sch.vectorize(sch.split(inner, [None, lanes])[1])
+        loop = sch.loop_partition(loop, [main])[0]
+    sch.vectorize(sch.split(loop, [None, lanes])[1])
 
 
 def inline_row_helpers(sch) -> None:
     """Inline the cheap per-row blocks that have no producer (``INLINED``)."""
     for blk in present_blocks(sch, INLINED):
         sch.compute_inline(blk)
+
+
+@dataclass
+class Sweep:
+    """Loops of ``row_sweep``: ``row`` (every per-row stage of the sweep under
+    it), ``chunk`` (the chunk stages and their merge under it), and the
+    chunk reductions' blocks by name (``[rfactor, final]`` or ``[block]``)."""
+
+    row: object
+    chunk: object
+    stages: dict
+
+
+def row_sweep(sch, lanes: int) -> Sweep:
+    """The training phase every schedule shares (``train_func``): its per-row
+    stages under one row loop, and its chunk stages (the chunk reductions,
+    ``ce_chunk_exp`` when not inlined, and ``ce_rowstats``) under one chunk
+    loop inside it.
+
+    ``compute_at`` cannot build this nest: the chunk max and the kept
+    exponentials have consumers after the chunk loop (the per-chunk scale and
+    the gradient). Instead the row loops of every stage up to ``x_grad`` are
+    merged, then the chunk loops; blocks run in program order, which is a
+    valid order, so merging keeps every dependence. The chunk reductions are
+    first split into ``lanes`` vector accumulators (rfactor; see
+    ``sweep_accumulators``).
+    """
+    names = chunk_reductions(sch)
+    stages = {name: split_reduction(sch, name, lanes) for name in names}
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    upto = [sch.get(b).name_hint for b in blocks].index(X_GRAD) + 1
+    rows = [b for b in blocks[:upto]
+            if not isinstance(sch.get(sch.get_loops(b)[0]).extent, tirx.IntImm)
+            and sch.get(b).name_hint not in ROW_TOTALS]
+    row = sch.merge(*[sch.get_loops(b)[0] for b in rows])
+    chunk_blocks = [blk for name in names for blk in stages[name]]
+    if has_stage(sch, CHUNK_EXP):  # inlined where the gradient recomputes exp
+        chunk_blocks.insert(len(stages[names[0]]), sch.get_sblock(CHUNK_EXP))
+    chunk_blocks.append(sch.get_sblock(ROWSTATS))
+    chunk = sch.merge(*[sch.get_loops(b)[1] for b in chunk_blocks])
+    return Sweep(row, chunk, stages)
+
+
+def sweep_accumulators(sch, sweep: Sweep) -> None:
+    """Vectorise the accumulators of ``row_sweep``'s rfactored reductions
+    (merged loops keep the split's order: the lanes are already innermost).
+    Call it after the row loop is parallelised."""
+    for blocks in sweep.stages.values():
+        if len(blocks) == 2:
+            loops = sch.get_loops(blocks[0])
+            sch.vectorize(loops[-1])
+            sch.decompose_reduction(blocks[0], loops[len(loops) - 2])
+
+
+def vectorize_gradient_by_chunk(sch, chunk: int, lanes: int) -> None:
+    """Vectorise ``x_grad``'s columns chunk by chunk, so that no vector
+    straddles two chunks (each has its own scale); the last chunk (shorter
+    when ``chunk`` does not divide C) gets a loop of its own."""
+    grad = sch.get_sblock(X_GRAD)
+    classes = int(sch.get(sch.get_loops(grad)[-1]).extent)
+    n_chunks = -(-classes // chunk)
+    if n_chunks == 1:
+        vectorize_inner(sch, grad, lanes)
+        return
+    full, last = sch.loop_partition(sch.split(sch.get_loops(grad)[-1], [n_chunks, chunk])[0],
+                                    [n_chunks - 1])
+    vectorize_loop(sch, _innermost(sch, full), lanes)
+    width = classes - (n_chunks - 1) * chunk
+    inner = _innermost(sch, last)
+    if width != chunk:
+        inner = sch.loop_partition(inner, [width])[0]
+    vectorize_loop(sch, inner, lanes)
+
+
+def _innermost(sch, loop):
+    """The innermost loop of the (one) block nest under ``loop``."""
+    blocks = sch.get_child_blocks(loop)
+    while sch.get_child_blocks(blocks[0]):  # through loop_partition's opaque wrappers
+        blocks = sch.get_child_blocks(blocks[0])
+    return sch.get_loops(blocks[0])[-1]

@@ -26,7 +26,7 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.target import Target
 
-from ..compute import CHUNK_WSUM, LOG_PROB, matrix_param
+from ..compute import CHUNK_EXP, CHUNK_WSUM, LOG_PROB, X_GRAD, matrix_param
 from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
@@ -38,6 +38,8 @@ from ._common import (
     place_row_stages,
     present_blocks,
     row_lanes,
+    row_sweep,
+    sweep_accumulators,
     vector_accumulators,
     vectorize_inner,
 )
@@ -47,6 +49,11 @@ from .ascend_plan import get_profile, plan
 def forward_chunk(classes: int, dtype: str, target: Target, profile: str = "910b") -> int:
     """The compute's row chunk: the plan's UB tile."""
     return plan(get_profile(profile), 1, classes, dtype, "forward").chunk
+
+
+def train_chunk(classes: int, dtype: str, target: Target, profile: str = "910b") -> int:
+    """The training compute's row chunk: the training plan's UB tile."""
+    return plan(get_profile(profile), 1, classes, dtype, "train").chunk
 
 
 def _stage(sch, consumers, loop, buffers: int, buffer: str = "x"):
@@ -90,6 +97,43 @@ def forward(func, target: Target, profile: str = "910b"):
     vector_accumulators(sch, stages, outer=3)
     init_row_totals(sch)
     for blk in staged + log_prob:
+        vectorize_inner(sch, blk, lanes)
+    return sch.mod["main"]
+
+
+def train(func, target: Target, profile: str = "910b"):
+    """Schedule ``ce_tvm.compute.train_func`` from the plan: rows in one block
+    per core, each row one sweep (``row_sweep``) over UB tiles.
+
+    When the row fits the UB, the logits are staged once and ``ce_chunk_exp``
+    stays in UB (``local``) for the gradient: one read, one write. Otherwise
+    ``ce_chunk_exp`` is inlined, so the gradient pass stages the logits again
+    tile by tile and recomputes ``exp``: two reads, one write.
+    """
+    prof = get_profile(profile)
+    sch = s_tir.Schedule(func)
+    inline_row_helpers(sch)
+    dtype = str(matrix_param(func).dtype)
+    p = plan(prof, 1, classes_of(func), dtype, "train")
+    lanes = row_lanes(p.chunk, prof.repeat_bytes // 4)
+    fits = p.tiles == 1
+    if not fits:
+        sch.compute_inline(sch.get_sblock(CHUNK_EXP))
+    sweep = row_sweep(sch, lanes)
+    readers = [blocks[0] for name, blocks in sweep.stages.items() if name != CHUNK_WSUM]
+    grad = sch.get_sblock(X_GRAD)
+    if fits:
+        kept = sch.get_sblock(CHUNK_EXP)
+        staged = [_stage(sch, readers + [kept], sweep.row, p.buffers)]
+        sch.set_scope(kept, 0, "local")
+    else:
+        staged = [_stage(sch, readers, sweep.chunk, p.buffers)]
+        tile, _ = sch.split(sch.get_loops(grad)[-1], [None, p.chunk])
+        staged.append(_stage(sch, [grad], tile, p.buffers))
+    _parallel_rows(sch, sweep.row, prof.vector_cores)
+    sweep_accumulators(sch, sweep)
+    init_row_totals(sch)
+    for blk in staged + ([kept] if fits else []) + [grad]:
         vectorize_inner(sch, blk, lanes)
     return sch.mod["main"]
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from ..compute import DTYPE_BYTES
 
-OPS = ("forward", "backward")
+OPS = ("forward", "backward", "train")
 
 
 @dataclass(frozen=True)
@@ -76,16 +76,18 @@ def ub_bytes(profile: Profile, chunk: int, dtype: str, op: str, buffers: int) ->
     """Peak UB bytes of one core for tiles of ``chunk`` elements, every live buffer counted.
 
     Staged input and output tiles (storage dtype, ``buffers`` each), the
-    float32 cast of the input for half types, a float32 work tile (x - max,
-    exp), the float32 weight tile, and the reduction scratch (partial max and
-    sums: four repeats) plus 256 bytes of per-row scalars.
+    float32 cast of the input for half types, the training kernel's kept
+    float32 ``exp(x - max)``, a float32 work tile (x - max, exp), the float32
+    weight tile, and the reduction scratch (partial max and sums: four
+    repeats) plus 256 bytes of per-row scalars.
     """
     a, esize = profile.ub_align, DTYPE_BYTES[dtype]
     tile = _align(chunk * esize, a)
     f32 = _align(chunk * 4, a)
     cast = f32 if esize < 4 else 0
     staged = 2 * tile * buffers  # input tile in, output tile (log_prob or x_grad) out
-    return staged + cast + f32 + f32 + 4 * profile.repeat_bytes + 256
+    kept = f32 if op == "train" else 0  # the training kernel's exp(x - max), kept for the gradient
+    return staged + cast + kept + f32 + f32 + 4 * profile.repeat_bytes + 256
 
 
 def _tile_quantum(profile: Profile, dtype: str) -> int:
@@ -134,6 +136,9 @@ def plan(profile, rows: int, classes: int, dtype: str, op: str = "forward") -> P
             if chunk >= quantum * 2 or buffers == 1:
                 break
     tiles = -(-classes // chunk)
+    # One read of the logits when the row's tiles fit the UB (the training
+    # kernel keeps exp(x - max) there); else a second read (log_prob, or the
+    # training kernel's gradient, recomputing exp). The backward reads once.
     passes = 1 if (tiles == 1 or op == "backward") else 2
     return Plan(prof.name, op, dtype, rows, classes, len(per_core), per_core, chunk, tiles,
                 ub_bytes(prof, chunk, dtype, op, buffers), buffers, passes)
@@ -151,7 +156,8 @@ def cost(p: Plan) -> dict:
     row_bytes = p.classes * esize
     total = p.rows * row_bytes
     repeats_per_row = math.ceil(p.classes * 4 / prof.repeat_bytes)
-    ops = FORWARD_OPS_PER_ELEMENT if p.op == "forward" else BACKWARD_OPS_PER_ELEMENT
+    ops = {"forward": FORWARD_OPS_PER_ELEMENT, "backward": BACKWARD_OPS_PER_ELEMENT,
+           "train": FORWARD_OPS_PER_ELEMENT + BACKWARD_OPS_PER_ELEMENT}[p.op]
     vector_us = max(p.rows_per_core) * repeats_per_row * ops * prof.repeat_ns / 1e3
 
     def estimate(reads: int, writes: int) -> dict:
@@ -163,5 +169,7 @@ def cost(p: Plan) -> dict:
 
     if p.op == "backward":
         return {"ce_tvm": estimate(1, 1), "vendor": estimate(1, 1)}
+    if p.op == "train":  # the vendor's training step: its forward, then its backward
+        return {"ce_tvm": estimate(p.passes, 1), "vendor": estimate(4, 2)}
     return {"ce_tvm": estimate(p.passes, 1), "vendor": estimate(3, 1)}
 

@@ -47,11 +47,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import s_tir
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm.target.codegen import llvm_get_vector_width
+from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
-from ..compute import CHUNK_MAX, LOG_PROB
+from ..compute import CHUNK_EXP, CHUNK_MAX, LOG_PROB
 from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
@@ -63,7 +65,10 @@ from ._common import (
     place_row_stages,
     present_blocks,
     row_lanes,
+    row_sweep,
+    sweep_accumulators,
     vector_accumulators,
+    vectorize_gradient_by_chunk,
     vectorize_inner,
 )
 
@@ -92,6 +97,21 @@ def sample_knobs(sch) -> CPUKnobs:
     choice = sch.sample_categorical(list(ACCUMULATOR_CHOICES),
                                     [1.0 / len(ACCUMULATOR_CHOICES)] * len(ACCUMULATOR_CHOICES))
     return CPUKnobs(accumulators=int(sch.get(choice)))
+
+
+def exp_scaling(target: Target) -> str:
+    """How ``ce_tvm.fastmath.exp`` applies ``2**k`` on ``target``: AVX-512's
+    ``vscalefps`` (``tirx.ldexp``, lowered below) where it exists, else exponent bits."""
+    return "ldexp" if target_has_features("avx512f", target) else "bits"
+
+
+def _ldexp_to_llvm(call):
+    """``tirx.ldexp`` as LLVM's ``ldexp`` intrinsic (exact, like the libm call it
+    replaces): one ``vscalefps`` per vector on AVX-512 instead of a scalar call."""
+    return tirx.call_llvm_pure_intrin(call.ty, "llvm.ldexp", *call.args)
+
+
+tirx.register_intrin_lowering("tirx.ldexp", target="llvm", f=_ldexp_to_llvm, level=99)
 
 
 def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
@@ -124,7 +144,7 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 def schedule_forward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """``forward`` on a given schedule (meta_schedule's search space calls it)."""
     inline_row_helpers(sch)
-    chunk = int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
+    chunk = _chunk(sch)
     lanes = row_lanes(chunk, vector_lanes(target) * knobs.accumulators)
     row, _, stages = place_row_stages(sch, lanes)
     sch.parallel(row)
@@ -161,3 +181,120 @@ def per_row(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
             sch.parallel(sch.get_loops(blk)[0])
     init_row_totals(sch)
     return sch.mod["main"]
+
+
+def train(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
+    """Schedule ``ce_tvm.compute.train_func`` for ``target``; returns the scheduled
+    PrimFunc, marked for ``TIR_PIPELINE`` to prefetch the next chunk."""
+    sch = s_tir.Schedule(func)
+    chunk = _chunk(sch)
+    return schedule_train(sch, target, knobs).mod["main"].with_attr(PREFETCH_ATTR, chunk)
+
+
+def schedule_train(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
+    """One sweep per row (``row_sweep``): the forward's chunk loop, where
+    ``ce_chunk_exp`` keeps ``exp(x - chunk_max)`` in a per-row float32 scratch
+    (L1 while the chunk is reduced, L2 after), then ``x_grad`` under the same
+    row loop, reading the scratch back chunk by chunk. The logits are read
+    from memory once and the gradient written once."""
+    inline_row_helpers(sch)
+    chunk = _chunk(sch)
+    lanes = vector_lanes(target) * knobs.accumulators
+    sweep = row_sweep(sch, row_lanes(chunk, lanes))
+    sch.parallel(sweep.row)
+    sweep_accumulators(sch, sweep)
+    init_row_totals(sch)
+    vectorize_inner(sch, sch.get_sblock(CHUNK_EXP), lanes)
+    vectorize_gradient_by_chunk(sch, chunk, lanes)
+    return sch
+
+
+# --- Prefetching the next chunk -------------------------------------------
+# The training kernel alternates between streaming a chunk in from memory
+# (its max) and computing on it from L1 (exp, sums): the hardware prefetcher
+# does not run far enough ahead, so memory idles while exp computes. A
+# software prefetch of the next chunk (the next row's first, after the last:
+# rows are contiguous) in the exp loop overlaps the two. No schedule
+# primitive emits prefetches, so a pass after TVM's lowering adds them to
+# the loops that store ``ce_chunk_exp``, in functions that carry the attribute.
+
+PREFETCH_ATTR = "ce_tvm_prefetch_distance"
+TIR_PIPELINE = "ce_tvm_llvm"
+_LINE_BYTES = 64
+
+
+def _chunk(sch) -> int:
+    """The chunk the compute reduces a row in (before the chunk loops are merged)."""
+    return int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
+
+
+def _collect(node, kind) -> list:
+    found = []
+    tvm_ffi.structural_map(node, [(kind, lambda n: found.append(n) or n)], order="post")
+    return found
+
+
+def _unbound(expr, body):
+    """``expr`` with the ``Bind`` variables of ``body`` substituted (CSE binds indices)."""
+    values = {b.var: b.value for b in _collect(body, tirx.Bind)}
+    for _ in range(len(values) + 1):
+        new = tvm_ffi.structural_map(expr, [(tirx.Var, lambda v: values.get(v, v))])
+        if new.same_as(expr):
+            return expr
+        expr = new
+    return expr
+
+
+def _depends_on(expr, var) -> bool:
+    return any(v.same_as(var) for v in _collect(expr, tirx.Var))
+
+
+def _with_prefetch(loop, distance: int):
+    """``loop`` with prefetches of ``distance`` elements ahead of its logits
+    loads, one per cache line an iteration reads, when it is the vector loop
+    of ``ce_chunk_exp`` (its body is the lane loop, or a vector store)."""
+    body = loop.body
+    lanes_loop = body if isinstance(body, tirx.For) else None
+    stores = [st for st in _collect(body, tirx.BufferStore) if st.buffer.name == CHUNK_EXP]
+    vector = [st for st in stores if isinstance(st.indices[-1], tirx.Ramp)]
+    if not stores or (lanes_loop is None and not vector):
+        return loop
+    loads = [ld for ld in _collect(body, tvm.ir.expr.TensorLoad)
+             if ld.source.name != CHUNK_EXP
+             and _depends_on(_unbound(ld.indices[-1], body), loop.loop_var)]
+    if not loads:
+        return loop
+    logits = loads[0]
+    first = _unbound(logits.indices[-1], body)
+    if isinstance(first, tirx.Ramp):
+        first, span = first.base, first.lanes
+    else:
+        span = int(lanes_loop.extent)
+        first = tvm_ffi.structural_map(first, [(tirx.Var, lambda v: (
+            tirx.const(0, v.ty) if v.same_as(lanes_loop.loop_var) else v))])
+    elem_bytes = max(1, tvm.runtime.DataType(str(logits.ty)).bits // 8)
+    per_line = max(1, _LINE_BYTES // elem_bytes)
+    ahead = [first + tirx.const(distance + o, first.ty) for o in range(0, span, per_line)]
+    fetches = [tirx.Evaluate(tirx.call_intrin(
+        "void", "tirx.prefetch", tirx.address_of(tirx.BufferLoad(logits.source, [i])), 0, 3, 1))
+        for i in ahead]
+    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
+                    tirx.SeqStmt(fetches + [body]), loop.thread_binding, loop.annotations)
+
+
+@tvm.tirx.transform.prim_func_pass(opt_level=0)
+def prefetch_next_chunk(func, mod, ctx):
+    """Add ``_with_prefetch`` to functions marked with ``PREFETCH_ATTR``."""
+    distance = func.attrs.get(PREFETCH_ATTR) if func.attrs is not None else None
+    if distance is None:
+        return func
+    return func.with_body(tvm_ffi.structural_map(
+        func.body, [(tirx.For, lambda loop: _with_prefetch(loop, int(distance)))], order="post"))
+
+
+def _pipeline():
+    lower, finalize_host, finalize_device = tvm.tirx.compilation_pipeline.PIPELINE_MAP["s_tir"]()
+    return tvm.transform.Sequential([lower, prefetch_next_chunk]), finalize_host, finalize_device
+
+
+tvm.tirx.register_tir_pipeline(TIR_PIPELINE, _pipeline)

@@ -27,6 +27,9 @@ PROBE = textwrap.dedent("""
     xr = x.clone().requires_grad_(); ref = F.cross_entropy(xr, y, label_smoothing=0.1)
     ref.backward()
     torch.testing.assert_close(loss[0], ref); torch.testing.assert_close(grad, xr.grad)
+    xt = x.clone().requires_grad_()
+    ce_tvm.cross_entropy(xt, y, label_smoothing=0.1).backward()  # the one-pass training kernel
+    torch.testing.assert_close(xt.grad, xr.grad)
     print("probe ok")
 """)
 

@@ -104,14 +104,32 @@ def test_opcheck():
                               (torch.ones_like(loss), x, lse, y, args[2], *args[3:]))
 
 
-def test_backward_saves_no_class_sized_intermediate():
-    """Only the logits themselves (and N-sized vectors) are kept for backward."""
-    x, y = _inputs("NC")
-    x.requires_grad_()
+def _saved_for_backward(x, y, reduction):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        ce_tvm.cross_entropy(x, y, label_smoothing=0.1)
-    big = [t for t in saved if t.numel() >= x.numel()]
+        ce_tvm.cross_entropy(x, y, label_smoothing=0.1, reduction=reduction)
+    return [t for t in saved if t.numel() >= x.numel()]
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_training_saves_only_the_gradient(reduction):
+    """sum/mean: the gradient computed in the forward is the one [N, C] tensor
+    kept for backward; the logits are not kept (the caller may free them)."""
+    x, y = _inputs("NC")
+    x.requires_grad_()
+    big = _saved_for_backward(x, y, reduction)
+    assert len(big) == 1 and big[0].data_ptr() != x.data_ptr()
+    ref = x.detach().clone().requires_grad_()
+    F.cross_entropy(ref, y, label_smoothing=0.1, reduction=reduction).backward()
+    torch.testing.assert_close(big[0].detach(), ref.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_per_row_upstream_gradient_saves_the_logits():
+    """reduction='none' needs a gradient per row: the logits (and N-sized
+    vectors) are kept and the backward recomputes from them."""
+    x, y = _inputs("NC")
+    x.requires_grad_()
+    big = _saved_for_backward(x, y, "none")
     assert big and all(t.data_ptr() == x.data_ptr() for t in big)
 
 
