@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench, cache
+from . import bench, cache, records
 from .build import KernelSpec, schedule_module
 from .compute import DTYPES, REDUCTIONS, Variant
 from .targets import TARGETS
@@ -77,7 +77,7 @@ def cmd_cache(args) -> int:
 def cmd_tune(args) -> int:
     from . import tuning
 
-    log_root = Path(args.log_dir) if args.log_dir else tuning.PACKAGE_LOGS
+    log_root = Path(args.log_dir) if args.log_dir else records.PACKAGE_LOGS
     variants = {"forward": Variant(args.reduction, False, False),
                 "backward": Variant(args.reduction, False, grad_source="logits")}
     rows = []

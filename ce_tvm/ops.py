@@ -126,7 +126,17 @@ def _setup_train_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[3])
     ctx.set_materialize_grads(False)  # no [N, C] of zeros for the unused outputs' gradients
     ctx.x_grad, ctx.version = output[3], output[3]._version
-    ctx.leaf = inputs[0].requires_grad and inputs[0].grad_fn is None
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph``, or
+    ``autograd.grad``'s default); ``True`` when that cannot be known."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        return torch._C._autograd._get_current_graph_task_keep_graph()
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def _is_exactly_one(g: Tensor) -> bool:
@@ -136,17 +146,17 @@ def _is_exactly_one(g: Tensor) -> bool:
     return bool(g == 1)
 
 
-_REUSED = ("ce_tvm.cross_entropy computed this gradient in the forward pass and autograd has "
-           "since taken it (a backward through the same graph more than once, with "
-           "retain_graph=True). Set CE_TVM_TRAINING=recompute for such graphs: the backward "
-           "then recomputes the gradient from the logits.")
+_REUSED = ("ce_tvm.cross_entropy computed this gradient in the forward pass and it has since "
+           "been modified in place (a gradient accumulated into it between two backward passes "
+           "through the same graph). Set CE_TVM_TRAINING=recompute for such graphs: the "
+           "backward then recomputes the gradient from the logits.")
 
 
 def _train_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_x_grad):
-    x_grad = getattr(ctx, "x_grad", None)
-    if x_grad is None or x_grad._version != ctx.version:
+    x_grad = ctx.x_grad
+    if x_grad._version != ctx.version:
         raise RuntimeError(_REUSED)
-    if ctx.leaf:  # let the leaf's .grad take the buffer itself
+    if not _graph_kept():  # the graph dies after this pass: let a leaf's .grad take the buffer
         del ctx.x_grad
     if grad_loss is None:
         return None, None, None, None, None, None, None
