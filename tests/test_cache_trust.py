@@ -66,7 +66,7 @@ def test_four_processes_on_an_empty_cache_build_each_module_once(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and "probe ok" in out, err
     built = [line for out, _ in outs for line in out.splitlines() if line.startswith("BUILT")]
-    assert len(built) == len(set(built)) == 2  # forward and backward, once each
+    assert len(built) == len(set(built)) == 3  # forward, backward and training, once each
 
 
 def test_lock_left_by_a_killed_build_does_not_block(tmp_path):
