@@ -60,7 +60,10 @@ def _search(fixed, target, work_dir: Path, trials: int, space) -> tuple:
     db = ms.tune_tir(
         tvm.IRModule({"main": fixed}), target, str(work_dir), max_trials_global=trials,
         num_trials_per_iter=min(trials, 8), space=space, cost_model="random",
-        runner=ms.runner.LocalRunner(timeout_sec=30), num_tuning_cores=1, seed=0)
+        # Generous timeouts: on a loaded 2-core machine a candidate's build took
+        # over meta_schedule's default 30 s, and the search then found nothing.
+        builder=ms.builder.LocalBuilder(timeout_sec=300),
+        runner=ms.runner.LocalRunner(timeout_sec=60), num_tuning_cores=1, seed=0)
     sch = ms.tir_integration.compile_tir(db, tvm.IRModule({"main": fixed}), target)
     return (sch.mod["main"] if sch is not None else None), work_dir
 
