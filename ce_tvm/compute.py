@@ -244,10 +244,8 @@ class ChunkLayout:
         return tirx.min(k * _int64(self.chunk), _int64(self.classes - self.chunk))
 
     def fresh(self, k, j):
-        """Whether entry ``j`` (an int32 axis) of chunk ``k`` is not counted by an
-        earlier chunk. Compared in int32: a vector of int32 lanes, where int64
-        lanes are built by shuffles."""
-        return j >= (k * _int64(self.chunk) - self.start(k)).astype("int32")
+        """Whether entry ``j`` of chunk ``k`` is not counted by an earlier chunk."""
+        return j.astype("int32") >= (k * _int64(self.chunk) - self.start(k)).astype("int32")
 
     def last_full(self) -> int:
         """Columns ``[0, last_full)`` lie in chunk ``c // chunk`` at offset ``c % chunk``;
@@ -290,10 +288,10 @@ def _row_stats(x, w, n_rows, classes: int, acc: str, chunk: int | None,
     def per_chunk(stage, reducer, pad, body):
         """``pad``: what an overlapped entry counts as; ``None`` for an idempotent
         reducer (max), which may count it twice."""
-        j = te.reduce_axis((0, chunk), name="j")
+        j = te.reduce_axis((_int64(0), _int64(chunk)), name="j")
 
         def value(n, k):
-            term = body(n, layout.start(k) + j.astype("int64"), k, j.astype("int64"))
+            term = body(n, layout.start(k) + j, k, j)
             if not layout.exact and pad is not None:
                 term = tirx.Select(layout.fresh(k, j), term, pad)
             return reducer(term, axis=j)

@@ -137,7 +137,8 @@ def test_cache_cli_list_verify_clear(tmp_path):
     cache = tmp_path / "cache"
     probe(6, CE_TVM_CACHE=cache)
     listed = run([CLI, "cache", "list"], CE_TVM_CACHE=cache)
-    assert "3 modules in" in listed and "forward-float32-C6" in listed and "train-float32-C6" in listed
+    assert "3 modules in" in listed
+    assert "forward-float32-C6" in listed and "train-float32-C6" in listed
     assert "0 bad" in run([CLI, "cache", "verify"], CE_TVM_CACHE=cache)
     lib = next(cache.glob("*backward*.so"))
     lib.write_bytes(lib.read_bytes()[:-1] + b"x")
