@@ -23,6 +23,8 @@ def declared_funcs():
             compute.REDUCTIONS, (False, True), ("log_prob", "logits", "shard")):
         yield compute.backward_func(10, "float32", Variant(reduction, weighted,
                                                            grad_source=source))
+    for reduction, weighted in itertools.product(("sum", "mean"), (False, True)):
+        yield compute.train_func(10, "float32", Variant(reduction, weighted, False), 4)
     for weighted in (False, True):
         yield compute.shard_stats_func(10, "float32", Variant(weighted=weighted), 4)
     for reduction in compute.REDUCTIONS:
