@@ -1,7 +1,7 @@
 """Static evidence for the CUDA kernels, from their machine code (no GPU needed).
 
 For one shape (op, dtype, C, arch) this builds the kernel exactly as the
-runtime would (``build.scheduled_func`` + ``tvm.compile``), compiles TVM's
+runtime would (``build.lower_and_compile``), compiles TVM's
 CUDA source with ``nvcc -cubin -Xptxas -v`` and disassembles the cubin with
 ``nvdisasm`` (pip ``nvidia-cuda-nvdisasm``; or ``cuobjdump -sass``). It prints,
 per kernel: registers, shared memory per block, spill bytes (ptxas), and per
@@ -266,17 +266,14 @@ OPS = {  # tool op -> (KernelSpec op, variant keywords)
 
 def cuda_source(op: str, dtype: str, classes: int, arch: str = "sm_90",
                 weighted: bool = False, reduction: str = "mean") -> str:
-    import tvm
-
-    from ce_tvm.build import KernelSpec, scheduled_func
+    """TVM's CUDA source for one shape, built as the runtime builds it."""
+    from ce_tvm.build import KernelSpec, lower_and_compile
     from ce_tvm.compute import Variant
 
     spec_op, extra = OPS[op]
     spec = KernelSpec(spec_op, dtype, classes, Variant(reduction, weighted, **extra), "cuda",
                       (("arch", arch),))
-    with tvm.transform.PassContext(opt_level=3):
-        executable = tvm.compile(scheduled_func(spec), target=spec.tvm_target())
-    return executable.mod.imports[0].inspect_source()
+    return lower_and_compile(spec).mod.imports[0].inspect_source()
 
 
 @functools.cache

@@ -136,10 +136,10 @@ def _schedule_modules(module) -> list:
 
 def declared_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     """The compute of ``spec``, unscheduled (forward rows chunked, and ``exp``
-    scaled, as the schedule asks)."""
+    scaled and NaN-tested, as the schedule asks: ``exp_scaling``, ``EXP_NAN_TEST``)."""
     schedule = schedule_module(spec.target)
     scaling = getattr(schedule, "exp_scaling", lambda target: "bits")(spec.tvm_target())
-    with fastmath.scaling(scaling):
+    with fastmath.scaling(scaling, nan_test=getattr(schedule, "EXP_NAN_TEST", False)):
         return _declare(spec, schedule)
 
 
@@ -193,17 +193,23 @@ def tuned_spec(spec: KernelSpec, rows: int) -> KernelSpec:
     return replace(spec, tuned=rid, tuned_digest=digest)
 
 
-def compile_spec(spec: KernelSpec):
-    """``tvm.compile`` the scheduled kernel; returns the Executable.
+def lower_and_compile(spec: KernelSpec):
+    """``tvm.compile`` the scheduled kernel; returns the Executable. A schedule
+    module may name its own lowering pipeline (``TIR_PIPELINE``: the CPU's adds
+    prefetches) and pass options (``PASS_CONFIG``)."""
+    schedule = schedule_module(spec.target)
+    pipeline = getattr(schedule, "TIR_PIPELINE", None)
+    config = getattr(schedule, "PASS_CONFIG", {})
+    with tvm.transform.PassContext(opt_level=3, config=config):
+        return tvm.compile(scheduled_func(spec), target=spec.tvm_target(),
+                           **({"tir_pipeline": pipeline} if pipeline else {}))
 
-    For CUDA on a machine without a GPU, TVM keeps the CUDA source; it is then
-    compiled with ``nvcc`` when one is on ``PATH`` so that errors surface here.
-    """
-    with tvm.transform.PassContext(opt_level=3):
-        # A schedule may name its own lowering pipeline (the CPU's adds prefetches).
-        pipeline = getattr(schedule_module(spec.target), "TIR_PIPELINE", None)
-        executable = tvm.compile(scheduled_func(spec), target=spec.tvm_target(),
-                                 **({"tir_pipeline": pipeline} if pipeline else {}))
+
+def compile_spec(spec: KernelSpec):
+    """``lower_and_compile``; for CUDA on a machine without a GPU, TVM keeps the
+    CUDA source: it is then compiled with ``nvcc`` when one is on ``PATH`` so
+    that errors surface here."""
+    executable = lower_and_compile(spec)
     if spec.target == "cuda" and shutil.which("nvcc") and not tvm.cuda().exist:
         check_cuda_source(executable, spec.tvm_target())
     return executable

@@ -10,8 +10,10 @@ every target and can sit inside a reduction:
 
 Relative error is below 4e-7, about 3 ulp, for float32 results; 4e-6 for
 results stored in 16 bits (``tests/test_fastmath.py``).
-Unlike ``topi.fast_exp`` NaN propagates (every step is arithmetic on it,
-and the clamps are selects that keep it), and ``exp(-inf)`` is exactly 0.
+Unlike ``topi.fast_exp`` NaN propagates (on x86 the clamp ``maxps(low, x)``
+keeps it and every later step is arithmetic on it; where ``max`` drops NaN,
+as CUDA's ``fmaxf`` does, the schedule asks for an explicit ``isnan``
+select, ``scaling(..., nan_test=True)``), and ``exp(-inf)`` is exactly 0.
 
 How ``2**k`` is applied is the one target-dependent choice, made by the
 schedule around the declaration (``scaling``): ``"bits"`` builds ``2**k``
@@ -49,15 +51,21 @@ _LOW = {"bits": -127 * _LN2, "ldexp": -160 * _LN2}
 _HIGH = 128 * _LN2
 
 SCALINGS = ("bits", "ldexp")
-_SCALING = contextvars.ContextVar("ce_tvm_exp_scaling", default="bits")
+_SCALING = contextvars.ContextVar("ce_tvm_exp_scaling", default=("bits", False))
 
 
 @contextlib.contextmanager
-def scaling(name: str):
-    """Declare computes inside the block with ``2**k`` applied by ``name``."""
+def scaling(name: str, nan_test: bool = False):
+    """Declare computes inside the block with ``2**k`` applied by ``name``.
+
+    ``nan_test``: return NaN for NaN by an explicit ``isnan`` select, for targets
+    whose ``max`` drops NaN (CUDA's ``fmaxf`` returns the other operand, so the
+    lower clamp would turn NaN into ``exp(low)``, about 0). x86's ``maxps(low, x)``
+    returns ``x`` when it is NaN, so the CPU needs no test.
+    """
     if name not in SCALINGS:
         raise ValueError(f"exp scaling must be one of {SCALINGS}, got {name!r}")
-    token = _SCALING.set(name)
+    token = _SCALING.set((name, nan_test))
     try:
         yield
     finally:
@@ -77,7 +85,7 @@ def exp(x, nonpositive: bool = False, storage: str = "float32"):
     def f32(v):
         return tirx.const(v, "float32")
 
-    how = _SCALING.get()
+    how, nan_test = _SCALING.get()
     # Plain subexpressions, no ``Let``: TVM 0.27's BF16ComputeLegalize rewrites
     # a Let-bound cast of a bfloat16 load into its raw bits. CSE (TIR's and
     # LLVM's) folds the repeats. ``max(low, x)`` is one ``maxps(low, x)``,
@@ -92,8 +100,11 @@ def exp(x, nonpositive: bool = False, storage: str = "float32"):
     for coef in coefs[1:]:
         poly = poly * r + f32(coef)
     if how == "ldexp":
-        return tirx.ldexp(poly, k.astype("int32"))
-    two_k = tirx.reinterpret(
-        "float32", tirx.shift_left(k.astype("int32") + tirx.const(127, "int32"),
-                                   tirx.const(23, "int32")))
-    return poly * two_k
+        result = tirx.ldexp(poly, k.astype("int32"))
+    else:
+        two_k = tirx.reinterpret(
+            "float32", tirx.shift_left(k.astype("int32") + tirx.const(127, "int32"),
+                                       tirx.const(23, "int32")))
+        result = poly * two_k
+    # ``isnan`` is an intrinsic call: unlike ``x != x`` TVM cannot fold it away.
+    return tirx.Select(tirx.isnan(x), x, result) if nan_test else result

@@ -73,3 +73,21 @@ def test_unknown_scaling_is_refused():
     with pytest.raises(ValueError, match="exp scaling"):
         with fastmath.scaling("vexp"):
             pass
+
+
+def test_explicit_nan_test_keeps_nan_and_accuracy():
+    """``nan_test`` (CUDA, whose ``fmaxf`` drops NaN) returns NaN for NaN by an
+    ``isnan`` select and changes no other value."""
+    n = te.var("n", "int64")
+    x = te.placeholder((n,), "float32", name="x")
+    with fastmath.scaling("bits", nan_test=True):
+        y = te.compute((n,), lambda i: fastmath.exp(x[i].asobject()), name="y")
+    func = te.create_prim_func([x, y])
+    assert "isnan" in func.script()
+    fn = tvm.compile(func, target=tvm_target("llvm"))["main"]
+    xs = torch.tensor([float("nan"), float("-inf"), -100.0, -1.0, 0.0, 3.5])
+    ys = torch.empty_like(xs)
+    fn(xs, ys)
+    assert torch.isnan(ys[0]) and ys[1] == 0.0 and ys[4] == 1.0
+    ref = np.exp(xs[2:].double().numpy())
+    assert (np.abs(ys[2:].double().numpy() - ref) <= 4e-7 * ref + 1.2e-38).all()
