@@ -2,8 +2,10 @@
 
 The one place that knows the kernels' argument order (``ce_tvm.compute``).
 Outputs are allocated here (``[N, C]`` ones through ``ce_tvm.pool``) unless
-the caller passes its own buffers (``out=``), which must be contiguous and of
-the documented shape and dtype. The runtime scalars arrive as one
+the caller passes its own buffers (``out=``), which must be contiguous,
+64-byte aligned and of the documented shape and dtype. Inputs whose data is
+not 64-byte aligned (the kernels assume it) are copied first. An empty batch
+launches nothing. The runtime scalars arrive as one
 ``LossOptions``.
 """
 
@@ -18,7 +20,14 @@ from .build import KernelSpec, tuned_spec
 from .compute import Variant
 from .options import LossOptions
 from .runtime import call
-from .tensors import accum_torch_dtype, dtype_name, kernel_target
+from .tensors import (
+    KERNEL_ALIGNMENT,
+    accum_torch_dtype,
+    aligned,
+    dtype_name,
+    is_aligned,
+    kernel_target,
+)
 
 
 @dataclass
@@ -48,9 +57,39 @@ def _weight(w) -> list:
     return [w] if w is not None else []
 
 
+def _check_out(*buffers) -> None:
+    """Caller-given outputs are written in place, so they cannot be copied to align them."""
+    for t in buffers:
+        if t is not None and not is_aligned(t):
+            raise ValueError(f"ce_tvm: an out= buffer must start {KERNEL_ALIGNMENT}-byte "
+                             f"aligned (data_ptr {t.data_ptr():#x})")
+
+
+MAX_CUDA_ROWS = 2**31 - 1  # gridDim.x: one thread block per row
+
+
+def _rows_to_run(x) -> int:
+    """``x``'s row count; an empty batch is never launched (a zero CUDA grid is an
+    error), and a batch beyond CUDA's grid is refused with a clear error."""
+    n = x.shape[0]
+    if x.is_cuda and n > MAX_CUDA_ROWS:
+        raise ValueError(f"ce_tvm: {n} rows exceed the CUDA grid ({MAX_CUDA_ROWS} row "
+                         "blocks); split the batch")
+    return n
+
+
+def _empty_reduction(out, reduction: str) -> None:
+    """What the kernels give for no rows: ``sum`` 0, ``mean`` 0/0 = NaN (PyTorch's
+    rule), ``none`` empty."""
+    if reduction != "none":
+        for t in (out.loss, out.zloss):
+            t.fill_(float("nan") if reduction == "mean" else 0.0)
+
+
 def forward(x, y, w, options: LossOptions, *, log_prob: bool,
             out: ForwardOutputs | None = None) -> ForwardOutputs:
     """Run the fused forward; writes ``log_prob`` only when asked."""
+    x, y, w = aligned(x), aligned(y), aligned(w)
     n = x.shape[0]
     if out is None:
         rows = n if options.reduction == "none" else 1
@@ -60,6 +99,10 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool,
             lse=x.new_empty(n, dtype=accum_torch_dtype(x)),
             log_prob=pool.empty_like(x) if log_prob else None,
         )
+    _check_out(out.loss, out.zloss, out.lse, out.log_prob)
+    if _rows_to_run(x) == 0:
+        _empty_reduction(out, options.reduction)
+        return out
     spec = _spec("forward", x, Variant(options.reduction, w is not None, log_prob=log_prob))
     call(spec, x, y, *_weight(w), *_scalars(options), out.loss, out.zloss, out.lse,
          *([out.log_prob] if log_prob else []))
@@ -70,10 +113,14 @@ def train(x, y, w, options: LossOptions) -> tuple[ForwardOutputs, torch.Tensor]:
     """The forward and, in the same sweep, the logits gradient for a unit
     upstream gradient (``sum``/``mean`` only); returns ``(ForwardOutputs,
     x_grad)`` with ``x_grad`` from the buffer pool and ``log_prob`` ``None``."""
+    x, y, w = aligned(x), aligned(y), aligned(w)
     n = x.shape[0]
     out = ForwardOutputs(loss=x.new_empty(1), zloss=x.new_empty(1),
                          lse=x.new_empty(n, dtype=accum_torch_dtype(x)), log_prob=None)
     x_grad = pool.empty_like(x)
+    if _rows_to_run(x) == 0:
+        _empty_reduction(out, options.reduction)
+        return out, x_grad
     norms = [x.new_empty(2, dtype=accum_torch_dtype(x))] if options.reduction == "mean" else []
     spec = _spec("train", x, Variant(options.reduction, w is not None, log_prob=False))
     call(spec, x, y, *_weight(w), *_scalars(options), *norms, x_grad, out.lse, out.loss,
@@ -85,7 +132,12 @@ def backward(grad_loss, grad_zloss, source, lse, y, w, options: LossOptions, *,
              source_kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Run the fused backward from ``log_prob`` (``source_kind='log_prob'``) or
     from the logits and their ``lse`` (``source_kind='logits'``); returns ``x_grad``."""
+    grad_loss, grad_zloss, source, lse, y, w = (
+        aligned(t) for t in (grad_loss, grad_zloss, source, lse, y, w))
     x_grad = pool.empty_like(source) if out is None else out
+    _check_out(x_grad)
+    if _rows_to_run(source) == 0:
+        return x_grad
     variant = Variant(options.reduction, w is not None, grad_source=source_kind)
     call(_spec("backward", source, variant), grad_loss, grad_zloss, source, lse, y,
          *_weight(w), *_scalars(options), x_grad)
@@ -95,7 +147,10 @@ def backward(grad_loss, grad_zloss, source, lse, y, w, options: LossOptions, *,
 def shard_stats(x, y, w, offset: int):
     """Row statistics of a vocabulary shard: ``(rowmax, expsum, wxsum,
     target_logit, target_weight)``, each ``[N]`` in the accumulation dtype."""
+    x, y, w = aligned(x), aligned(y), aligned(w)
     outs = [x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)) for _ in range(5)]
+    if _rows_to_run(x) == 0:
+        return outs
     spec = _spec("shard_stats", x, Variant(weighted=w is not None))
     call(spec, x, y, *_weight(w), offset, *outs)
     return outs
@@ -104,8 +159,13 @@ def shard_stats(x, y, w, offset: int):
 def shard_combine(lse, target_logit, target_weight, wxsum, y, *, weight_sum: float,
                   classes: int, dtype: torch.dtype, options: LossOptions):
     """``(loss, zloss)`` in ``dtype`` from statistics combined over all shards."""
+    lse, target_logit, target_weight, wxsum, y = (
+        aligned(t) for t in (lse, target_logit, target_weight, wxsum, y))
     rows = lse.shape[0] if options.reduction == "none" else 1
     loss, zloss = (lse.new_empty(rows, dtype=dtype) for _ in range(2))
+    if _rows_to_run(lse) == 0:
+        _empty_reduction(ForwardOutputs(loss, zloss, lse, None), options.reduction)
+        return loss, zloss
     spec = KernelSpec("shard_combine", dtype_name(dtype), classes, Variant(options.reduction),
                       *kernel_target(lse))
     call(spec, lse, target_logit, target_weight, wxsum, y, weight_sum, *_scalars(options),
@@ -116,7 +176,11 @@ def shard_combine(lse, target_logit, target_weight, wxsum, y, *, weight_sum: flo
 def shard_backward(grad_loss, x, lse, y, w, target_weight, *, offset: int, weight_sum: float,
                    global_classes: int, options: LossOptions):
     """The gradient of one vocabulary shard, from the full rows' ``lse`` and ``w[y]``."""
+    grad_loss, x, lse, y, w, target_weight = (
+        aligned(t) for t in (grad_loss, x, lse, y, w, target_weight))
     x_grad = pool.empty_like(x)
+    if _rows_to_run(x) == 0:
+        return x_grad
     variant = Variant(options.reduction, w is not None, grad_source="shard")
     call(_spec("backward", x, variant), grad_loss, torch.zeros_like(grad_loss), x, lse, y,
          *_weight(w), target_weight, offset, weight_sum, float(global_classes),
