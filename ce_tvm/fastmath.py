@@ -12,8 +12,9 @@ Relative error is below 4e-7, about 3 ulp, for float32 results; 4e-6 for
 results stored in 16 bits (``tests/test_fastmath.py``).
 Unlike ``topi.fast_exp`` NaN propagates (on x86 the clamp ``maxps(low, x)``
 keeps it and every later step is arithmetic on it; where ``max`` drops NaN,
-as CUDA's ``fmaxf`` does, the schedule asks for an explicit ``isnan``
-select, ``scaling(..., nan_test=True)``), and ``exp(-inf)`` is exactly 0.
+as CUDA's ``fmaxf`` does, the schedule asks for an explicit NaN
+test on the bits, ``scaling(..., nan_test=True)``), and ``exp(-inf)`` is
+exactly 0.
 
 How ``2**k`` is applied is the one target-dependent choice, made by the
 schedule around the declaration (``scaling``): ``"bits"`` builds ``2**k``
@@ -58,7 +59,7 @@ _SCALING = contextvars.ContextVar("ce_tvm_exp_scaling", default=("bits", False))
 def scaling(name: str, nan_test: bool = False):
     """Declare computes inside the block with ``2**k`` applied by ``name``.
 
-    ``nan_test``: return NaN for NaN by an explicit ``isnan`` select, for targets
+    ``nan_test``: return NaN for NaN by an explicit test on the bits, for targets
     whose ``max`` drops NaN (CUDA's ``fmaxf`` returns the other operand, so the
     lower clamp would turn NaN into ``exp(low)``, about 0). x86's ``maxps(low, x)``
     returns ``x`` when it is NaN, so the CPU needs no test.
@@ -106,5 +107,19 @@ def exp(x, nonpositive: bool = False, storage: str = "float32"):
             "float32", tirx.shift_left(k.astype("int32") + tirx.const(127, "int32"),
                                        tirx.const(23, "int32")))
         result = poly * two_k
-    # ``isnan`` is an intrinsic call: unlike ``x != x`` TVM cannot fold it away.
-    return tirx.Select(tirx.isnan(x), x, result) if nan_test else result
+    return _keep_nan(x, result) if nan_test else result
+
+
+def _keep_nan(x, result):
+    """``result``, or a quiet NaN where ``x`` is NaN: branch-free integer
+    arithmetic on the bits. TVM folds ``x != x`` away, and a ``Select`` (even on
+    ``isnan``) turns into a branch that stops CUDA loops from vectorising.
+    ``|x|``'s bits exceed ``0x7F800000`` only for NaN, so ``0x7F800000 - bits``
+    is negative, and its arithmetic shift by 31 all ones, only then."""
+    def i32(v):
+        return tirx.const(v, "int32")
+
+    magnitude = tirx.reinterpret("int32", x) & i32(0x7FFFFFFF)
+    nan_mask = tirx.shift_right(i32(0x7F800000) - magnitude, i32(31))
+    bits = tirx.reinterpret("int32", result) | (nan_mask & i32(0x7FC00000))
+    return tirx.reinterpret("float32", bits)
