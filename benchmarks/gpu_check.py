@@ -3,9 +3,11 @@ CUDA kernels against torch.nn.functional.cross_entropy on a grid of shapes and
 dtypes, then forward and forward+backward timings against PyTorch eager,
 torch.compile, dlight's GeneralReduction schedule of the same compute, and
 Liger Kernel / flash-attn's cross entropy when importable, with achieved
-bandwidth as a share of the device's measured copy bandwidth.
+bandwidth as a share of the device's measured copy bandwidth; an empty batch
+and offset views timed. ``--sanitize`` runs only a small grid (with N = 0 and
+offset views), for compute-sanitizer.
 
-    python benchmarks/gpu_check.py [--json gpu_check.json] [--quick]
+    python benchmarks/gpu_check.py [--json gpu_check.json] [--quick] [--sanitize]
 """
 
 from __future__ import annotations
@@ -149,23 +151,82 @@ def time_shapes(peak_gbs: float, shapes) -> list[dict]:
     return rows
 
 
+def _step(x, y, w):
+    xa = x.detach().requires_grad_()  # shares x's memory: an offset view stays one
+    loss = ce_tvm.cross_entropy(xa, y, w, label_smoothing=0.1)
+    loss.backward()
+    return loss, xa.grad
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values one element into a fresh buffer (not 16-byte aligned)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def sanitize_grid() -> int:
+    """A small forward+backward grid for compute-sanitizer (memcheck, racecheck):
+    short and chunked rows, an empty batch, offset views. Returns failures."""
+    failures = 0
+    for (n, c), dtype in [((8, 1001), torch.bfloat16), ((4, 9000), torch.float32),
+                          ((0, 5000), torch.bfloat16)]:
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(n, c, device="cuda", generator=gen).to(dtype)
+        y = torch.randint(0, c, (n,), device="cuda", generator=gen)
+        w = torch.rand(c, device="cuda", generator=gen) + 0.5
+        for xs, ys, ws in [(x, y, w), (_misaligned(x), _misaligned(y), _misaligned(w))]:
+            loss, grad = _step(xs, ys, ws)
+            ref = F.cross_entropy(xs.float(), ys, ws, label_smoothing=0.1)
+            ok = (torch.isnan(loss) and torch.isnan(ref)) if n == 0 else bool(
+                torch.allclose(loss.float(), ref, rtol=TOL[dtype] * 10, atol=TOL[dtype] * 10))
+            failures += not ok
+            print(f"sanitize n={n} c={c} {dtype} aligned={ys is y}: {'ok' if ok else 'FAIL'}")
+    torch.cuda.synchronize()
+    return failures
+
+
+def time_edge_cases() -> list[dict]:
+    """An empty batch (nothing may launch: about the Python overhead) and offset
+    views (copied to aligned memory first: the copy's cost shows)."""
+    n, c, dtype = 4096, 32000, torch.bfloat16
+    x = torch.randn(n, c, device="cuda").to(dtype)
+    y = torch.randint(0, c, (n,), device="cuda")
+    empty = (x[:0], y[:0], None)
+    xm, ym = _misaligned(x), _misaligned(y)
+    rows = [{"case": "N=0 fwd+bwd", "ms": cuda_ms(lambda: _step(*empty))},
+            {"case": f"{n}x{c} bf16 aligned fwd+bwd", "ms": cuda_ms(lambda: _step(x, y, None))},
+            {"case": f"{n}x{c} bf16 offset views fwd+bwd",
+             "ms": cuda_ms(lambda: _step(xm, ym, None))}]
+    for r in rows:
+        print(f"{r['case']:40} {r['ms']:8.3f} ms")
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default="gpu_check.json")
     p.add_argument("--quick", action="store_true", help="time the first shape only")
+    p.add_argument("--sanitize", action="store_true",
+                   help="only the small grid run under compute-sanitizer (gpu_check.sh)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
+    if args.sanitize:
+        return 1 if sanitize_grid() else 0
     print(f"device: {torch.cuda.get_device_name()}")
     print("correctness against F.cross_entropy (weight, ignore_index, smoothing 0.1):")
     correctness = check_correctness()
     peak = copy_bandwidth_gbs()
     print(f"device copy bandwidth: {peak:.0f} GB/s")
     timings = time_shapes(peak, TIMED[:1] if args.quick else TIMED)
+    edge = time_edge_cases()
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": peak,
-                   "correctness": correctness, "timings": timings}, f, indent=1)
+                   "correctness": correctness, "timings": timings, "edge_cases": edge},
+                  f, indent=1)
     print(f"wrote {args.json}")
     return 0 if all(r["ok"] for r in correctness) else 1
 
