@@ -35,12 +35,14 @@ Method (how element loops are found and counted):
    should hold.
 3. Elements per iteration: for each streaming kind (LDG, STG, LDS, STS) the
    bytes it moves per iteration divided by the storage dtype's size; the
-   smallest of these. Other traffic (float32 weights next to 16-bit logits,
-   reduction scratch in shared memory) only adds bytes to a kind, so the
-   minimum is at least the true count when one kind carries the elements
-   alone, and the instructions per element below are then exact or low
-   (never high: a budget failure is real). Loops with no streaming access
-   are not element loops (division slow paths, spin loops) and are skipped.
+   smallest of these. Shared stores count only when they store a value loaded
+   in the loop (staging a chunk), not a computed one (reduction scratch).
+   Other traffic (float32 weights next to 16-bit logits, partial sums read
+   back from shared memory) only adds bytes to a kind, so the minimum is at
+   least the true count when one kind carries the elements alone, and the
+   instructions per element below are then exact or low (never high: a
+   budget failure is real). Loops with no streaming access are not element
+   loops (division slow paths, spin loops) and are skipped.
 4. Instructions per element = body instructions / elements per iteration
    (static count of one iteration; predicated-off instructions still issue).
    Shared loads per element likewise (``lds/el``: staged elements plus
@@ -222,11 +224,18 @@ def _streaming(body: list) -> list:
 def _loop(kernel: str, body: list, dtype_bytes: int) -> Loop | None:
     moved = dict.fromkeys(MEMORY_KINDS, 0)
     lds = broadcast = 0
+    loaded: set = set()  # registers holding values loaded in this loop
     for text, varying in zip(body, _streaming(body)):
         op = _opcode(text)
         kind = op.split(".")[0]
+        if kind in ("LDG", "LDS"):
+            loaded |= _writes(text)
+        else:
+            loaded -= _writes(text)
         if kind not in MEMORY_KINDS:
             continue
+        if kind == "STS" and not set(_REG.findall(text.rsplit(",", 1)[-1])) & loaded:
+            continue  # a computed value (reduction scratch), not a staged element
         address = text[text.rindex("["):] if "[" in text else ""
         per_thread = bool(re.search(r"\bR\d+", address))  # else uniform: a broadcast
         if kind == "LDS":

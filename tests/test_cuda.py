@@ -62,3 +62,21 @@ def test_matches_reference_on_gpu(dtype, classes):
     tol = TOL[dtype]
     torch.testing.assert_close(loss.float().cpu(), ref.detach(), rtol=tol, atol=tol)
     torch.testing.assert_close(xg.grad.float().cpu(), xr.grad, rtol=tol, atol=tol * 1e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("classes", [1001, 50257])
+def test_nan_rows_isolated_on_gpu(dtype, classes):
+    """CUDA's fmaxf drops NaN: fastmath's explicit NaN test keeps a NaN logit's
+    row NaN (loss and gradient) and leaves the other rows finite."""
+    import ce_tvm
+
+    x = torch.randn(4, classes, device="cuda").to(dtype)
+    x[2, 7] = float("nan")
+    y = torch.randint(0, classes, (4,), device="cuda")
+    xg = x.clone().requires_grad_()
+    loss = ce_tvm.cross_entropy(xg, y, torch.ones(classes, device="cuda"), reduction="none")
+    loss.sum().backward()
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
+    assert torch.isnan(xg.grad[2]).any() and torch.isfinite(xg.grad[[0, 1, 3]]).all()
