@@ -30,9 +30,7 @@ def test_kernels_compile_with_nvcc(arch, dtype, classes):
 
 @needs_nvcc
 @pytest.mark.parametrize("op,variant", [
-    pytest.param("forward", Variant("sum", False, False), marks=pytest.mark.xfail(
-        strict=True, reason="issue 19: an unweighted forward with more than one chunk does "
-        "not build (TVM UnifyThreadBinding mixes int64 and int32 threadIdx)")),
+    ("forward", Variant("sum", False, False)),
     ("backward", Variant("mean", True, grad_source="log_prob")),
     ("backward", Variant("mean", True, grad_source="shard")),
     ("shard_stats", Variant(weighted=True)),

@@ -24,8 +24,7 @@ Budgets, per element of the row kernel's element loops (sm_90), and why:
   kernel over its 4 elements per thread is bounded instead (per-row
   reductions dominate there).
 
-The weighted forward is measured: the unweighted forward with more than one
-chunk does not build (TVM's UnifyThreadBinding, see the xfail below).
+The weighted forward is measured (the unweighted one shares its element loops).
 """
 
 import math
@@ -85,9 +84,9 @@ def test_nan_test_is_in_the_cuda_source(op):
 
 
 @needs_tools
-@pytest.mark.xfail(strict=True, reason="TVM UnifyThreadBinding merges the int64 staging "
-                   "loop's threadIdx with the int32 chunk loops (mismatched types)")
 def test_unweighted_multi_chunk_forward_builds():
+    """An int32 chunk axis once mixed int32 and int64 threadIdx.x in one kernel (TVM's
+    UnifyThreadBinding then failed to build it); the chunk axes are int64 again."""
     cuda_static.cuda_source("forward", "bfloat16", 50257)
 
 
