@@ -7,7 +7,13 @@ bandwidth as a share of the device's measured copy bandwidth; an empty batch
 and offset views timed. ``--sanitize`` runs only a small grid (with N = 0 and
 offset views), for compute-sanitizer.
 
-    python benchmarks/gpu_check.py [--json gpu_check.json] [--quick] [--sanitize]
+    python benchmarks/gpu_check.py [--json gpu_check.json] [--quick] [--sanitize] [--bundle DIR]
+
+With ``--bundle DIR`` (made by ``ce-tvm bundle --target cuda``) the kernels and
+the TVM runtime come from the bundle, so the host needs PyTorch and
+apache-tvm-ffi but not apache-tvm; only the bundle's dtype and class counts
+are checked and timed, and the dlight baseline (which needs the compiler) is
+left out.
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ TIMED = [(8192, 128256, torch.bfloat16), (4096, 32000, torch.float32),
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def check_correctness() -> list[dict]:
+def check_correctness(grid) -> list[dict]:
     rows = []
-    for (n, c), dtype in [(s, d) for s in GRID for d in TOL]:
+    for (n, c), dtype in grid:
         gen = torch.Generator(device="cuda").manual_seed(0)
         x = (torch.randn(n, c, device="cuda", generator=gen) * 3).to(dtype)
         y = torch.randint(0, c, (n,), device="cuda", generator=gen)
@@ -210,18 +216,30 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="time the first shape only")
     p.add_argument("--sanitize", action="store_true",
                    help="only the small grid run under compute-sanitizer (gpu_check.sh)")
+    p.add_argument("--bundle", help="run the kernels of this bundle (ce-tvm bundle --target cuda)")
     args = p.parse_args(argv)
+    if args.bundle:
+        ce_tvm.use_bundle(args.bundle)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
     if args.sanitize:
         return 1 if sanitize_grid() else 0
     print(f"device: {torch.cuda.get_device_name()}")
+    grid = [(s, d) for s in GRID for d in TOL]
+    timed = TIMED
+    if args.bundle:
+        with open(f"{args.bundle}/bundle.json") as f:
+            bundle = json.load(f)
+        dtype = getattr(torch, bundle["dtype"])
+        grid = [((n, c), dtype) for n, c in [(256, c) for c in bundle["classes"]]]
+        timed = [(8192 if c < 100000 else 4096, c, dtype) for c in bundle["classes"]]
+        print(f"bundle {args.bundle}: {bundle['dtype']}, C in {bundle['classes']}")
     print("correctness against F.cross_entropy (weight, ignore_index, smoothing 0.1):")
-    correctness = check_correctness()
+    correctness = check_correctness(grid)
     peak = copy_bandwidth_gbs()
     print(f"device copy bandwidth: {peak:.0f} GB/s")
-    timings = time_shapes(peak, TIMED[:1] if args.quick else TIMED)
+    timings = time_shapes(peak, timed[:1] if args.quick else timed)
     edge = time_edge_cases()
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": peak,

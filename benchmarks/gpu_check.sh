@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # The prepared GPU check: run benchmarks/gpu_check.py, then its small grid under
 # compute-sanitizer (memcheck, racecheck).
-# On the GPU host TVM compiles CUDA through NVRTC (pip install cuda-bindings)
-# or nvcc (TVM_CUDA_COMPILE_MODE=nvcc, nvcc on PATH).
+#   benchmarks/gpu_check.sh [--json F] [--quick] [--bundle DIR]
+# Without --bundle, TVM (apache-tvm) compiles the kernels on this host, through
+# NVRTC (pip install cuda-bindings) or nvcc (TVM_CUDA_COMPILE_MODE=nvcc, nvcc on
+# PATH). With --bundle DIR (ce-tvm bundle --target cuda --arch sm_XY ...), the
+# kernels, their nvcc-built binaries and the TVM runtime come from DIR: the host
+# needs torch (CUDA) and apache-tvm-ffi, not apache-tvm (README, "Bundles").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TVM_CUDA_COMPILE_MODE="${TVM_CUDA_COMPILE_MODE:-nvcc}"
-python benchmarks/gpu_check.py --json "${1:-gpu_check.json}"
+python benchmarks/gpu_check.py "$@"
+bundle=()
+for ((i = 1; i <= $#; i++)); do
+  if [ "${!i}" = "--bundle" ]; then j=$((i + 1)); bundle=(--bundle "${!j}"); fi
+done
 # Memory errors (out-of-bounds, misaligned) and shared-memory races on a small
 # grid, where compute-sanitizer is installed (CUDA toolkit, or next to nvcc).
 sanitizer="$(command -v compute-sanitizer || true)"
@@ -17,7 +25,8 @@ fi
 if [ -n "$sanitizer" ]; then
   for tool in memcheck racecheck; do
     echo "compute-sanitizer --tool $tool"
-    "$sanitizer" --tool "$tool" --error-exitcode 1 python benchmarks/gpu_check.py --sanitize
+    "$sanitizer" --tool "$tool" --error-exitcode 1 python benchmarks/gpu_check.py --sanitize \
+      "${bundle[@]}"
   done
 else
   echo "compute-sanitizer not found: memcheck/racecheck skipped"

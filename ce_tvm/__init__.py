@@ -5,13 +5,34 @@ See SPEC.md for the contract. Public surface:
 - ``cross_entropy`` / ``CrossEntropyLoss``: autograd drop-ins for
   ``torch.nn.functional.cross_entropy`` / ``torch.nn.CrossEntropyLoss``, plus z-loss;
 - ``cross_entropy_loss`` / ``cross_entropy_loss_grad``: the seed-compatible pair;
-- ``schedule("ascend", profile=...)``: run CPU calls with another schedule.
+- ``schedule("ascend", profile=...)``: run CPU calls with another schedule;
+- ``use_bundle(DIR)``: run kernels from a bundle (``ce-tvm bundle``), no compiler needed.
+
+``import ce_tvm`` loads nothing else: each name (and ``ce_tvm.distributed``)
+is imported on first use, and TVM's compiler only when a kernel must be built.
 """
 
-from .build import __version__
-from .functional import cross_entropy_loss, cross_entropy_loss_grad
-from .nn import CrossEntropyLoss, cross_entropy
-from .targets import schedule
+import importlib
 
-__all__ = ["__version__", "CrossEntropyLoss", "cross_entropy", "cross_entropy_loss",
-           "cross_entropy_loss_grad", "schedule"]
+from .spec import __version__
+
+_LAZY = {"CrossEntropyLoss": "nn", "cross_entropy": "nn", "cross_entropy_loss": "functional",
+         "cross_entropy_loss_grad": "functional", "schedule": "targets", "use_bundle": "paths"}
+_SUBMODULES = ("distributed",)
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'ce_tvm' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY, *_SUBMODULES])

@@ -14,8 +14,10 @@ lock when its holder dies, so a killed build never blocks the next one.
 Libraries are written to a temporary name and renamed into place.
 
 Loading a shared library runs its code: directories and files that anyone
-but their owner can write are refused (``UnsafePermissionsError``), and new
-directories and files are created private (0700 / 0600).
+but their owner can write are refused (``UnsafePermissionsError``, see
+``ce_tvm.paths``), and new directories and files are created private (0700 /
+0600). Only a miss imports the compiler (``ce_tvm.build``); without it, a
+miss raises ``CompilerNotInstalledError`` saying how to get the kernel.
 """
 
 from __future__ import annotations
@@ -29,61 +31,21 @@ import os
 import time
 from pathlib import Path
 
-from .build import KernelSpec, compile_spec, export_atomically
+from .paths import (
+    cache_dir,
+    check_permissions,
+    make_private_dir,
+    module_dirs,
+    sha256_file,
+)
+from .spec import KernelSpec
+from .tvmlib import INSTALL_HINT, CompilerNotInstalledError, compiler_installed
 
 log = logging.getLogger("ce_tvm")
 
 
 class ModuleIntegrityError(RuntimeError):
     """A precompiled module does not match its manifest or the expected key."""
-
-
-class UnsafePermissionsError(PermissionError):
-    """A module, manifest or directory that someone else could have written."""
-
-
-def check_permissions(path: Path) -> None:
-    """Refuse ``path`` unless only its owner (this user, or root) can write it.
-
-    Loading a shared library runs its code, so, like OpenSSH's StrictModes,
-    a directory or file that group or others can write is not trusted.
-    """
-    st = path.stat()
-    why = None
-    if st.st_uid not in (os.getuid(), 0):
-        why = f"it is owned by uid {st.st_uid}, not by you (uid {os.getuid()}) or root"
-    elif st.st_mode & 0o022:
-        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
-                           if st.st_mode & bit)
-        why = f"{who} can write it (mode {oct(st.st_mode & 0o777)})"
-    if why:
-        fix = f"chmod go-w {path}" if "write" in why else f"chown {os.getuid()} {path}"
-        raise UnsafePermissionsError(
-            f"ce_tvm refuses to load compiled modules from {path}: {why}. Fix it with: {fix}")
-
-
-def cache_dir() -> Path:
-    """``$CE_TVM_CACHE``, else ``$XDG_CACHE_HOME/ce_tvm``, else ``~/.cache/ce_tvm``."""
-    env = os.environ.get("CE_TVM_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ce_tvm"
-
-
-def module_dirs() -> list[Path]:
-    """Precompiled directories to look in first: ``$CE_TVM_MODULE_DIR``
-    (``os.pathsep``-separated)."""
-    env = os.environ.get("CE_TVM_MODULE_DIR", "")
-    return [Path(p) for p in env.split(os.pathsep) if p]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def manifest_path(lib: Path) -> Path:
@@ -116,22 +78,54 @@ def check_module(lib: Path, spec: KernelSpec) -> str | None:
 
 
 def write_module(spec: KernelSpec, directory: Path) -> Path:
-    """Compile ``spec`` into ``directory`` with its manifest; returns the library path."""
+    """Compile ``spec`` into ``directory`` with its manifest; returns the library path.
+
+    The only place that imports the compiler (``ce_tvm.build``, TVM)."""
+    if not compiler_installed():
+        raise CompilerNotInstalledError(
+            f"ce_tvm needs the kernel {spec.file_name()}, which is in no module directory "
+            f"({os.environ.get('CE_TVM_MODULE_DIR') or 'CE_TVM_MODULE_DIR is unset'}) nor in "
+            f"the cache {cache_dir()}, and the TVM compiler is not installed to build it; "
+            f"{INSTALL_HINT}")
+    from .build import compile_spec, cuda_binary, export_atomically
+
     lib = directory / spec.file_name()
-    export_atomically(compile_spec(spec), lib)
+    executable = compile_spec(spec)
+    compiled = cuda_binary(executable, spec)  # CUDA source checked (and kept) with nvcc
+    export_atomically(executable, lib)
     manifest = {"key": spec.key(), "sha256": sha256_file(lib)}
-    tmp = lib.with_suffix(f".json.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, manifest_path(lib))
+    if compiled is not None:
+        source, binary = compiled
+        _write_private(lib.with_suffix(".cubin"), binary)
+        manifest["cuda_binary"] = {"sha256": hashlib.sha256(binary).hexdigest(),
+                                   "source_sha256": hashlib.sha256(source.encode()).hexdigest()}
+    _write_private(manifest_path(lib), json.dumps(manifest, indent=1, sort_keys=True).encode())
     return lib
 
 
-def make_private_dir(path: Path) -> None:
-    """Create ``path`` (and parents) with mode 0700; refuse an existing unsafe one."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``path`` atomically with mode 0600."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def cuda_binary_of(lib: Path) -> tuple[str, bytes] | None:
+    """``(SHA-256 of the CUDA source, cubin)`` stored beside a verified CUDA module
+    (``write_module`` on a host without a GPU), checked against its manifest;
+    ``None`` when the module has none."""
+    entry = json.loads(manifest_path(lib).read_text()).get("cuda_binary")
+    if entry is None:
+        return None
+    path = lib.with_suffix(".cubin")
     check_permissions(path)
+    binary = path.read_bytes()
+    if hashlib.sha256(binary).hexdigest() != entry["sha256"]:
+        raise ModuleIntegrityError(f"refusing to load {path}: SHA-256 mismatch with "
+                                   f"{manifest_path(lib)}")
+    return entry["source_sha256"], binary
 
 
 LOCK_TIMEOUT_S = float(os.environ.get("CE_TVM_LOCK_TIMEOUT", 900))
@@ -210,13 +204,17 @@ def verify_entry(lib: Path) -> str | None:
         return "manifest key does not match the file name"
     if manifest.get("sha256") != sha256_file(lib):
         return "SHA-256 mismatch"
+    try:
+        cuda_binary_of(lib)
+    except (OSError, ModuleIntegrityError) as err:
+        return str(err)
     return None
 
 
 def clear(directory: Path) -> int:
     """Remove every module, manifest and lock in ``directory``; returns the files removed."""
     removed = 0
-    for pattern in ("*.so", "*.json", "*.lock", "*.tmp"):
+    for pattern in ("*.so", "*.cubin", "*.json", "*.lock", "*.tmp"):
         for path in directory.glob(pattern):
             path.unlink()
             removed += 1

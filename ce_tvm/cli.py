@@ -1,35 +1,24 @@
-"""The ``ce-tvm`` command line: ``compile`` kernels ahead of time, inspect the
-module ``cache``, ``bench`` against PyTorch, ``tune`` kernels (meta_schedule),
-show an Ascend tiling ``plan``, and ``demo`` the loss."""
+"""The ``ce-tvm`` command line: ``compile`` kernels ahead of time, ``bundle``
+them with the TVM runtime (to run without the compiler), inspect the module
+``cache``, ``bench`` against PyTorch, ``tune`` kernels (meta_schedule), show an
+Ascend tiling ``plan``, and ``demo`` the loss."""
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
 from pathlib import Path
 
 from . import bench, cache, records
-from .build import KernelSpec, schedule_module
-from .compute import DTYPES, REDUCTIONS, Variant
-from .targets import TARGETS
+from .build import all_specs
+from .bundle import make_bundle
+from .kinds import DTYPES, REDUCTIONS, Variant
+from .spec import KernelSpec
+from .targets import TARGETS, write_host_descriptor
 
 TRAINING_DTYPES = tuple(d for d in DTYPES if d != "float64")
-
-
-def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> list[KernelSpec]:
-    """Every forward, training and backward variant for one (target, dtype, C)
-    (training kernels where the target's schedule has them)."""
-    fwd = [KernelSpec("forward", dtype, classes, Variant(r, w, lp), target, options)
-           for r, w, lp in itertools.product(REDUCTIONS, (False, True), (True, False))]
-    bwd = [KernelSpec("backward", dtype, classes, Variant(r, w, grad_source=src), target, options)
-           for r, w, src in itertools.product(REDUCTIONS, (False, True), ("log_prob", "logits"))]
-    train = [KernelSpec("train", dtype, classes, Variant(r, w, False), target, options)
-             for r, w in itertools.product(("sum", "mean"), (False, True))
-             if hasattr(schedule_module(target), "train")]
-    return fwd + train + bwd
 
 
 def cmd_compile(args) -> int:
@@ -49,7 +38,22 @@ def cmd_compile(args) -> int:
     print(f"{len(specs)} kernels for {args.target}/{args.dtype}/C={args.classes} in "
           f"{time.perf_counter() - t0:.1f} s -> {where}")
     if out is not None:
+        if args.target != "cuda":  # lets the runtime name this CPU without TVM
+            write_host_descriptor(out)
         print(f"use them with: export CE_TVM_MODULE_DIR={out.resolve()}")
+    return 0
+
+
+def cmd_bundle(args) -> int:
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    manifest = make_bundle(out, target=args.target, dtype=args.dtype, classes=args.classes,
+                           arch=args.arch if args.target == "cuda" else None)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"{len(manifest['kernels'])} kernels for {args.target}/{args.dtype}/C={args.classes} "
+          f"and the TVM runtime ({', '.join(manifest['runtime_libs'])}), {size / 1e6:.1f} MB, "
+          f"in {time.perf_counter() - t0:.1f} s -> {out}")
+    print(f"use it with: export CE_TVM_MODULE_DIR={out.resolve()}")
     return 0
 
 
@@ -134,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--profile", default="910b", help="Ascend profile (--target ascend)")
     c.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
     c.set_defaults(func=cmd_compile)
+
+    b = sub.add_parser("bundle", help="kernels for some shapes + the TVM runtime, to run "
+                       "without the compiler")
+    b.add_argument("--target", choices=["llvm", "cuda"], default="llvm")
+    b.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
+    b.add_argument("--dtype", choices=DTYPES, default="float32")
+    b.add_argument("--classes", type=int, action="append", required=True,
+                   help="C (repeat for several)")
+    b.add_argument("--out", required=True, help="the bundle directory")
+    b.set_defaults(func=cmd_bundle)
 
     k = sub.add_parser("cache", help="list, verify or clear compiled modules")
     k.add_argument("action", choices=["list", "verify", "clear"])

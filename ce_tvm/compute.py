@@ -66,10 +66,8 @@ from tvm import te, tirx
 
 from . import fastmath
 
-REDUCTIONS = ("none", "sum", "mean")
-# Storage dtypes and their sizes in bytes (the one table of them).
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-DTYPES = tuple(DTYPE_BYTES)
+# The dtype and reduction tables live in kinds (no TVM there); re-exported for the schedules.
+from .kinds import DTYPE_BYTES, DTYPES, REDUCTIONS, Variant, accum_dtype  # noqa: F401
 
 # Stage names (see the tables above).
 CHUNK_MAX = "ce_chunk_max"
@@ -107,44 +105,9 @@ STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_M
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS)
 
 
-def accum_dtype(dtype: str) -> str:
-    """Arithmetic dtype for a storage dtype: float64 stays, all others use float32."""
-    return "float64" if dtype == "float64" else "float32"
-
-
 def matrix_param(func: tirx.PrimFunc):
     """The ``[N, C]`` input of a declared function (``x``, or ``log_prob``)."""
     return next(p for p in func.params if len(getattr(p, "shape", ())) == 2)
-
-
-@dataclass(frozen=True)
-class Variant:
-    """The options that change the loop nest (everything else is a runtime argument).
-
-    ``grad_source`` only matters for the backward: ``"log_prob"`` reads the
-    seed API's ``log_prob``; ``"logits"`` recomputes it as ``x - lse``;
-    ``"shard"`` does that for one vocabulary shard, with the row statistics
-    of the full vocabulary passed in.
-    """
-
-    reduction: str = "mean"
-    weighted: bool = False
-    log_prob: bool = True
-    grad_source: str = "log_prob"
-
-    def __post_init__(self):
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
-        if self.grad_source not in ("log_prob", "logits", "shard"):
-            raise ValueError(
-                f"grad_source must be 'log_prob', 'logits' or 'shard', got {self.grad_source!r}")
-
-    def tag(self) -> str:
-        """A short string naming the variant (used in cache keys and file names)."""
-        return "-".join(
-            [self.reduction, "w" if self.weighted else "nw", "lp" if self.log_prob else "nolp",
-             self.grad_source]
-        )
 
 
 def _rows():

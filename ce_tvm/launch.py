@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from . import pool
-from .build import KernelSpec, tuned_spec
-from .compute import Variant
+from .kinds import Variant
 from .options import LossOptions
 from .runtime import call
+from .spec import KernelSpec, tuned_spec
 from .tensors import (
     KERNEL_ALIGNMENT,
     accum_torch_dtype,

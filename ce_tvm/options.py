@@ -11,7 +11,7 @@ import math
 import numbers
 from dataclasses import InitVar, dataclass
 
-from .compute import REDUCTIONS
+from .kinds import REDUCTIONS
 
 
 @dataclass(frozen=True)

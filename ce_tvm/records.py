@@ -1,6 +1,8 @@
 """Tuning records, read side: where they live, which one a kernel uses, and
 replaying one on a kernel. No search, no torch, no meta_schedule: records are
-written by ``ce_tvm.tuning`` (``ce-tvm tune``).
+written by ``ce_tvm.tuning`` (``ce-tvm tune``). Finding a record needs no TVM
+(targets are their JSON descriptions, ``ce_tvm.targets.target_description``);
+replaying one imports the compiler.
 
 Layout: ``<logs>/<target key>/<kernel name>-N<rows>/`` holds ``summary.json``
 and the winning search space's database in meta_schedule's JSON format:
@@ -24,12 +26,6 @@ import math
 import os
 from pathlib import Path
 
-import tvm
-import tvm_ffi
-from tvm import s_tir
-
-from .compute import matrix_param
-
 # A tie within timing noise keeps the hand schedule.
 MIN_SPEEDUP = 1.02
 PACKAGE_LOGS = Path(str(importlib.resources.files("ce_tvm.tuning_logs")))
@@ -41,13 +37,11 @@ TUNING_SCALARS = {"ignore_index": -100, "label_smoothing": 0.1, "zloss_scale": 1
 _FAILED_RUN_S = 1e10
 
 
-@functools.cache
-def target_key(target) -> str:
-    """e.g. ``llvm-znver5-2c``: kind, CPU or arch, cores."""
-    attrs = target.attrs
-    cpu = str(attrs.get("mcpu", attrs.get("arch", "generic")))
-    cores = f"-{int(attrs['num-cores'])}c" if "num-cores" in attrs else ""
-    return f"{target.kind.name}-{cpu}{cores}"
+def target_key(target: dict) -> str:
+    """e.g. ``llvm-znver5-2c``: kind, CPU or arch, cores (of a target description)."""
+    cpu = str(target.get("mcpu", target.get("arch", "generic")))
+    cores = f"-{int(target['num-cores'])}c" if "num-cores" in target else ""
+    return f"{target['kind']}-{cpu}{cores}"
 
 
 def tuning_dirs() -> list[Path]:
@@ -78,6 +72,10 @@ def record_digest(rid: str) -> str:
 def fixed_rows(func, rows: int):
     """``func`` with N bound to ``rows`` and its scalar arguments to ``TUNING_SCALARS``:
     the function a record was tuned on."""
+    import tvm
+
+    from .compute import matrix_param
+
     x = matrix_param(func)
     shape = (tvm.tirx.IntImm("int64", rows), x.shape[1])
     binds = {x: tvm.tirx.decl_buffer(shape, x.dtype, x.name)}
@@ -99,9 +97,14 @@ def _applicable(key: str, kernel_name: str, dirs: tuple) -> tuple:
     return tuple(found)
 
 
-def nearest_record(target, kernel_name: str, rows: int) -> tuple[str, str] | None:
+def applicable(target: dict, kernel_name: str) -> tuple:
+    """``(rows, record id, digest)`` of every record of ``kernel_name`` that applies."""
+    return _applicable(target_key(target), kernel_name, tuple(tuning_dirs()))
+
+
+def nearest_record(target: dict, kernel_name: str, rows: int) -> tuple[str, str] | None:
     """``(record id, digest)`` of the applicable record nearest to ``rows`` rows, or ``None``."""
-    found = _applicable(target_key(target), kernel_name, tuple(tuning_dirs()))
+    found = applicable(target, kernel_name)
     if not found:
         return None
     _, rid, digest = min(found, key=lambda r: abs(math.log2(r[0]) - math.log2(max(rows, 1))))
@@ -121,6 +124,10 @@ def apply_record(rid: str, func, target):
     function is identified by its structural hash (a record directory holds
     the records of one kernel, so the hash alone tells it apart).
     """
+    import tvm
+    import tvm_ffi
+    from tvm import s_tir
+
     directory = record_dir(rid)
     rows = json.loads((directory / "summary.json").read_text())["rows"]
     workload = str(tvm_ffi.structural_hash(tvm.IRModule({"main": fixed_rows(func, rows)})))

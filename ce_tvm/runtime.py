@@ -1,11 +1,14 @@
 """Kernel registry: one loaded module per ``KernelSpec`` per process.
 
-Torch tensors are passed to the kernels by DLPack through tvm-ffi, without
-copies. The kernels check strides exactly, so a tensor torch calls
-contiguous but with other strides (an empty one, a size-1 dimension) is
-passed as a view with the canonical strides (``canonical_strides``): the
-one place every tensor enters the kernels. TVM's thread pool is sized to
-the cores this process may use, unless ``TVM_NUM_THREADS`` says otherwise.
+Modules are opened with ``tvm_ffi.load_module`` after the TVM runtime
+library (``ce_tvm.tvmlib``): running a built kernel never imports the ``tvm``
+package nor loads the compiler. Torch tensors are passed to the kernels by
+DLPack through tvm-ffi, without copies. The kernels check strides exactly, so
+a tensor torch calls contiguous but with other strides (an empty one, a
+size-1 dimension) is passed as a view with the canonical strides
+(``canonical_strides``): the one place every tensor enters the kernels.
+TVM's thread pool is sized to the cores this process may use, unless
+``TVM_NUM_THREADS`` says otherwise.
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ import os
 import threading
 
 import torch
-import tvm
 
-from .build import KernelSpec
-from .cache import module_path
+from .cache import cuda_binary_of, module_path
+from .spec import KernelSpec
 from .targets import host_cores
+from .tvmlib import load_runtime, provide_cuda_binary
 
 _lock = threading.Lock()
 _kernels: dict = {}
@@ -51,7 +54,13 @@ def kernel(spec: KernelSpec):
         fn = _kernels.get(spec)
         if fn is None:
             configure_thread_pool()
-            fn = tvm.runtime.load_module(str(module_path(spec)))["main"]
+            path = module_path(spec)
+            load_runtime(spec.target)
+            if spec.target == "cuda" and (compiled := cuda_binary_of(path)) is not None:
+                provide_cuda_binary(*compiled)
+            import tvm_ffi
+
+            fn = tvm_ffi.load_module(str(path))["main"]
             _kernels[spec] = fn
     return fn
 

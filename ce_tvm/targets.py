@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import hashlib
+import json
 import os
+import platform
+from pathlib import Path
 
-from tvm.target import Target
-from tvm.target.codegen import llvm_get_system_cpu
+from .paths import cache_dir, check_permissions, make_private_dir, module_dirs
+from .tvmlib import INSTALL_HINT, CompilerNotInstalledError, compiler_installed
 
 TARGETS = ("llvm", "cuda", "ascend")
 DEFAULT_CUDA_ARCH = "sm_90"
@@ -20,18 +24,83 @@ def host_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-@functools.cache
-def tvm_target(name: str, arch: str | None = None) -> Target:
-    """The TVM target for a target name.
+def target_description(name: str, arch: str | None = None) -> dict:
+    """The TVM target for a target name, as the JSON dict TVM builds it from.
 
     ``llvm`` and ``ascend`` (which is validated through LLVM) compile for this
     host's CPU; ``cuda`` for ``arch`` (default ``sm_90``).
     """
     if name in ("llvm", "ascend"):
-        return Target({"kind": "llvm", "mcpu": llvm_get_system_cpu(), "num-cores": host_cores()})
+        return {"kind": "llvm", "mcpu": host_cpu(), "num-cores": host_cores()}
     if name == "cuda":
-        return Target({"kind": "cuda", "arch": arch or DEFAULT_CUDA_ARCH})
+        return {"kind": "cuda", "arch": arch or DEFAULT_CUDA_ARCH}
     raise ValueError(f"target must be one of {TARGETS}, got {name!r}")
+
+
+@functools.cache
+def tvm_target(name: str, arch: str | None = None):
+    """The ``tvm.target.Target`` of ``target_description`` (imports the compiler)."""
+    from tvm.target import Target
+
+    return Target(target_description(name, arch))
+
+
+def cpu_fingerprint() -> str:
+    """A hash of what LLVM reads to name this host's CPU (vendor, family, model,
+    feature flags), computed without LLVM."""
+    fields = {"machine": platform.machine()}
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        for line in first.splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() in ("vendor_id", "cpu family", "model", "flags", "Features",
+                                "CPU implementer", "CPU part"):
+                fields[name.strip()] = value.strip()
+    except OSError:
+        fields["processor"] = platform.processor()
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def host_descriptor_name() -> str:
+    """File name of this CPU's descriptor in a module directory or the cache."""
+    return f"host-{cpu_fingerprint()}.json"
+
+
+@functools.cache
+def host_cpu() -> str:
+    """LLVM's name of this host's CPU (``znver5``).
+
+    Read from the descriptor a build wrote for this CPU (in a module directory
+    or the cache), so that a kernel already built is found without TVM; else
+    asked of TVM's LLVM once and written to the cache for the next process.
+    """
+    name = host_descriptor_name()
+    for directory in [*module_dirs(), cache_dir()]:
+        path = directory / name
+        if path.is_file():
+            check_permissions(path)
+            return json.loads(path.read_text())["mcpu"]
+    if not compiler_installed():
+        raise CompilerNotInstalledError(
+            f"no kernel for this CPU is available: no {name} (written with the kernels built "
+            f"for it) in CE_TVM_MODULE_DIR or the cache; {INSTALL_HINT}")
+    from tvm.target.codegen import llvm_get_system_cpu
+
+    cpu = str(llvm_get_system_cpu())
+    write_host_descriptor(cache_dir(), cpu)
+    return cpu
+
+
+def write_host_descriptor(directory: Path, cpu: str | None = None) -> Path:
+    """Record this CPU's LLVM name in ``directory`` (atomically, mode 0600)."""
+    make_private_dir(directory)
+    path = directory / host_descriptor_name()
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"mcpu": cpu or host_cpu(), "fingerprint": cpu_fingerprint()}, f)
+    os.replace(tmp, path)
+    return path
 
 
 _CPU_SCHEDULE = contextvars.ContextVar("ce_tvm_cpu_schedule", default=("llvm", ()))

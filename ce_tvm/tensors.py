@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .compute import DTYPES, accum_dtype
+from .kinds import DTYPES, accum_dtype
 from .targets import cpu_schedule
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}

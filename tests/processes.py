@@ -7,19 +7,18 @@ import textwrap
 from pathlib import Path
 
 # Runs the seed pair on C classes in a fresh process and checks it against torch.
-# With FORBID_COMPILE set, any compilation is an error: modules must come from disk.
+# With FORBID_COMPILE set, any compilation (and importing the compiler) is an error:
+# modules must come from disk.
 PROBE = textwrap.dedent("""
     import os, sys, torch, torch.nn.functional as F
     import ce_tvm, ce_tvm.cache as cache
     write_module = cache.write_module
     def reporting_write(spec, directory):
+        if os.environ.get("FORBID_COMPILE"):
+            raise AssertionError(f"recompiled {spec}")
         print("BUILT", spec.file_name(), flush=True)
         return write_module(spec, directory)
     cache.write_module = reporting_write
-    if os.environ.get("FORBID_COMPILE"):
-        def refuse(spec):
-            raise AssertionError(f"recompiled {spec}")
-        cache.compile_spec = refuse
     c = int(sys.argv[1])
     x = torch.randn(8, c); y = torch.randint(0, c, (8,))
     loss, log_prob, _, _ = ce_tvm.cross_entropy_loss(x, y, label_smoothing=0.1)
@@ -30,6 +29,8 @@ PROBE = textwrap.dedent("""
     xt = x.clone().requires_grad_()
     ce_tvm.cross_entropy(xt, y, label_smoothing=0.1).backward()  # the one-pass training kernel
     torch.testing.assert_close(xt.grad, xr.grad)
+    if os.environ.get("FORBID_COMPILE"):  # served from disk: the compiler was never imported
+        assert "tvm" not in sys.modules
     print("probe ok")
 """)
 

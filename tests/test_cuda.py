@@ -6,8 +6,9 @@ import shutil
 import pytest
 import torch
 
-from ce_tvm.build import KernelSpec, compile_spec
+from ce_tvm.build import compile_spec, cuda_binary
 from ce_tvm.compute import Variant
+from ce_tvm.spec import KernelSpec
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -25,19 +26,27 @@ def test_kernels_compile_with_nvcc(arch, dtype, classes):
                 "backward": Variant("none", False, grad_source="logits")}
     for op, variant in variants.items():
         spec = KernelSpec(op, dtype, classes, variant, "cuda", options)
-        compile_spec(spec)  # raises on any nvcc error
+        source, cubin = cuda_binary(compile_spec(spec), spec)  # raises on any nvcc error
+        assert "__global__" in source and cubin[:4] == b"\x7fELF"
+
+
+# Unweighted forwards whose last chunk overlaps (C not a multiple of the 4096-class
+# chunk) hit "int64 vs int32" in TVM's simplifier: a known bug (issue 18's notes).
+OVERLAP_BUG = pytest.mark.xfail(strict=True, reason="unweighted CUDA forward, overlapping "
+                                "last chunk: int64 vs int32 in TVM's simplifier")
 
 
 @needs_nvcc
 @pytest.mark.parametrize("op,variant", [
-    ("forward", Variant("sum", False, False)),
+    pytest.param("forward", Variant("sum", False, False), marks=OVERLAP_BUG),
     ("backward", Variant("mean", True, grad_source="log_prob")),
     ("backward", Variant("mean", True, grad_source="shard")),
     ("shard_stats", Variant(weighted=True)),
     ("shard_combine", Variant("mean")),
 ])
 def test_other_variants_compile_with_nvcc(op, variant):
-    compile_spec(KernelSpec(op, "bfloat16", 5003, variant, "cuda", (("arch", "sm_90"),)))
+    spec = KernelSpec(op, "bfloat16", 5003, variant, "cuda", (("arch", "sm_90"),))
+    assert cuda_binary(compile_spec(spec), spec) is not None  # raises on any nvcc error
 
 
 @needs_gpu

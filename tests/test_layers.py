@@ -15,24 +15,34 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A module may import modules of its own layer or of layers below.
 LAYERS = [
+    ("paths", "kinds"),  # where modules live and who may write them; dtypes and variants
+    ("tvmlib",),  # the TVM runtime library, located and loaded without the tvm package
     ("fastmath", "targets"),
     ("compute",),
     ("options", "schedules._common", "schedules.ascend_plan"),
     ("schedules.cpu", "schedules.cuda", "schedules.ascend", "schedules"),
     ("records",),  # tuning records, read side
+    ("spec",),  # KernelSpec and its cache key, without TVM
     ("build",),
     ("cache",),
     ("runtime", "tensors", "pool"),
     ("launch",),
     ("validation", "functional", "ops", "nn", "distributed", "__init__"),
-    ("bench", "demo", "tuning"),  # tools and the search, above the API
+    ("bench", "demo", "tuning", "bundle"),  # tools and the search, above the API
     ("cli",),
 ]
 # Modules that must not depend on torch or on meta_schedule (the search).
-NO_TORCH = ("fastmath", "targets", "compute", "options", "records", "build", "cache",
+NO_TORCH = ("paths", "kinds", "tvmlib", "spec", "fastmath", "targets", "compute", "options",
+            "records", "build", "cache",
             "schedules._common", "schedules.ascend_plan", "schedules.cpu", "schedules.cuda",
             "schedules.ascend")
 SEARCH_ONLY = "tuning"
+# What ``import ce_tvm`` and a call served by an already-built kernel import: none of
+# them may import the tvm package (the compiler) when it is imported itself; only a
+# function that builds or tunes may (``tvm_ffi``, the FFI, is not the compiler).
+RUNTIME_PATH = ("paths", "kinds", "tvmlib", "targets", "options", "records", "spec", "cache",
+                "runtime", "tensors", "pool", "launch", "validation", "functional", "ops", "nn",
+                "distributed", "__init__")
 
 
 def module_files() -> dict:
@@ -112,6 +122,23 @@ def test_kernel_side_needs_neither_torch_nor_the_search(name):
     found = imports(name, module_files()[name])
     assert not [m for m in found if m == "torch" or m.startswith("torch.")], name
     assert not [m for m in found if "meta_schedule" in m], name
+
+
+def module_level_imports(path: Path) -> set:
+    """Names the module imports when it is itself imported (not inside functions)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("name", RUNTIME_PATH)
+def test_runtime_path_does_not_import_the_compiler(name):
+    found = module_level_imports(module_files()[name])
+    assert not [m for m in found if m == "tvm" or m.startswith("tvm.")], name
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):

@@ -9,9 +9,9 @@ import torch
 
 import ce_tvm
 from ce_tvm import runtime
-from ce_tvm.build import KernelSpec, tuned_spec
 from ce_tvm.compute import Variant
 from ce_tvm.launch import _spec
+from ce_tvm.spec import KernelSpec, tuned_spec
 from processes import CLI, run
 
 C, TUNED_ROWS = 300, 64

@@ -1,0 +1,232 @@
+"""Bundles (``ce-tvm bundle``) run with the TVM compiler unavailable.
+
+A fresh process blocks ``import tvm`` (a meta-path finder whose module
+specs for ``tvm`` and ``tvm.*`` raise ImportError when loaded; they have no
+files, as if the package were not installed, so that ``find_spec`` callers
+such as torch's dynamo keep working), runs the training path and the seed
+pair from a bundle and checks them against torch and the float64 reference,
+and checks that the compiler library was never mapped.
+"""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ce_tvm.paths import sha256_file
+from processes import CLI, run
+
+C = 300
+BLOCK_TVM = textwrap.dedent("""
+    import importlib.machinery, sys
+    class BlockTVM:
+        def find_spec(self, name, path=None, target=None):
+            if name == "tvm" or name.startswith("tvm."):
+                return importlib.machinery.ModuleSpec(name, self)
+            return None
+        def create_module(self, spec):
+            raise ImportError(f"{spec.name} is blocked in this test")
+        def exec_module(self, module):
+            raise ImportError(f"{module.__name__} is blocked in this test")
+    sys.meta_path.insert(0, BlockTVM())
+""")
+PROBE = BLOCK_TVM + textwrap.dedent("""
+    import numpy as np, torch, torch.nn.functional as F
+    import ce_tvm, reference
+    c = int(sys.argv[1])
+    torch.manual_seed(0)
+    x = torch.randn(16, c) * 2; y = torch.randint(0, c, (16,)); y[3] = -100
+    w = torch.rand(c) + 0.5
+    for weight in (None, w):
+        for reduction in ("mean", "sum"):
+            xt = x.clone().requires_grad_(); xr = x.clone().requires_grad_()
+            loss = ce_tvm.cross_entropy(xt, y, weight, reduction=reduction, label_smoothing=0.1)
+            loss.backward()  # the one-pass training kernel
+            ref = F.cross_entropy(xr, y, weight, reduction=reduction, label_smoothing=0.1)
+            ref.backward()
+            torch.testing.assert_close(loss, ref); torch.testing.assert_close(xt.grad, xr.grad)
+    loss, log_prob, _, _ = ce_tvm.cross_entropy_loss(x, y, w, label_smoothing=0.1)
+    grad = ce_tvm.cross_entropy_loss_grad(torch.ones(1), log_prob, y, w, label_smoothing=0.1)
+    ref_loss, ref_lp, _, _ = reference.forward(x.double().numpy(), y.numpy(), w.double().numpy(),
+                                               label_smoothing=0.1)
+    ref_grad = reference.backward(np.ones(1), ref_lp, y.numpy(), w.double().numpy(),
+                                  label_smoothing=0.1)
+    np.testing.assert_allclose(loss.double().numpy(), np.reshape(ref_loss, -1), rtol=1e-5)
+    np.testing.assert_allclose(grad.double().numpy(), ref_grad, rtol=1e-4, atol=1e-7)
+    maps = open("/proc/self/maps").read()
+    assert "libtvm_compiler" not in maps, "the compiler library was mapped"
+    runtime = sorted({l.split()[-1] for l in maps.splitlines() if "libtvm_runtime" in l})
+    assert not [m for m in sys.modules if m == "tvm" or m.startswith("tvm.")]
+    print("RUNTIME", runtime)
+    print("probe ok")
+""")
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundle") / "b"
+    text = run([CLI, "bundle", "--target", "llvm", "--dtype", "float32", "--classes", str(C),
+                "--out", out])
+    assert f"CE_TVM_MODULE_DIR={out}" in text
+    return out
+
+
+def probe(c, **env):
+    tests = os.path.dirname(__file__)
+    full = {**os.environ, "PYTHONPATH": tests, **{k: str(v) for k, v in env.items()}}
+    return subprocess.run([sys.executable, "-c", PROBE, str(c)], env=full, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_bundle_contents(bundle):
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    assert manifest["runtime_libs"] == {"libtvm_runtime.so":
+                                        sha256_file(bundle / "lib" / "libtvm_runtime.so")}
+    kernels = sorted(p.name for p in bundle.glob("*.so"))
+    assert sorted(manifest["kernels"]) == kernels and len(kernels) == 28  # 12 fwd 4 train 12 bwd
+    assert (bundle / "licenses" / "apache-tvm-LICENSE").is_file()
+    assert (bundle / "licenses" / "apache-tvm-NOTICE").is_file()
+    assert len(list(bundle.glob("host-*.json"))) == 1
+    for path in [bundle, *bundle.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), path
+    out = run([CLI, "cache", "verify", "--dir", bundle])
+    assert "28 modules" in out and ", 0 bad" in out
+
+
+def test_runs_from_bundle_without_the_compiler(bundle, tmp_path):
+    # An empty private cache: every kernel and the TVM runtime come from the bundle.
+    done = probe(C, CE_TVM_MODULE_DIR=bundle, CE_TVM_CACHE=tmp_path / "cache")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "probe ok" in done.stdout
+    assert f"RUNTIME ['{bundle / 'lib' / 'libtvm_runtime.so'}']" in done.stdout
+
+
+def test_missing_kernel_without_the_compiler_says_how_to_get_it(bundle, tmp_path):
+    done = probe(C + 1, CE_TVM_MODULE_DIR=bundle, CE_TVM_CACHE=tmp_path / "cache")
+    assert done.returncode != 0
+    assert "CompilerNotInstalledError" in done.stderr
+    assert "ce-tvm bundle" in done.stderr and "pip install apache-tvm" in done.stderr
+    assert f"C{C + 1}" in done.stderr  # names the kernel it looked for
+
+
+def test_no_bundle_and_no_compiler_says_how_to_get_it(tmp_path):
+    done = probe(C, CE_TVM_CACHE=tmp_path / "cache", CE_TVM_MODULE_DIR="")
+    assert done.returncode != 0
+    assert "ce-tvm bundle" in done.stderr and "pip install apache-tvm" in done.stderr
+
+
+def test_tampered_runtime_library_is_refused(bundle, tmp_path):
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    lib = copy / "lib" / "libtvm_runtime.so"
+    lib.write_bytes(lib.read_bytes() + b"tampered")
+    done = probe(C, CE_TVM_MODULE_DIR=copy, CE_TVM_CACHE=tmp_path / "cache")
+    assert done.returncode != 0
+    assert "SHA-256" in done.stderr and str(lib) in done.stderr
+
+
+def make_cuda_bundle(out, classes):
+    args = [CLI, "bundle", "--target", "cuda", "--arch", "sm_90", "--dtype", "bfloat16"]
+    run(args + [a for c in classes for a in ("--classes", str(c))] + ["--out", out])
+    return out
+
+
+# 4096 is one full chunk per row; 32000 and 128256 (the issue's shapes) end in an
+# overlapping chunk, where the unweighted CUDA forwards do not compile (a bug older
+# than bundles: TVM's simplifier meets int64 vs int32 in the chunk-overlap mask).
+CUDA_CLASSES = (4096,)
+LM_CLASSES = (32000, 128256)
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+
+@pytest.fixture(scope="module")
+def cuda_bundle(tmp_path_factory):
+    return make_cuda_bundle(tmp_path_factory.mktemp("cuda_bundle") / "b", CUDA_CLASSES)
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_cuda_bundle_contents(cuda_bundle):
+    check_cuda_bundle(cuda_bundle, CUDA_CLASSES)
+
+
+@pytest.mark.slow
+@needs_nvcc
+@pytest.mark.xfail(strict=True, reason="unweighted CUDA forwards with an overlapping last "
+                   "chunk fail to compile (int64 vs int32 in TVM's simplifier), before bundles")
+def test_cuda_bundle_of_lm_vocabularies(tmp_path):
+    check_cuda_bundle(make_cuda_bundle(tmp_path / "b", LM_CLASSES), LM_CLASSES)
+
+
+def check_cuda_bundle(cuda_bundle, classes):
+    manifest = json.loads((cuda_bundle / "bundle.json").read_text())
+    assert (manifest["target"], manifest["arch"], manifest["dtype"]) == ("cuda", "sm_90",
+                                                                        "bfloat16")
+    libs = {"libtvm_runtime.so", "libtvm_runtime_cuda.so"}
+    assert manifest["runtime_libs"] == {n: sha256_file(cuda_bundle / "lib" / n) for n in libs}
+    kernels = sorted(p.name for p in cuda_bundle.glob("*.so"))
+    assert sorted(manifest["kernels"]) == kernels
+    assert len(kernels) == 24 * len(classes)  # 12 forward + 12 backward variants per C
+    for name in kernels:
+        lib = cuda_bundle / name
+        entry = json.loads(lib.with_suffix(".json").read_text())
+        assert entry["sha256"] == sha256_file(lib)
+        assert entry["key"]["target"] == {"kind": "cuda", "arch": "sm_90"}
+        assert entry["key"]["dtype"] == "bfloat16"
+        assert entry["key"]["classes"] in classes
+        cubin = lib.with_suffix(".cubin").read_bytes()  # what runs where TVM cannot compile
+        assert cubin[:4] == b"\x7fELF" and entry["cuda_binary"]["sha256"] == sha256_file(
+            lib.with_suffix(".cubin"))
+    total = sum(p.stat().st_size for p in cuda_bundle.rglob("*") if p.is_file())
+    assert total < 40e6, f"{total / 1e6:.1f} MB"
+    out = run([CLI, "cache", "verify", "--dir", cuda_bundle])
+    assert f"{len(kernels)} modules" in out and ", 0 bad" in out
+
+
+CALLBACK_PROBE = BLOCK_TVM + textwrap.dedent("""
+    import tvm_ffi
+    from pathlib import Path
+    from ce_tvm.cache import cuda_binary_of
+    from ce_tvm.tvmlib import provide_cuda_binary
+    lib = Path(sys.argv[1])
+    provide_cuda_binary(*cuda_binary_of(lib))
+    compile_cuda = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
+    binary = bytes(compile_cuda(Path(sys.argv[2]).read_text()))
+    assert binary == lib.with_suffix(".cubin").read_bytes()
+    try:
+        compile_cuda("__global__ void other() {}")
+    except Exception as err:
+        assert "ce-tvm bundle" in str(err), err
+    else:
+        raise AssertionError("an unknown source got a binary")
+    print("callback ok")
+""")
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_cuda_runtime_gets_the_bundled_binary_without_the_compiler(cuda_bundle, tmp_path):
+    """TVM's CUDA runtime compiles a module's source through the global function
+    tvm_callback_cuda_compile; without TVM the bundle's binary of exactly that source
+    answers (no GPU here: the callback is called directly)."""
+    from ce_tvm.build import compile_spec, cuda_binary
+    from ce_tvm.kinds import Variant
+    from ce_tvm.spec import KernelSpec
+
+    spec = KernelSpec("forward", "bfloat16", CUDA_CLASSES[0], Variant("mean", False, False), "cuda",
+                      (("arch", "sm_90"),))
+    source, _ = cuda_binary(compile_spec(spec), spec)
+    (tmp_path / "kernel.cu").write_text(source)
+    lib = cuda_bundle / spec.file_name()
+    full = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    done = subprocess.run([sys.executable, "-c", CALLBACK_PROBE, str(lib),
+                           str(tmp_path / "kernel.cu")], env=full, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "callback ok" in done.stdout
