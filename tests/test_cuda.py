@@ -32,13 +32,9 @@ def test_kernels_compile_with_nvcc(arch, dtype, classes):
 
 # Unweighted forwards whose last chunk overlaps (C not a multiple of the 4096-class
 # chunk) hit "int64 vs int32" in TVM's simplifier: a known bug (issue 18's notes).
-OVERLAP_BUG = pytest.mark.xfail(strict=True, reason="unweighted CUDA forward, overlapping "
-                                "last chunk: int64 vs int32 in TVM's simplifier")
-
-
 @needs_nvcc
 @pytest.mark.parametrize("op,variant", [
-    pytest.param("forward", Variant("sum", False, False), marks=OVERLAP_BUG),
+    ("forward", Variant("sum", False, False)),
     ("backward", Variant("mean", True, grad_source="log_prob")),
     ("backward", Variant("mean", True, grad_source="shard")),
     ("shard_stats", Variant(weighted=True)),
