@@ -4,6 +4,8 @@ See SPEC.md for the contract. Public surface:
 
 - ``cross_entropy`` / ``CrossEntropyLoss``: autograd drop-ins for
   ``torch.nn.functional.cross_entropy`` / ``torch.nn.CrossEntropyLoss``, plus z-loss;
+- ``linear_cross_entropy`` / ``LinearCrossEntropyLoss``: the output projection
+  fused with the loss, rows in chunks (the ``[N, V]`` logits never exist whole);
 - ``cross_entropy_loss`` / ``cross_entropy_loss_grad``: the seed-compatible pair;
 - ``schedule("ascend", profile=...)``: run CPU calls with another schedule;
 - ``use_bundle(DIR)``: run kernels from a bundle (``ce-tvm bundle``), no compiler needed.
@@ -17,7 +19,8 @@ import importlib
 from .spec import __version__
 
 _LAZY = {"CrossEntropyLoss": "nn", "cross_entropy": "nn", "cross_entropy_loss": "functional",
-         "cross_entropy_loss_grad": "functional", "schedule": "targets", "use_bundle": "paths"}
+         "cross_entropy_loss_grad": "functional", "LinearCrossEntropyLoss": "linear",
+         "linear_cross_entropy": "linear", "schedule": "targets", "use_bundle": "paths"}
 _SUBMODULES = ("distributed",)
 
 __all__ = ["__version__", *_LAZY]

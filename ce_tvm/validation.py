@@ -62,8 +62,9 @@ def targets(y, x: torch.Tensor, ignore_index: int, classes: int | None = None) -
     return y
 
 
-def weight(w, x: torch.Tensor) -> torch.Tensor | None:
-    """``None``, or a contiguous ``[C]`` weight in the accumulation dtype."""
+def weight(w, x: torch.Tensor, classes: int | None = None) -> torch.Tensor | None:
+    """``None``, or a contiguous ``[C]`` weight in the accumulation dtype
+    (``classes`` overrides ``C = x.shape[1]``, for inputs that are not logits)."""
     if w is None:
         return None
     if not isinstance(w, torch.Tensor):
@@ -71,7 +72,7 @@ def weight(w, x: torch.Tensor) -> torch.Tensor | None:
     if not w.dtype.is_floating_point:
         raise TypeError(f"weight must be a floating-point tensor, got {w.dtype}")
     _same_device(w, x, "weight")
-    c = x.shape[1]
+    c = classes or x.shape[1]
     if tuple(w.shape) != (c,):
         raise ValueError(f"weight must have shape [C] = [{c}], got {tuple(w.shape)}")
     return w.to(accum_torch_dtype(x)).contiguous()

@@ -1,0 +1,266 @@
+"""Fused linear + cross-entropy for LM heads (SPEC section 5, ``linear_cross_entropy``).
+
+``linear_cross_entropy(input, linear_weight, target, ...)`` equals
+``cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)``
+with the class dimension last, but the ``[N, V]`` logits never exist whole:
+``ce_tvm.linear_sweep`` goes through the rows in chunks.
+
+Autograd, through the ``torch.library`` op ``ce_tvm::linear_cross_entropy``:
+
+- ``mean``/``sum``: the forward computes the gradients (for the inputs that
+  require grad) in the same sweep as the loss, for a unit upstream gradient;
+  the backward only scales them by the upstream gradient, on the device. In
+  eager mode it scales them in place, so a second backward through the same
+  graph (``retain_graph=True``) is an error; under ``torch.compile`` it
+  scales a copy.
+- ``none``: the forward computes the loss only and keeps the inputs; the
+  backward (``ce_tvm::linear_cross_entropy_backward``) recomputes the logits
+  chunk by chunk with the per-row upstream gradient.
+- No gradient wanted (``no_grad``, nothing requires grad): the loss only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import linear_sweep as sweep
+from . import validation as check
+
+_OP_ARGS = 13  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
+
+
+def _options(reduction, ignore_index, label_smoothing, lse_square_scale) -> sweep.LossOptions:
+    return sweep.LossOptions(reduction, ignore_index, label_smoothing, lse_square_scale)
+
+
+def _rows(x: Tensor, reduction: str) -> int:
+    return x.shape[0] if reduction == "none" else 1
+
+
+@torch.library.custom_op("ce_tvm::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_forward(
+        input: Tensor, linear_weight: Tensor, linear_bias: Optional[Tensor], target: Tensor,
+        weight: Optional[Tensor], reduction: str, ignore_index: int, label_smoothing: float,
+        lse_square_scale: float, chunk_rows: int, grad_input: bool, grad_weight: bool,
+        grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, zloss, grad_input, grad_weight, grad_bias)`` for ``input [N, H]``.
+
+    ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``. The gradients
+    (for a unit upstream gradient) are computed for ``mean``/``sum`` when
+    their flag is set, else they are empty tensors. ``chunk_rows`` 0: the
+    default chunk size (``linear_sweep.chunk_rows``).
+    """
+    y = check.targets(target, input, ignore_index, classes=linear_weight.shape[0])
+    w = check.weight(weight, input, classes=linear_weight.shape[0])
+    opts = _options(reduction, ignore_index, label_smoothing, lse_square_scale)
+    rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
+    needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
+    if reduction == "none" or not needs.any():
+        empty = input.new_empty(0)
+        return (*sweep.loss_only(input, linear_weight, linear_bias, y, w, opts, rows),
+                empty, empty.clone(), empty.clone())
+    return sweep.loss_and_grads(input, linear_weight, linear_bias, y, w, opts, rows, needs)
+
+
+@linear_cross_entropy_forward.register_fake
+def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index,
+      label_smoothing, lse_square_scale, chunk_rows, grad_input, grad_weight, grad_bias):
+    rows = _rows(input, reduction)
+    scalar = reduction != "none"
+
+    def grad(like, wanted):
+        return torch.empty_like(like) if (scalar and wanted and like is not None) \
+            else input.new_empty(0)
+
+    return (input.new_empty(rows), input.new_empty(rows), grad(input, grad_input),
+            grad(linear_weight, grad_weight), grad(linear_bias, grad_bias))
+
+
+@torch.library.custom_op("ce_tvm::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(
+        grad_loss: Tensor, input: Tensor, linear_weight: Tensor, linear_bias: Optional[Tensor],
+        target: Tensor, weight: Optional[Tensor], ignore_index: int, label_smoothing: float,
+        lse_square_scale: float, chunk_rows: int, grad_input: bool, grad_weight: bool,
+        grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_input, grad_weight, grad_bias)`` of the ``none`` loss for the
+    per-row upstream gradient ``grad_loss [N]``, the logits recomputed chunk by
+    chunk; an empty tensor for each gradient not asked for."""
+    opts = _options("none", ignore_index, label_smoothing, lse_square_scale)
+    rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
+    needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
+    return sweep.grads_from_rows(grad_loss, input, linear_weight, linear_bias,
+                                 target.to(torch.int64).contiguous(),
+                                 check.weight(weight, input, classes=linear_weight.shape[0]),
+                                 opts, rows, needs)
+
+
+@linear_cross_entropy_backward.register_fake
+def _(grad_loss, input, linear_weight, linear_bias, target, weight, ignore_index,
+      label_smoothing, lse_square_scale, chunk_rows, grad_input, grad_weight, grad_bias):
+    def grad(like, wanted):
+        return torch.empty_like(like) if wanted and like is not None else input.new_empty(0)
+
+    return (grad(input, grad_input), grad(linear_weight, grad_weight),
+            grad(linear_bias, grad_bias))
+
+
+def _setup_context(ctx, inputs, output):
+    (x, W, b, target, weight, reduction, ii, eps, s, chunk_rows, *needs) = inputs
+    ctx.needs = tuple(needs)
+    ctx.reduction = reduction
+    if reduction == "none":
+        ctx.save_for_backward(x, W, b, target, weight)
+        ctx.options = (ii, eps, s, chunk_rows)
+        ctx.grads = None
+    else:
+        # Detached: a forward output kept on ctx with its grad_fn would form a
+        # reference cycle (node -> ctx -> output -> node).
+        ctx.grads = tuple(t.detach() for t in output[2:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero [V, H] tensors for the unused outputs
+
+
+def _scaled(grad: Tensor, grad_loss: Tensor) -> Tensor:
+    """``grad * grad_loss``: in place in eager mode (the forward's buffer is
+    this graph's alone), out of place under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return grad * grad_loss
+    return grad.mul_(grad_loss)
+
+
+def _backward(ctx, grad_loss, *_unused):
+    none = [None] * _OP_ARGS
+    if grad_loss is None:
+        return tuple(none)
+    if ctx.reduction == "none":
+        x, W, b, target, weight = ctx.saved_tensors
+        grads = linear_cross_entropy_backward(grad_loss, x, W, b, target, weight,
+                                              *ctx.options, *ctx.needs)
+    else:
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "ce_tvm.linear_cross_entropy: backward ran twice through the same graph; "
+                "with reduction 'mean'/'sum' the forward's gradients are consumed by the "
+                "first backward (retain_graph=True is not supported)")
+        grads = [_scaled(g, grad_loss) if wanted else g for g, wanted in zip(grads, ctx.needs)]
+    none[0], none[1], none[2] = (g if wanted else None for g, wanted in zip(grads, ctx.needs))
+    return tuple(none)
+
+
+linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _flatten(input: Tensor, linear_weight: Tensor, target: Tensor,
+             linear_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(x [N, H], y [N])`` from ``input [*, H]`` and ``target [*]``, after checking
+    kinds, ranks, shapes, dtypes and devices."""
+    for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check.storage_dtype(input, "input")
+    if input.dim() < 1:
+        raise ValueError("input must be [*, H] with at least one dimension, got a 0-d tensor")
+    if linear_weight.dim() != 2:
+        raise ValueError(f"linear_weight must be 2-D [V, H], got shape {tuple(linear_weight.shape)}")
+    hidden, classes = input.shape[-1], linear_weight.shape[0]
+    if linear_weight.shape[1] != hidden:
+        raise ValueError(f"linear_weight must be [V, H] with H = {hidden} (input's last "
+                         f"dimension), got shape {tuple(linear_weight.shape)}")
+    if classes < 1:
+        raise ValueError("linear_weight must have at least one class (V >= 1)")
+    if linear_bias is not None:
+        if not isinstance(linear_bias, Tensor):
+            raise TypeError(f"linear_bias must be a torch.Tensor or None, "
+                            f"got {type(linear_bias).__name__}")
+        if tuple(linear_bias.shape) != (classes,):
+            raise ValueError(f"linear_bias must have shape [V] = [{classes}], "
+                             f"got {tuple(linear_bias.shape)}")
+    for name, t in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
+        if t is None:
+            continue
+        if t.dtype != input.dtype:
+            raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
+        if t.device != input.device:
+            raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
+    check.check_device(input)
+    if target.dtype.is_floating_point:
+        raise TypeError("ce_tvm supports class-index targets (int64/int32), not probabilities")
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"target must have shape {tuple(input.shape[:-1])} (input's leading "
+                         f"dimensions), got {tuple(target.shape)}")
+    return input.reshape(-1, hidden), target.reshape(-1)
+
+
+def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
+                         linear_bias: Tensor | None = None, weight: Tensor | None = None,
+                         reduction: str = "mean", ignore_index: int = -100,
+                         label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                         return_zloss: bool = False, chunk_rows: int | None = None):
+    """``cross_entropy(input @ linear_weight.T + linear_bias, target, ...)`` without
+    the logits ever existing whole.
+
+    ``input [*, H]`` (any leading dimensions), ``linear_weight [V, H]``,
+    ``linear_bias [V]``, ``target [*]`` class indices; the class dimension of
+    the logits is the last one. Returns the loss (0-d for ``mean``/``sum``,
+    the target's shape for ``none``), z-loss included when
+    ``lse_square_scale > 0``; with ``return_zloss=True``, ``(loss, zloss)``
+    as ``ce_tvm.cross_entropy`` does. ``chunk_rows`` (or the environment
+    variable ``CE_TVM_LINEAR_CHUNK_ROWS``) sets the rows per chunk; by
+    default a chunk's logits take about 32 MB.
+    """
+    x, y = _flatten(input, linear_weight, target, linear_bias)
+    red = check.reduction(reduction)
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
+                                   or chunk_rows < 1):
+        raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    grad_on = torch.is_grad_enabled()
+    loss, zloss, *_ = linear_cross_entropy_forward(
+        x, linear_weight, linear_bias, y, weight, red, check.ignore_index(ignore_index),
+        check.label_smoothing(label_smoothing),
+        check.zloss_scale(lse_square_scale, "lse_square_scale"), chunk_rows or 0,
+        grad_on and input.requires_grad, grad_on and linear_weight.requires_grad,
+        grad_on and linear_bias is not None and linear_bias.requires_grad)
+    shape = tuple(target.shape) if red == "none" else ()
+    loss, zloss = loss.reshape(shape), zloss.reshape(shape)
+    return (loss, zloss) if return_zloss else loss
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """``linear_cross_entropy`` as a module holding the loss options.
+
+    The projection's weight (and bias) are passed at call time, so an
+    ``nn.Linear`` head stays where it is::
+
+        criterion = ce_tvm.LinearCrossEntropyLoss(label_smoothing=0.1)
+        loss = criterion(hidden, model.lm_head.weight, target, model.lm_head.bias)
+    """
+
+    def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0,
+                 lse_square_scale: float = 0.0, return_zloss: bool = False,
+                 chunk_rows: int | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.ignore_index = check.ignore_index(ignore_index)
+        self.reduction = check.reduction(reduction)
+        self.label_smoothing = check.label_smoothing(label_smoothing)
+        self.lse_square_scale = check.zloss_scale(lse_square_scale, "lse_square_scale")
+        self.return_zloss = return_zloss
+        self.chunk_rows = chunk_rows
+
+    def forward(self, input: Tensor, linear_weight: Tensor, target: Tensor,
+                linear_bias: Tensor | None = None):
+        return linear_cross_entropy(
+            input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
+            reduction=self.reduction, ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+            return_zloss=self.return_zloss, chunk_rows=self.chunk_rows)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, "
+                f"lse_square_scale={self.lse_square_scale}, chunk_rows={self.chunk_rows}")

@@ -1,0 +1,242 @@
+"""The row-chunked sweep behind ``ce_tvm.linear_cross_entropy`` (no autograd here).
+
+For ``x [N, H]``, ``W [V, H]``, ``b [V]`` the logits ``x @ W^T + b`` are never
+formed whole. Rows go through in chunks (``chunk_rows``); per chunk:
+
+1. ``logits = addmm(b, x[rows], W^T)`` into a chunk buffer: torch's GEMM
+   (oneDNN on the CPU, cuBLAS on CUDA);
+2. ``chunk_loss_and_dlogits`` turns them into the chunk's per-row losses and
+   ``G = d(loss)/d(logits)`` in a second chunk buffer;
+3. ``grad_x[rows] = G @ W``, ``grad_W += G^T @ x[rows]``, ``grad_b += G.sum(0)``
+   (``GradSink``), for the gradients asked for only.
+
+The two chunk buffers are reused from chunk to chunk (and, on the CPU, from
+call to call through ``ce_tvm.pool``), so the extra memory of a sweep is two
+chunks of logits plus, for 16-bit weights, a float32 ``grad_W`` accumulator.
+
+``chunk_loss_and_dlogits`` is the only place the training step calls the
+loss kernels: the one-pass kernel (issue 13) replaces its body.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import launch, pool
+from .validation import accum_torch_dtype
+
+CHUNK_ROWS_ENV = "CE_TVM_LINEAR_CHUNK_ROWS"
+# One chunk's logits: small beside the [N, V] logits of an LM head, large
+# enough that the GEMMs run near full speed (measured: see issue15 notes).
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The runtime scalars of the loss (SPEC section 1), already validated."""
+
+    reduction: str
+    ignore_index: int
+    label_smoothing: float
+    zloss_scale: float
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Which gradients to compute: of ``x``, of ``W``, of ``b``."""
+
+    input: bool = False
+    weight: bool = False
+    bias: bool = False
+
+    def any(self) -> bool:
+        return self.input or self.weight or self.bias
+
+
+def chunk_rows(n: int, classes: int, dtype: torch.dtype, requested: int = 0) -> int:
+    """Rows per chunk: ``requested`` if positive, else ``$CE_TVM_LINEAR_CHUNK_ROWS``
+    if set, else as many rows as fit ``DEFAULT_CHUNK_BYTES`` of logits; at least 1."""
+    rows = requested or int(os.environ.get(CHUNK_ROWS_ENV, "0") or 0)
+    if rows <= 0:
+        rows = DEFAULT_CHUNK_BYTES // (classes * dtype.itemsize)
+    return max(1, min(rows, n))
+
+
+def _chunks(n: int, rows: int) -> list[slice]:
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
+def normalisers(y: Tensor, w: Tensor | None, opts: LossOptions, acc: torch.dtype):
+    """``(D, M)`` of SPEC section 1 as one-element device tensors (no host sync)."""
+    kept = y != opts.ignore_index
+    count = kept.sum(dtype=acc).reshape(1)
+    if w is None:
+        return count, count
+    wy = torch.where(kept, w[torch.where(kept, y, 0)], 0.0)
+    return wy.sum(dtype=acc).reshape(1), count
+
+
+class _ChunkBuffers:
+    """The logits and logits-gradient buffers of one chunk, reused by every chunk."""
+
+    def __init__(self, rows: int, x: Tensor, classes: int):
+        self.logits = pool.POOL.empty((rows, classes), x.dtype, x.device)
+        self.dlogits = pool.POOL.empty((rows, classes), x.dtype, x.device)
+        self.lse = x.new_empty(rows, dtype=accum_torch_dtype(x))
+
+    def project(self, x_rows: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+        """``x_rows @ W^T + b`` into the logits buffer."""
+        out = self.logits[: x_rows.shape[0]]
+        if b is None:
+            return torch.mm(x_rows, W.t(), out=out)
+        return torch.addmm(b, x_rows, W.t(), out=out)
+
+
+def chunk_loss(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
+               loss_rows: Tensor, zloss_rows: Tensor, lse: Tensor) -> None:
+    """The chunk's per-row loss (``ce + z``) and z-loss into ``loss_rows`` and
+    ``zloss_rows`` (SPEC section 1, ``none``); no gradient."""
+    launch.forward(logits, y, w, "none", opts.ignore_index, opts.label_smoothing,
+                   opts.zloss_scale, log_prob=False,
+                   out=launch.ForwardOutputs(loss_rows, zloss_rows, lse, None))
+
+
+def chunk_loss_and_dlogits(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
+                           grad_ce: Tensor, grad_z: Tensor, loss_rows: Tensor,
+                           zloss_rows: Tensor, lse: Tensor, dlogits: Tensor, *,
+                           per_row: bool) -> None:
+    """One chunk's training step: the per-row loss and z-loss as ``chunk_loss``
+    writes them, and into ``dlogits`` the gradient of
+    ``sum_n grad_ce * ce[n] + grad_z * z[n]`` with respect to ``logits``.
+
+    ``grad_ce``/``grad_z`` hold one value (``[1]``), or one per row when
+    ``per_row``, in the accumulation dtype. Today: the forward kernel, then the backward kernel
+    recomputing the probabilities from the logits and their ``lse``; the
+    one-pass kernel (issue 13) does both in one sweep.
+    """
+    chunk_loss(logits, y, w, opts, loss_rows, zloss_rows, lse)
+    launch.backward(grad_ce, grad_z - grad_ce, logits, lse, y, w, "none" if per_row else "sum",
+                    opts.ignore_index,
+                    opts.label_smoothing, opts.zloss_scale, source_kind="logits", out=dlogits)
+
+
+class GradSink:
+    """``grad_x``, ``grad_W``, ``grad_b`` filled from each chunk's ``dlogits``.
+
+    ``grad_W`` and ``grad_b`` accumulate in float32 for 16-bit weights (each
+    chunk's ``G^T @ x`` goes through a scratch in the weight's dtype, since
+    torch's CPU GEMM has no 16-bit-in, float32-out form) and are cast once
+    in ``finish``.
+    """
+
+    def __init__(self, x: Tensor, W: Tensor, b: Tensor | None, needs: Needs):
+        acc = accum_torch_dtype(W)
+        self.dtype = W.dtype
+        self.grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if needs.input else None
+        self.grad_W = torch.empty(W.shape, dtype=acc, device=W.device) if needs.weight else None
+        self.scratch = (torch.empty(W.shape, dtype=W.dtype, device=W.device)
+                        if needs.weight and acc != W.dtype else None)
+        self.grad_b = (torch.zeros(W.shape[0], dtype=acc, device=W.device)
+                       if needs.bias and b is not None else None)
+        self.empty = True
+
+    def add(self, rows: slice, x_rows: Tensor, G: Tensor, W: Tensor) -> None:
+        if self.grad_x is not None:
+            torch.mm(G, W, out=self.grad_x[rows])
+        if self.grad_W is not None:
+            beta = 0.0 if self.empty else 1.0  # beta 0: the uninitialised buffer is not read
+            if self.scratch is None:
+                self.grad_W.addmm_(G.t(), x_rows, beta=beta)
+            else:
+                torch.mm(G.t(), x_rows, out=self.scratch)
+                (self.grad_W.copy_ if self.empty else self.grad_W.add_)(self.scratch)
+        if self.grad_b is not None:
+            self.grad_b.add_(G.sum(0, dtype=self.grad_b.dtype))
+        self.empty = False
+
+    def finish(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(grad_x, grad_W, grad_b)``; an empty tensor for each one not asked for."""
+        if self.grad_W is not None and self.empty:
+            self.grad_W.zero_()  # no rows: the gradient is 0
+        return (x.new_empty(0) if self.grad_x is None else self.grad_x,
+                x.new_empty(0) if self.grad_W is None else self.grad_W.to(self.dtype),
+                x.new_empty(0) if self.grad_b is None else self.grad_b.to(self.dtype))
+
+
+def _reduce(loss_rows: Tensor, zloss_rows: Tensor, D: Tensor | None, M: Tensor | None,
+            opts: LossOptions) -> tuple[Tensor, Tensor]:
+    """``(loss, zloss)`` of SPEC section 1 from the per-row values, summed in the
+    accumulation dtype and cast once; ``[N]`` for ``none``, else ``[1]``."""
+    if opts.reduction == "none":
+        return loss_rows, zloss_rows
+    acc = accum_torch_dtype(loss_rows)
+    total = loss_rows.sum(dtype=acc).reshape(1)
+    z = zloss_rows.sum(dtype=acc).reshape(1)
+    if opts.reduction == "mean":
+        total, z = (total - z) / D + z / M, z / M
+    return total.to(loss_rows.dtype), z.to(loss_rows.dtype)
+
+
+def _row_outputs(x: Tensor) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
+
+
+def loss_only(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | None,
+              opts: LossOptions, rows: int) -> tuple[Tensor, Tensor]:
+    """``(loss, zloss)`` without any gradient."""
+    loss_rows, zloss_rows = _row_outputs(x)
+    bufs = _ChunkBuffers(rows, x, W.shape[0])
+    for sl in _chunks(x.shape[0], rows):
+        logits = bufs.project(x[sl], W, b)
+        chunk_loss(logits, y[sl], w, opts, loss_rows[sl], zloss_rows[sl],
+                   bufs.lse[: logits.shape[0]])
+    D, M = (normalisers(y, w, opts, accum_torch_dtype(x)) if opts.reduction == "mean"
+            else (None, None))
+    return _reduce(loss_rows, zloss_rows, D, M, opts)
+
+
+def loss_and_grads(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | None,
+                   opts: LossOptions, rows: int, needs: Needs):
+    """``(loss, zloss, grad_x, grad_W, grad_b)`` for ``mean``/``sum`` in one sweep;
+    the gradients are for a unit upstream gradient of ``loss``."""
+    acc = accum_torch_dtype(x)
+    if opts.reduction == "mean":
+        D, M = normalisers(y, w, opts, acc)
+        grad_ce, grad_z = 1.0 / D, 1.0 / M
+    else:
+        D = M = None
+        grad_ce = grad_z = torch.ones(1, dtype=acc, device=x.device)
+    loss_rows, zloss_rows = _row_outputs(x)
+    grads = _sweep_grads(x, W, b, y, w, opts, rows, needs, grad_ce, grad_z,
+                         loss_rows, zloss_rows, per_row=False)
+    return (*_reduce(loss_rows, zloss_rows, D, M, opts), *grads)
+
+
+def grads_from_rows(grad_loss: Tensor, x: Tensor, W: Tensor, b: Tensor | None, y: Tensor,
+                    w: Tensor | None, opts: LossOptions, rows: int, needs: Needs):
+    """``(grad_x, grad_W, grad_b)`` for ``none`` with upstream gradient
+    ``grad_loss [N]``, recomputing each chunk's logits."""
+    g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
+    loss_rows, zloss_rows = _row_outputs(x)  # recomputed by the kernels, unused
+    return _sweep_grads(x, W, b, y, w, opts, rows, needs, g, g, loss_rows, zloss_rows,
+                        per_row=True)
+
+
+def _sweep_grads(x, W, b, y, w, opts, rows, needs, grad_ce, grad_z, loss_rows, zloss_rows, *,
+                 per_row: bool):
+    bufs = _ChunkBuffers(rows, x, W.shape[0])
+    sink = GradSink(x, W, b, needs)
+    for sl in _chunks(x.shape[0], rows):
+        x_rows = x[sl]
+        logits = bufs.project(x_rows, W, b)
+        r = logits.shape[0]
+        chunk_loss_and_dlogits(
+            logits, y[sl], w, opts,
+            grad_ce[sl] if per_row else grad_ce, grad_z[sl] if per_row else grad_z,
+            loss_rows[sl], zloss_rows[sl], bufs.lse[:r], bufs.dlogits[:r], per_row=per_row)
+        sink.add(sl, x_rows, bufs.dlogits[:r], W)
+    return sink.finish(x)
