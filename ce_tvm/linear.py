@@ -11,8 +11,9 @@ Autograd, through the ``torch.library`` op ``ce_tvm::linear_cross_entropy``:
   require grad) in the same sweep as the loss, for a unit upstream gradient;
   the backward only scales them by the upstream gradient, on the device. In
   eager mode it scales them in place, so a second backward through the same
-  graph (``retain_graph=True``) is an error; under ``torch.compile`` it
-  scales a copy.
+  graph (``retain_graph=True``) is an error unless ``allow_retain_graph=True``
+  (then it scales a copy: one more gradient-sized allocation); under
+  ``torch.compile`` it always scales a copy.
 - ``none``: the forward computes the loss only and keeps the inputs; the
   backward (``ce_tvm::linear_cross_entropy_backward``) recomputes the logits
   chunk by chunk with the per-row upstream gradient.
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from . import linear_sweep as sweep
 from . import validation as check
 
-_OP_ARGS = 13  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
+_OP_ARGS = 14  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
 
 
 def _options(reduction, ignore_index, label_smoothing, lse_square_scale) -> sweep.LossOptions:
@@ -45,13 +46,14 @@ def linear_cross_entropy_forward(
         input: Tensor, linear_weight: Tensor, linear_bias: Optional[Tensor], target: Tensor,
         weight: Optional[Tensor], reduction: str, ignore_index: int, label_smoothing: float,
         lse_square_scale: float, chunk_rows: int, grad_input: bool, grad_weight: bool,
-        grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        grad_bias: bool, allow_retain_graph: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, zloss, grad_input, grad_weight, grad_bias)`` for ``input [N, H]``.
 
     ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``. The gradients
     (for a unit upstream gradient) are computed for ``mean``/``sum`` when
     their flag is set, else they are empty tensors. ``chunk_rows`` 0: the
-    default chunk size (``linear_sweep.chunk_rows``).
+    default chunk size (``linear_sweep.chunk_rows``). ``allow_retain_graph``
+    only changes the backward (see the module docstring).
     """
     y = check.targets(target, input, ignore_index, classes=linear_weight.shape[0])
     w = check.weight(weight, input, classes=linear_weight.shape[0])
@@ -67,7 +69,8 @@ def linear_cross_entropy_forward(
 
 @linear_cross_entropy_forward.register_fake
 def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index,
-      label_smoothing, lse_square_scale, chunk_rows, grad_input, grad_weight, grad_bias):
+      label_smoothing, lse_square_scale, chunk_rows, grad_input, grad_weight, grad_bias,
+      allow_retain_graph):
     rows = _rows(input, reduction)
     scalar = reduction != "none"
 
@@ -108,8 +111,9 @@ def _(grad_loss, input, linear_weight, linear_bias, target, weight, ignore_index
 
 
 def _setup_context(ctx, inputs, output):
-    (x, W, b, target, weight, reduction, ii, eps, s, chunk_rows, *needs) = inputs
+    (x, W, b, target, weight, reduction, ii, eps, s, chunk_rows, *needs, retain) = inputs
     ctx.needs = tuple(needs)
+    ctx.in_place = not retain
     ctx.reduction = reduction
     if reduction == "none":
         ctx.save_for_backward(x, W, b, target, weight)
@@ -123,12 +127,12 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero [V, H] tensors for the unused outputs
 
 
-def _scaled(grad: Tensor, grad_loss: Tensor) -> Tensor:
-    """``grad * grad_loss``: in place in eager mode (the forward's buffer is
-    this graph's alone), out of place under ``torch.compile``."""
-    if torch.compiler.is_compiling():
-        return grad * grad_loss
-    return grad.mul_(grad_loss)
+def _scaled(grad: Tensor, grad_loss: Tensor, in_place: bool) -> Tensor:
+    """``grad * grad_loss``, in place when allowed (the forward's buffer is this
+    graph's alone), never under ``torch.compile``."""
+    if in_place and not torch.compiler.is_compiling():
+        return grad.mul_(grad_loss)
+    return grad * grad_loss
 
 
 def _backward(ctx, grad_loss, *_unused):
@@ -140,13 +144,16 @@ def _backward(ctx, grad_loss, *_unused):
         grads = linear_cross_entropy_backward(grad_loss, x, W, b, target, weight,
                                               *ctx.options, *ctx.needs)
     else:
-        grads, ctx.grads = ctx.grads, None
+        grads = ctx.grads
+        if ctx.in_place:
+            ctx.grads = None
         if grads is None:
             raise RuntimeError(
                 "ce_tvm.linear_cross_entropy: backward ran twice through the same graph; "
                 "with reduction 'mean'/'sum' the forward's gradients are consumed by the "
-                "first backward (retain_graph=True is not supported)")
-        grads = [_scaled(g, grad_loss) if wanted else g for g, wanted in zip(grads, ctx.needs)]
+                "first backward (pass allow_retain_graph=True to keep them)")
+        grads = [_scaled(g, grad_loss, ctx.in_place) if wanted else g
+                 for g, wanted in zip(grads, ctx.needs)]
     none[0], none[1], none[2] = (g if wanted else None for g, wanted in zip(grads, ctx.needs))
     return tuple(none)
 
@@ -199,7 +206,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          linear_bias: Tensor | None = None, weight: Tensor | None = None,
                          reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
-                         return_zloss: bool = False, chunk_rows: int | None = None):
+                         return_zloss: bool = False, chunk_rows: int | None = None,
+                         allow_retain_graph: bool = False):
     """``cross_entropy(input @ linear_weight.T + linear_bias, target, ...)`` without
     the logits ever existing whole.
 
@@ -210,7 +218,9 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     ``lse_square_scale > 0``; with ``return_zloss=True``, ``(loss, zloss)``
     as ``ce_tvm.cross_entropy`` does. ``chunk_rows`` (or the environment
     variable ``CE_TVM_LINEAR_CHUNK_ROWS``) sets the rows per chunk; by
-    default a chunk's logits take about 32 MB.
+    default a chunk's logits take about 32 MB. For ``mean``/``sum`` the
+    backward consumes gradients computed in the forward, so a second
+    backward through the same graph needs ``allow_retain_graph=True``.
     """
     x, y = _flatten(input, linear_weight, target, linear_bias)
     red = check.reduction(reduction)
@@ -223,7 +233,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         check.label_smoothing(label_smoothing),
         check.zloss_scale(lse_square_scale, "lse_square_scale"), chunk_rows or 0,
         grad_on and input.requires_grad, grad_on and linear_weight.requires_grad,
-        grad_on and linear_bias is not None and linear_bias.requires_grad)
+        grad_on and linear_bias is not None and linear_bias.requires_grad,
+        bool(allow_retain_graph))
     shape = tuple(target.shape) if red == "none" else ()
     loss, zloss = loss.reshape(shape), zloss.reshape(shape)
     return (loss, zloss) if return_zloss else loss
@@ -242,7 +253,7 @@ class LinearCrossEntropyLoss(nn.Module):
     def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, return_zloss: bool = False,
-                 chunk_rows: int | None = None):
+                 chunk_rows: int | None = None, allow_retain_graph: bool = False):
         super().__init__()
         self.register_buffer("weight", weight)
         self.ignore_index = check.ignore_index(ignore_index)
@@ -251,6 +262,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.lse_square_scale = check.zloss_scale(lse_square_scale, "lse_square_scale")
         self.return_zloss = return_zloss
         self.chunk_rows = chunk_rows
+        self.allow_retain_graph = allow_retain_graph
 
     def forward(self, input: Tensor, linear_weight: Tensor, target: Tensor,
                 linear_bias: Tensor | None = None):
@@ -258,7 +270,8 @@ class LinearCrossEntropyLoss(nn.Module):
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
             reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
-            return_zloss=self.return_zloss, chunk_rows=self.chunk_rows)
+            return_zloss=self.return_zloss, chunk_rows=self.chunk_rows,
+            allow_retain_graph=self.allow_retain_graph)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
