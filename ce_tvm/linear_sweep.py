@@ -3,16 +3,17 @@
 For ``x [N, H]``, ``W [V, H]``, ``b [V]`` the logits ``x @ W^T + b`` are never
 formed whole. Rows go through in chunks (``chunk_rows``); per chunk:
 
-1. ``logits = addmm(b, x[rows], W^T)`` into a chunk buffer: torch's GEMM
-   (oneDNN on the CPU, cuBLAS on CUDA);
+1. ``logits = addmm(b, x[rows], W^T)`` into the chunk buffer: torch's GEMM
+   (MKL/oneDNN on the CPU, cuBLAS on CUDA);
 2. ``chunk_loss_and_dlogits`` turns them into the chunk's per-row losses and
-   ``G = d(loss)/d(logits)`` in a second chunk buffer;
+   ``G = d(loss)/d(logits)``, in place in the same buffer;
 3. ``grad_x[rows] = G @ W``, ``grad_W += G^T @ x[rows]``, ``grad_b += G.sum(0)``
    (``GradSink``), for the gradients asked for only.
 
-The two chunk buffers are reused from chunk to chunk (and, on the CPU, from
-call to call through ``ce_tvm.pool``), so the extra memory of a sweep is two
-chunks of logits plus, for 16-bit weights, a float32 ``grad_W`` accumulator.
+The chunk buffer is ours (never the caller's) and is reused from chunk to
+chunk (and, on the CPU, from call to call through ``ce_tvm.pool``), so the
+extra memory of a sweep is one chunk of logits plus, for 16-bit weights, a
+float32 ``grad_W`` accumulator.
 
 ``chunk_loss_and_dlogits`` is the only place the training step calls the
 loss kernels: the one-pass kernel (issue 13) replaces its body.
@@ -32,7 +33,10 @@ from .validation import accum_torch_dtype
 CHUNK_ROWS_ENV = "CE_TVM_LINEAR_CHUNK_ROWS"
 # One chunk's logits: small beside the [N, V] logits of an LM head, large
 # enough that the GEMMs run near full speed (measured: see issue15 notes).
-DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_CHUNK_BYTES = 64 << 20
+# Classes per block of a 16-bit grad_W partial product (its scratch is
+# [SCRATCH_CLASSES, H], not [V, H]).
+SCRATCH_CLASSES = 4096
 
 
 @dataclass(frozen=True)
@@ -81,11 +85,10 @@ def normalisers(y: Tensor, w: Tensor | None, opts: LossOptions, acc: torch.dtype
 
 
 class _ChunkBuffers:
-    """The logits and logits-gradient buffers of one chunk, reused by every chunk."""
+    """The buffer of one chunk's logits (then their gradient), reused by every chunk."""
 
     def __init__(self, rows: int, x: Tensor, classes: int):
         self.logits = pool.POOL.empty((rows, classes), x.dtype, x.device)
-        self.dlogits = pool.POOL.empty((rows, classes), x.dtype, x.device)
         self.lse = x.new_empty(rows, dtype=accum_torch_dtype(x))
 
     def project(self, x_rows: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
@@ -112,6 +115,9 @@ def chunk_loss_and_dlogits(logits: Tensor, y: Tensor, w: Tensor | None, opts: Lo
     """One chunk's training step: the per-row loss and z-loss as ``chunk_loss``
     writes them, and into ``dlogits`` the gradient of
     ``sum_n grad_ce * ce[n] + grad_z * z[n]`` with respect to ``logits``.
+    ``dlogits`` may be ``logits`` itself (the sweep passes the same buffer):
+    the backward kernel reads each logit once, before it writes the gradient
+    in its place, and the row coefficients it needs do not read the logits.
 
     ``grad_ce``/``grad_z`` hold one value (``[1]``), or one per row when
     ``per_row``, in the accumulation dtype. Today: the forward kernel, then the backward kernel
@@ -127,10 +133,10 @@ def chunk_loss_and_dlogits(logits: Tensor, y: Tensor, w: Tensor | None, opts: Lo
 class GradSink:
     """``grad_x``, ``grad_W``, ``grad_b`` filled from each chunk's ``dlogits``.
 
-    ``grad_W`` and ``grad_b`` accumulate in float32 for 16-bit weights (each
-    chunk's ``G^T @ x`` goes through a scratch in the weight's dtype, since
-    torch's CPU GEMM has no 16-bit-in, float32-out form) and are cast once
-    in ``finish``.
+    ``grad_W`` and ``grad_b`` accumulate in float32 for 16-bit weights and
+    are cast once in ``finish``. torch's CPU GEMM has no 16-bit-in,
+    float32-out form, so each chunk's ``G^T @ x`` goes through a scratch in
+    the weight's dtype, ``SCRATCH_CLASSES`` rows of ``grad_W`` at a time.
     """
 
     def __init__(self, x: Tensor, W: Tensor, b: Tensor | None, needs: Needs):
@@ -138,7 +144,8 @@ class GradSink:
         self.dtype = W.dtype
         self.grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if needs.input else None
         self.grad_W = torch.empty(W.shape, dtype=acc, device=W.device) if needs.weight else None
-        self.scratch = (torch.empty(W.shape, dtype=W.dtype, device=W.device)
+        self.scratch = (torch.empty(min(SCRATCH_CLASSES, W.shape[0]), W.shape[1], dtype=W.dtype,
+                                    device=W.device)
                         if needs.weight and acc != W.dtype else None)
         self.grad_b = (torch.zeros(W.shape[0], dtype=acc, device=W.device)
                        if needs.bias and b is not None else None)
@@ -147,16 +154,24 @@ class GradSink:
     def add(self, rows: slice, x_rows: Tensor, G: Tensor, W: Tensor) -> None:
         if self.grad_x is not None:
             torch.mm(G, W, out=self.grad_x[rows])
-        if self.grad_W is not None:
-            beta = 0.0 if self.empty else 1.0  # beta 0: the uninitialised buffer is not read
-            if self.scratch is None:
-                self.grad_W.addmm_(G.t(), x_rows, beta=beta)
-            else:
-                torch.mm(G.t(), x_rows, out=self.scratch)
-                (self.grad_W.copy_ if self.empty else self.grad_W.add_)(self.scratch)
+        if self.grad_W is not None and self.scratch is None:
+            # beta 0 on the first chunk: the uninitialised buffer is not read
+            self.grad_W.addmm_(G.t(), x_rows, beta=0.0 if self.empty else 1.0)
+        elif self.grad_W is not None:
+            self._add_through_scratch(G, x_rows)
         if self.grad_b is not None:
             self.grad_b.add_(G.sum(0, dtype=self.grad_b.dtype))
         self.empty = False
+
+    def _add_through_scratch(self, G: Tensor, x_rows: Tensor) -> None:
+        step = self.scratch.shape[0]
+        for lo in range(0, G.shape[1], step):
+            hi = min(lo + step, G.shape[1])
+            part = torch.mm(G[:, lo:hi].t(), x_rows, out=self.scratch[: hi - lo])
+            if self.empty:
+                self.grad_W[lo:hi].copy_(part)
+            else:
+                self.grad_W[lo:hi].add_(part)
 
     def finish(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(grad_x, grad_W, grad_b)``; an empty tensor for each one not asked for."""
@@ -237,6 +252,6 @@ def _sweep_grads(x, W, b, y, w, opts, rows, needs, grad_ce, grad_z, loss_rows, z
         chunk_loss_and_dlogits(
             logits, y[sl], w, opts,
             grad_ce[sl] if per_row else grad_ce, grad_z[sl] if per_row else grad_z,
-            loss_rows[sl], zloss_rows[sl], bufs.lse[:r], bufs.dlogits[:r], per_row=per_row)
-        sink.add(sl, x_rows, bufs.dlogits[:r], W)
+            loss_rows[sl], zloss_rows[sl], bufs.lse[:r], logits, per_row=per_row)
+        sink.add(sl, x_rows, logits, W)
     return sink.finish(x)

@@ -122,7 +122,8 @@ def test_awkward_vocabulary(reduction):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision(dtype):
+def test_half_precision(dtype, monkeypatch):
+    monkeypatch.setattr(linear_sweep, "SCRATCH_CLASSES", 300)  # grad_W in 4 blocks, one ragged
     check_case(LinearCase(lead=(16,), dtype=dtype, reduction="mean", weighted=True,
                           label_smoothing=0.1, zloss_scale=1e-3, bias=True, chunk_rows=5))
 
@@ -146,6 +147,29 @@ def test_all_rows_ignored(reduction):
 def test_chunk_size_does_not_change_results(chunk_rows):
     check_case(LinearCase(reduction="mean", weighted=True, label_smoothing=0.1,
                           zloss_scale=1e-2, bias=True, chunk_rows=chunk_rows))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_chunk_step_may_write_the_gradient_over_the_logits(per_row):
+    """The sweep keeps one chunk buffer: ``chunk_loss_and_dlogits`` must give the
+    same bits with ``dlogits`` being ``logits`` as with a separate buffer (a
+    kernel that replaces it, the one-pass kernel of issue 13, must too)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 1001, generator=gen) * 3
+    y = torch.randint(0, 1001, (7,), generator=gen)
+    y[2] = -100
+    w = torch.rand(1001, generator=gen) + 0.5
+    opts = linear_sweep.LossOptions("sum", -100, 0.1, 1e-2)
+    g = torch.rand(7 if per_row else 1, generator=gen) + 0.5
+    results = []
+    for in_place in (False, True):
+        buf = logits.clone()
+        out = buf if in_place else torch.empty_like(buf)
+        rows = [torch.empty(7), torch.empty(7), torch.empty(7)]
+        linear_sweep.chunk_loss_and_dlogits(buf, y, w, opts, g, 2 * g, *rows, out,
+                                            per_row=per_row)
+        results.append((out, *rows))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_chunk_rows_default_and_environment(monkeypatch):
