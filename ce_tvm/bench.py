@@ -214,10 +214,17 @@ def draw_chart(rows: list[Row], path: str) -> None:
 
 
 def run(args) -> int:
+    if args.linear:
+        from .bench_linear import run as run_linear
+
+        return run_linear(args)
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    shapes = [tuple(int(v) for v in s.lower().split("x"))
+              for s in (args.shapes or DEFAULT_SHAPES).split(",")]
+    if args.label_smoothing is None:
+        args.label_smoothing = 0.1
     modes = args.modes.split(",")
     rows = []
     for n, c in shapes:
@@ -246,15 +253,20 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="time ce_tvm against PyTorch eager and torch.compile")
-    b.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxC[,NxC...]")
+    b.add_argument("--shapes", help=f"NxC[,NxC...] (default {DEFAULT_SHAPES}); with --linear "
+                   "NxHxV[,...] (default 2048x256x32000,1024x512x128256)")
     b.add_argument("--dtypes", default="float32,bfloat16")
     b.add_argument("--modes", default="forward,fwd_bwd")
     b.add_argument("--reps", type=int, default=5)
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--threads", type=int, default=0, help="torch and TVM threads (default: all)")
-    b.add_argument("--label-smoothing", type=float, default=0.1)
+    b.add_argument("--label-smoothing", type=float,
+                   help="default 0.1; 0 with --linear (PyTorch's chunked path has none)")
     b.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     b.add_argument("--memory", action="store_true", help="measure extra peak memory too")
     b.add_argument("--json", help="write the results here")
     b.add_argument("--png", help="draw a bar chart here (needs matplotlib)")
+    b.add_argument("--linear", action="store_true",
+                   help="fused linear + cross entropy (ce_tvm.linear_cross_entropy) against "
+                        "eager, torch.compile, PyTorch's chunked path and the GEMM probe")
     b.set_defaults(func=run)
