@@ -31,12 +31,15 @@ from . import launch, pool
 from .validation import accum_torch_dtype
 
 CHUNK_ROWS_ENV = "CE_TVM_LINEAR_CHUNK_ROWS"
-# One chunk's logits: small beside the [N, V] logits of an LM head, large
-# enough that the GEMMs run near full speed (measured: see issue15 notes).
+# One chunk's logits: small beside the [N, V] logits of an LM head. But at
+# least MIN_CHUNK_ROWS rows: each GEMM call re-packs W, a cost per chunk that
+# only enough rows amortise (measured here at (2048, 256, 32000) fp32: +27%
+# time at 256 rows, +11% at 512; at (1024, 512, 128256): +18% at 130 rows).
 DEFAULT_CHUNK_BYTES = 64 << 20
-# Classes per block of a 16-bit grad_W partial product (its scratch is
-# [SCRATCH_CLASSES, H], not [V, H]).
-SCRATCH_CLASSES = 4096
+MIN_CHUNK_ROWS = 256
+# Bytes of the scratch a 16-bit grad_W partial product goes through, a block
+# of classes at a time (not [V, H]).
+SCRATCH_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,11 @@ class Needs:
 
 def chunk_rows(n: int, classes: int, dtype: torch.dtype, requested: int = 0) -> int:
     """Rows per chunk: ``requested`` if positive, else ``$CE_TVM_LINEAR_CHUNK_ROWS``
-    if set, else as many rows as fit ``DEFAULT_CHUNK_BYTES`` of logits; at least 1."""
+    if set, else as many rows as fit ``DEFAULT_CHUNK_BYTES`` of logits but at
+    least ``MIN_CHUNK_ROWS``; never more than ``n``, at least 1."""
     rows = requested or int(os.environ.get(CHUNK_ROWS_ENV, "0") or 0)
     if rows <= 0:
-        rows = DEFAULT_CHUNK_BYTES // (classes * dtype.itemsize)
+        rows = max(MIN_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // (classes * dtype.itemsize))
     return max(1, min(rows, n))
 
 
@@ -136,7 +140,7 @@ class GradSink:
     ``grad_W`` and ``grad_b`` accumulate in float32 for 16-bit weights and
     are cast once in ``finish``. torch's CPU GEMM has no 16-bit-in,
     float32-out form, so each chunk's ``G^T @ x`` goes through a scratch in
-    the weight's dtype, ``SCRATCH_CLASSES`` rows of ``grad_W`` at a time.
+    the weight's dtype (``SCRATCH_BYTES``), a block of classes at a time.
     """
 
     def __init__(self, x: Tensor, W: Tensor, b: Tensor | None, needs: Needs):
@@ -144,8 +148,8 @@ class GradSink:
         self.dtype = W.dtype
         self.grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if needs.input else None
         self.grad_W = torch.empty(W.shape, dtype=acc, device=W.device) if needs.weight else None
-        self.scratch = (torch.empty(min(SCRATCH_CLASSES, W.shape[0]), W.shape[1], dtype=W.dtype,
-                                    device=W.device)
+        block = max(1, min(W.shape[0], SCRATCH_BYTES // (W.shape[1] * W.element_size())))
+        self.scratch = (torch.empty(block, W.shape[1], dtype=W.dtype, device=W.device)
                         if needs.weight and acc != W.dtype else None)
         self.grad_b = (torch.zeros(W.shape[0], dtype=acc, device=W.device)
                        if needs.bias and b is not None else None)

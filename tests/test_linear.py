@@ -123,7 +123,7 @@ def test_awkward_vocabulary(reduction):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype, monkeypatch):
-    monkeypatch.setattr(linear_sweep, "SCRATCH_CLASSES", 300)  # grad_W in 4 blocks, one ragged
+    monkeypatch.setattr(linear_sweep, "SCRATCH_BYTES", 300 * 8 * 2)  # grad_W in 4 blocks
     check_case(LinearCase(lead=(16,), dtype=dtype, reduction="mean", weighted=True,
                           label_smoothing=0.1, zloss_scale=1e-3, bias=True, chunk_rows=5))
 
@@ -175,10 +175,11 @@ def test_chunk_step_may_write_the_gradient_over_the_logits(per_row):
 def test_chunk_rows_default_and_environment(monkeypatch):
     monkeypatch.delenv(linear_sweep.CHUNK_ROWS_ENV, raising=False)
     by_budget = linear_sweep.DEFAULT_CHUNK_BYTES // (32000 * 4)
+    assert by_budget > linear_sweep.MIN_CHUNK_ROWS
     assert linear_sweep.chunk_rows(100000, 32000, torch.float32) == by_budget
     assert linear_sweep.chunk_rows(100000, 32000, torch.bfloat16) == 2 * by_budget
     assert linear_sweep.chunk_rows(10, 32000, torch.float32) == 10
-    assert linear_sweep.chunk_rows(100000, 10**9, torch.float32) == 1
+    assert linear_sweep.chunk_rows(100000, 10**7, torch.float32) == linear_sweep.MIN_CHUNK_ROWS
     monkeypatch.setenv(linear_sweep.CHUNK_ROWS_ENV, "7")
     assert linear_sweep.chunk_rows(100000, 32000, torch.float32) == 7
     assert linear_sweep.chunk_rows(100000, 32000, torch.float32, requested=3) == 3
