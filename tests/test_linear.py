@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,7 @@ class LinearCase:
     ignore: str = "some"         # "none", "some" (every 3rd row), "all"
     chunk_rows: int | None = 4
     seed: int = 0
+    device: str = "cpu"
 
     def inputs(self):
         gen = torch.Generator().manual_seed(self.seed)
@@ -77,26 +79,30 @@ def reference_loss_and_grads(case: LinearCase, x, W, b, y, w, g):
 
 def check_case(case: LinearCase) -> None:
     x, W, b, y, w = case.inputs()
-    xg, Wg = x.clone().requires_grad_(), W.clone().requires_grad_()
-    bg = b.clone().requires_grad_() if b is not None else None
+
+    def leaf(t):
+        return None if t is None else t.to(case.device, copy=True).requires_grad_()
+
+    xg, Wg, bg = leaf(x), leaf(W), leaf(b)
+    on_device = [None if t is None else t.to(case.device) for t in (y, w)]
     loss, zloss = ce_tvm.linear_cross_entropy(
-        xg, Wg, y, linear_bias=bg, weight=w, reduction=case.reduction,
+        xg, Wg, on_device[0], linear_bias=bg, weight=on_device[1], reduction=case.reduction,
         label_smoothing=case.label_smoothing, lse_square_scale=case.zloss_scale,
         return_zloss=True, chunk_rows=case.chunk_rows)
     assert loss.dtype == zloss.dtype == case.dtype
     g = case.upstream(loss.shape)
-    loss.backward(g)
+    loss.backward(g.to(case.device))
     ref = reference_loss_and_grads(case, x, W, b, y, w, g)
     tol = TOL[case.dtype]
-    assert_close(loss, ref[0], tol, "loss")
-    assert_close(zloss, ref[1], tol, "zloss")
-    assert_close(xg.grad, ref[2], tol, "grad input")
-    assert_close(Wg.grad, ref[3], tol, "grad linear_weight")
+    assert_close(loss.cpu(), ref[0], tol, "loss")
+    assert_close(zloss.cpu(), ref[1], tol, "zloss")
+    assert_close(xg.grad.cpu(), ref[2], tol, "grad input")
+    assert_close(Wg.grad.cpu(), ref[3], tol, "grad linear_weight")
     if b is not None:
-        assert_close(bg.grad, ref[4], tol, "grad linear_bias")
+        assert_close(bg.grad.cpu(), ref[4], tol, "grad linear_bias")
     for mine, theirs in ((xg, x), (Wg, W), (bg, b)):  # the caller's tensors are never written
         if theirs is not None:
-            assert torch.equal(mine.detach(), theirs)
+            assert torch.equal(mine.detach().cpu(), theirs)
 
 
 GRID = list(itertools.product(("none", "sum", "mean"), (False, True), (0.0, 0.1), (0.0, 1e-2),
@@ -350,3 +356,28 @@ def test_reference_of_this_file_is_cross_entropy_of_linear():
     assert np.allclose(ref[0], loss.item())
     for leaf, expected in zip(leaves, ref[2:]):
         assert np.allclose(leaf.grad.numpy(), expected)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cuda_kernels_of_the_sweep_compile_with_nvcc(weighted):
+    """The variants the sweep launches: forward ``none`` without ``log_prob``,
+    backward ``sum``/``none`` from the logits."""
+    from ce_tvm.build import KernelSpec, compile_spec
+    from ce_tvm.compute import Variant
+
+    options = (("arch", "sm_90"),)
+    for op, variant in (("forward", Variant("none", weighted, log_prob=False)),
+                        ("backward", Variant("sum", weighted, grad_source="logits")),
+                        ("backward", Variant("none", weighted, grad_source="logits"))):
+        compile_spec(KernelSpec(op, "bfloat16", 32003, variant, "cuda", options))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_matches_float64_reference_on_gpu(dtype, reduction):
+    check_case(LinearCase(lead=(2, 40), hidden=64, classes=32003, dtype=dtype,
+                          reduction=reduction, weighted=True, label_smoothing=0.1,
+                          zloss_scale=1e-3, bias=True, chunk_rows=24, device="cuda"))
