@@ -89,10 +89,13 @@ def normalisers(y: Tensor, w: Tensor | None, opts: LossOptions, acc: torch.dtype
 
 
 class _ChunkBuffers:
-    """The buffer of one chunk's logits (then their gradient), reused by every chunk."""
+    """The buffer of one chunk's logits (then their gradient), reused by every
+    chunk, and the per-row outputs of the whole sweep (``loss``, ``zloss``:
+    ``[N]``; ``lse``: one chunk's)."""
 
     def __init__(self, rows: int, x: Tensor, classes: int):
         self.logits = pool.POOL.empty((rows, classes), x.dtype, x.device)
+        self.loss, self.zloss = x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
         self.lse = x.new_empty(rows, dtype=accum_torch_dtype(x))
 
     def project(self, x_rows: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
@@ -102,36 +105,40 @@ class _ChunkBuffers:
             return torch.mm(x_rows, W.t(), out=out)
         return torch.addmm(b, x_rows, W.t(), out=out)
 
+    def outputs(self, rows: slice) -> launch.ForwardOutputs:
+        """Where ``chunk_loss`` writes the chunk ``rows``."""
+        n = rows.stop - rows.start
+        return launch.ForwardOutputs(self.loss[rows], self.zloss[rows], self.lse[:n], None)
+
 
 def chunk_loss(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
-               loss_rows: Tensor, zloss_rows: Tensor, lse: Tensor) -> None:
-    """The chunk's per-row loss (``ce + z``) and z-loss into ``loss_rows`` and
-    ``zloss_rows`` (SPEC section 1, ``none``); no gradient."""
+               out: launch.ForwardOutputs) -> None:
+    """The chunk's per-row loss (``ce + z``), z-loss and ``lse`` into ``out``
+    (SPEC section 1, ``none``); no gradient."""
     launch.forward(logits, y, w, "none", opts.ignore_index, opts.label_smoothing,
-                   opts.zloss_scale, log_prob=False,
-                   out=launch.ForwardOutputs(loss_rows, zloss_rows, lse, None))
+                   opts.zloss_scale, log_prob=False, out=out)
 
 
 def chunk_loss_and_dlogits(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
-                           grad_ce: Tensor, grad_z: Tensor, loss_rows: Tensor,
-                           zloss_rows: Tensor, lse: Tensor, dlogits: Tensor, *,
-                           per_row: bool) -> None:
-    """One chunk's training step: the per-row loss and z-loss as ``chunk_loss``
-    writes them, and into ``dlogits`` the gradient of
-    ``sum_n grad_ce * ce[n] + grad_z * z[n]`` with respect to ``logits``.
+                           grad_ce: Tensor, grad_z: Tensor, out: launch.ForwardOutputs,
+                           dlogits: Tensor, *, per_row: bool) -> None:
+    """One chunk's training step: what ``chunk_loss`` writes into ``out``, and
+    into ``dlogits`` the gradient of ``sum_n grad_ce * ce[n] + grad_z * z[n]``
+    with respect to ``logits``. ``grad_ce``/``grad_z``: one value (``[1]``),
+    or one per row when ``per_row``, in the accumulation dtype.
+
     ``dlogits`` may be ``logits`` itself (the sweep passes the same buffer):
     the backward kernel reads each logit once, before it writes the gradient
-    in its place, and the row coefficients it needs do not read the logits.
+    in its place, and its row coefficients do not read the logits.
 
-    ``grad_ce``/``grad_z`` hold one value (``[1]``), or one per row when
-    ``per_row``, in the accumulation dtype. Today: the forward kernel, then the backward kernel
-    recomputing the probabilities from the logits and their ``lse``; the
-    one-pass kernel (issue 13) does both in one sweep.
+    Today: the forward kernel, then the backward kernel recomputing the
+    probabilities from the logits and their ``lse``. The one-pass kernel
+    (issue 13) does both in one sweep and replaces this body.
     """
-    chunk_loss(logits, y, w, opts, loss_rows, zloss_rows, lse)
-    launch.backward(grad_ce, grad_z - grad_ce, logits, lse, y, w, "none" if per_row else "sum",
-                    opts.ignore_index,
-                    opts.label_smoothing, opts.zloss_scale, source_kind="logits", out=dlogits)
+    chunk_loss(logits, y, w, opts, out)
+    launch.backward(grad_ce, grad_z - grad_ce, logits, out.lse, y, w,
+                    "none" if per_row else "sum", opts.ignore_index, opts.label_smoothing,
+                    opts.zloss_scale, source_kind="logits", out=dlogits)
 
 
 class GradSink:
@@ -186,36 +193,29 @@ class GradSink:
                 x.new_empty(0) if self.grad_b is None else self.grad_b.to(self.dtype))
 
 
-def _reduce(loss_rows: Tensor, zloss_rows: Tensor, D: Tensor | None, M: Tensor | None,
+def _reduce(bufs: _ChunkBuffers, D: Tensor | None, M: Tensor | None,
             opts: LossOptions) -> tuple[Tensor, Tensor]:
     """``(loss, zloss)`` of SPEC section 1 from the per-row values, summed in the
     accumulation dtype and cast once; ``[N]`` for ``none``, else ``[1]``."""
     if opts.reduction == "none":
-        return loss_rows, zloss_rows
-    acc = accum_torch_dtype(loss_rows)
-    total = loss_rows.sum(dtype=acc).reshape(1)
-    z = zloss_rows.sum(dtype=acc).reshape(1)
+        return bufs.loss, bufs.zloss
+    acc = accum_torch_dtype(bufs.loss)
+    total = bufs.loss.sum(dtype=acc).reshape(1)
+    z = bufs.zloss.sum(dtype=acc).reshape(1)
     if opts.reduction == "mean":
         total, z = (total - z) / D + z / M, z / M
-    return total.to(loss_rows.dtype), z.to(loss_rows.dtype)
-
-
-def _row_outputs(x: Tensor) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
+    return total.to(bufs.loss.dtype), z.to(bufs.loss.dtype)
 
 
 def loss_only(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | None,
               opts: LossOptions, rows: int) -> tuple[Tensor, Tensor]:
     """``(loss, zloss)`` without any gradient."""
-    loss_rows, zloss_rows = _row_outputs(x)
     bufs = _ChunkBuffers(rows, x, W.shape[0])
     for sl in _chunks(x.shape[0], rows):
-        logits = bufs.project(x[sl], W, b)
-        chunk_loss(logits, y[sl], w, opts, loss_rows[sl], zloss_rows[sl],
-                   bufs.lse[: logits.shape[0]])
+        chunk_loss(bufs.project(x[sl], W, b), y[sl], w, opts, bufs.outputs(sl))
     D, M = (normalisers(y, w, opts, accum_torch_dtype(x)) if opts.reduction == "mean"
             else (None, None))
-    return _reduce(loss_rows, zloss_rows, D, M, opts)
+    return _reduce(bufs, D, M, opts)
 
 
 def loss_and_grads(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | None,
@@ -229,10 +229,9 @@ def loss_and_grads(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor 
     else:
         D = M = None
         grad_ce = grad_z = torch.ones(1, dtype=acc, device=x.device)
-    loss_rows, zloss_rows = _row_outputs(x)
-    grads = _sweep_grads(x, W, b, y, w, opts, rows, needs, grad_ce, grad_z,
-                         loss_rows, zloss_rows, per_row=False)
-    return (*_reduce(loss_rows, zloss_rows, D, M, opts), *grads)
+    bufs = _ChunkBuffers(rows, x, W.shape[0])
+    grads = _sweep_grads(bufs, x, W, b, y, w, opts, needs, grad_ce, grad_z, per_row=False)
+    return (*_reduce(bufs, D, M, opts), *grads)
 
 
 def grads_from_rows(grad_loss: Tensor, x: Tensor, W: Tensor, b: Tensor | None, y: Tensor,
@@ -240,22 +239,17 @@ def grads_from_rows(grad_loss: Tensor, x: Tensor, W: Tensor, b: Tensor | None, y
     """``(grad_x, grad_W, grad_b)`` for ``none`` with upstream gradient
     ``grad_loss [N]``, recomputing each chunk's logits."""
     g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
-    loss_rows, zloss_rows = _row_outputs(x)  # recomputed by the kernels, unused
-    return _sweep_grads(x, W, b, y, w, opts, rows, needs, g, g, loss_rows, zloss_rows,
-                        per_row=True)
+    bufs = _ChunkBuffers(rows, x, W.shape[0])  # the losses are recomputed, and unused
+    return _sweep_grads(bufs, x, W, b, y, w, opts, needs, g, g, per_row=True)
 
 
-def _sweep_grads(x, W, b, y, w, opts, rows, needs, grad_ce, grad_z, loss_rows, zloss_rows, *,
+def _sweep_grads(bufs: _ChunkBuffers, x, W, b, y, w, opts, needs, grad_ce, grad_z, *,
                  per_row: bool):
-    bufs = _ChunkBuffers(rows, x, W.shape[0])
     sink = GradSink(x, W, b, needs)
-    for sl in _chunks(x.shape[0], rows):
-        x_rows = x[sl]
-        logits = bufs.project(x_rows, W, b)
-        r = logits.shape[0]
+    for sl in _chunks(x.shape[0], bufs.logits.shape[0]):
+        logits = bufs.project(x[sl], W, b)
         chunk_loss_and_dlogits(
-            logits, y[sl], w, opts,
-            grad_ce[sl] if per_row else grad_ce, grad_z[sl] if per_row else grad_z,
-            loss_rows[sl], zloss_rows[sl], bufs.lse[:r], logits, per_row=per_row)
-        sink.add(sl, x_rows, logits, W)
+            logits, y[sl], w, opts, grad_ce[sl] if per_row else grad_ce,
+            grad_z[sl] if per_row else grad_z, bufs.outputs(sl), logits, per_row=per_row)
+        sink.add(sl, x[sl], logits, W)
     return sink.finish(x)

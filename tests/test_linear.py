@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import ce_tvm
 import reference
 from ce_tvm import linear_sweep
+from ce_tvm.launch import ForwardOutputs
 from ce_tvm.linear import linear_cross_entropy_backward, linear_cross_entropy_forward
 from checks import TOL, assert_close
 
@@ -149,6 +150,13 @@ def test_all_rows_ignored(reduction):
     assert not bool(W.grad.any())
 
 
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_empty_batch(reduction):
+    """N = 0: mean NaN, sum 0, none empty; gradients empty or zero."""
+    check_case(LinearCase(lead=(0,), reduction=reduction, weighted=True, bias=True,
+                          label_smoothing=0.1, zloss_scale=1e-2))
+
+
 @pytest.mark.parametrize("chunk_rows", [1, 5, 13, 100, None])
 def test_chunk_size_does_not_change_results(chunk_rows):
     check_case(LinearCase(reduction="mean", weighted=True, label_smoothing=0.1,
@@ -170,11 +178,11 @@ def test_chunk_step_may_write_the_gradient_over_the_logits(per_row):
     results = []
     for in_place in (False, True):
         buf = logits.clone()
-        out = buf if in_place else torch.empty_like(buf)
-        rows = [torch.empty(7), torch.empty(7), torch.empty(7)]
-        linear_sweep.chunk_loss_and_dlogits(buf, y, w, opts, g, 2 * g, *rows, out,
+        dlogits = buf if in_place else torch.empty_like(buf)
+        out = ForwardOutputs(torch.empty(7), torch.empty(7), torch.empty(7), None)
+        linear_sweep.chunk_loss_and_dlogits(buf, y, w, opts, g, 2 * g, out, dlogits,
                                             per_row=per_row)
-        results.append((out, *rows))
+        results.append((dlogits, out.loss, out.zloss, out.lse))
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
