@@ -32,14 +32,20 @@ from .validation import accum_torch_dtype
 
 CHUNK_ROWS_ENV = "CE_TVM_LINEAR_CHUNK_ROWS"
 # One chunk's logits: small beside the [N, V] logits of an LM head. But at
-# least MIN_CHUNK_ROWS rows: each GEMM call re-packs W, a cost per chunk that
-# only enough rows amortise (measured here at (2048, 256, 32000) fp32: +27%
-# time at 256 rows, +11% at 512; at (1024, 512, 128256): +18% at 130 rows).
+# least MIN_CHUNK_ROWS rows: every chunk costs a pass over [V, H] per GEMM
+# (the library re-packs W) and, for 16-bit weights, one more to add its
+# grad_W part in float32; only rows amortise that (measured on this 2-core
+# machine, loaded, at (2048, 256, 32000) fp32: +27% time at 256 rows, +11%
+# at 512; at (1024, 512, 128256) bf16: 1.58x the GEMM probe at 256 rows,
+# 1.30x at 512). The cost per chunk grows like V * H, the work like rows * V * H.
 DEFAULT_CHUNK_BYTES = 64 << 20
-MIN_CHUNK_ROWS = 256
-# Bytes of the scratch a 16-bit grad_W partial product goes through, a block
-# of classes at a time (not [V, H]).
-SCRATCH_BYTES = 16 << 20
+MIN_CHUNK_ROWS = 512
+# A 16-bit grad_W partial product goes through a scratch of SCRATCH_BYTES, a
+# block of classes at a time (not [V, H]; smaller blocks made the GEMM much
+# slower here: 16384 x 512 bf16 blocks took 2x the time of 32768 x 512), and
+# is added to the float32 sums through a float32 copy of CONVERT_BYTES.
+SCRATCH_BYTES = 32 << 20
+CONVERT_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,12 @@ def chunk_rows(n: int, classes: int, dtype: torch.dtype, requested: int = 0) -> 
     return max(1, min(rows, n))
 
 
+def _blocks(n: int, step: int) -> list[tuple[int, int]]:
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
 def _chunks(n: int, rows: int) -> list[slice]:
-    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+    return [slice(lo, hi) for lo, hi in _blocks(n, rows)]
 
 
 def normalisers(y: Tensor, w: Tensor | None, opts: LossOptions, acc: torch.dtype):
@@ -144,20 +154,29 @@ def chunk_loss_and_dlogits(logits: Tensor, y: Tensor, w: Tensor | None, opts: Lo
 class GradSink:
     """``grad_x``, ``grad_W``, ``grad_b`` filled from each chunk's ``dlogits``.
 
-    ``grad_W`` and ``grad_b`` accumulate in float32 for 16-bit weights and
-    are cast once in ``finish``. torch's CPU GEMM has no 16-bit-in,
+    Over several chunks, ``grad_W`` and ``grad_b`` accumulate in float32 for
+    16-bit weights and are cast once in ``finish`` (over one chunk the
+    product is written in the weight's dtype: the same single rounding). torch's CPU GEMM has no 16-bit-in,
     float32-out form, so each chunk's ``G^T @ x`` goes through a scratch in
-    the weight's dtype (``SCRATCH_BYTES``), a block of classes at a time.
+    the weight's dtype (``SCRATCH_BYTES``), a block of classes at a time, and
+    a smaller float32 copy (``CONVERT_BYTES``; adding a 16-bit tensor to a
+    float32 one would allocate that copy afresh on every call: page faults
+    that cost more than the addition, measured here).
     """
 
-    def __init__(self, x: Tensor, W: Tensor, b: Tensor | None, needs: Needs):
-        acc = accum_torch_dtype(W)
+    def __init__(self, x: Tensor, W: Tensor, b: Tensor | None, needs: Needs, chunks: int):
+        acc = accum_torch_dtype(W) if chunks > 1 else W.dtype
         self.dtype = W.dtype
         self.grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if needs.input else None
         self.grad_W = torch.empty(W.shape, dtype=acc, device=W.device) if needs.weight else None
-        block = max(1, min(W.shape[0], SCRATCH_BYTES // (W.shape[1] * W.element_size())))
-        self.scratch = (torch.empty(block, W.shape[1], dtype=W.dtype, device=W.device)
-                        if needs.weight and acc != W.dtype else None)
+        if needs.weight and acc != W.dtype:
+            def rows(nbytes, dtype):
+                return max(1, min(W.shape[0], nbytes // (W.shape[1] * dtype.itemsize)))
+
+            self.scratch = W.new_empty(rows(SCRATCH_BYTES, W.dtype), W.shape[1])
+            self.converted = W.new_empty(rows(CONVERT_BYTES, acc), W.shape[1], dtype=acc)
+        else:
+            self.scratch = self.converted = None
         self.grad_b = (torch.zeros(W.shape[0], dtype=acc, device=W.device)
                        if needs.bias and b is not None else None)
         self.empty = True
@@ -175,14 +194,13 @@ class GradSink:
         self.empty = False
 
     def _add_through_scratch(self, G: Tensor, x_rows: Tensor) -> None:
-        step = self.scratch.shape[0]
-        for lo in range(0, G.shape[1], step):
-            hi = min(lo + step, G.shape[1])
+        for lo, hi in _blocks(G.shape[1], self.scratch.shape[0]):
             part = torch.mm(G[:, lo:hi].t(), x_rows, out=self.scratch[: hi - lo])
             if self.empty:
                 self.grad_W[lo:hi].copy_(part)
-            else:
-                self.grad_W[lo:hi].add_(part)
+                continue
+            for a, b in _blocks(hi - lo, self.converted.shape[0]):
+                self.grad_W[lo + a:lo + b].add_(self.converted[: b - a].copy_(part[a:b]))
 
     def finish(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(grad_x, grad_W, grad_b)``; an empty tensor for each one not asked for."""
@@ -245,8 +263,9 @@ def grads_from_rows(grad_loss: Tensor, x: Tensor, W: Tensor, b: Tensor | None, y
 
 def _sweep_grads(bufs: _ChunkBuffers, x, W, b, y, w, opts, needs, grad_ce, grad_z, *,
                  per_row: bool):
-    sink = GradSink(x, W, b, needs)
-    for sl in _chunks(x.shape[0], bufs.logits.shape[0]):
+    chunks = _chunks(x.shape[0], bufs.logits.shape[0])
+    sink = GradSink(x, W, b, needs, len(chunks))
+    for sl in chunks:
         logits = bufs.project(x[sl], W, b)
         chunk_loss_and_dlogits(
             logits, y[sl], w, opts, grad_ce[sl] if per_row else grad_ce,

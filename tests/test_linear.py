@@ -128,11 +128,14 @@ def test_awkward_vocabulary(reduction):
                           zloss_scale=1e-3, bias=True, chunk_rows=4))
 
 
+@pytest.mark.parametrize("chunk_rows", [5, None])  # several chunks (float32 sums), one
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision(dtype, monkeypatch):
+def test_half_precision(dtype, chunk_rows, monkeypatch):
     monkeypatch.setattr(linear_sweep, "SCRATCH_BYTES", 300 * 8 * 2)  # grad_W in 4 blocks
+    monkeypatch.setattr(linear_sweep, "CONVERT_BYTES", 70 * 8 * 4)  # each added in 5 parts
     check_case(LinearCase(lead=(16,), dtype=dtype, reduction="mean", weighted=True,
-                          label_smoothing=0.1, zloss_scale=1e-3, bias=True, chunk_rows=5))
+                          label_smoothing=0.1, zloss_scale=1e-3, bias=True,
+                          chunk_rows=chunk_rows))
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
