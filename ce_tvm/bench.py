@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from . import nn as ce_nn
 from .functional import cross_entropy_loss
 from .nn import cross_entropy
+from .peak_memory import PeakRSS
 from .pool import POOL
 from .tensors import TORCH_DTYPES
 
@@ -138,20 +139,9 @@ def peak_child(method: str, n: int, c: int, dtype: str, eps: float) -> float:
     fn(xs.requires_grad_(), ys).backward()
     x, y = _inputs(n, c, dtype)
     x.requires_grad_()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _vm_kb("VmRSS")
-    fn(x, y).backward()
-    grad_kb = x.grad.numel() * x.grad.element_size() / 1024
-    return (_vm_kb("VmHWM") - before - grad_kb) / 1024
-
-
-def _vm_kb(field_name: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return float(line.split()[1])
-    raise RuntimeError(f"{field_name} not in /proc/self/status")
+    with PeakRSS() as peak:
+        fn(x, y).backward()
+    return peak.mb - x.grad.numel() * x.grad.element_size() / 2**20
 
 
 def measure_peaks(n, c, dtype, eps, with_compile) -> dict:

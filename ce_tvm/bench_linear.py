@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from .linear import linear_cross_entropy
+from .peak_memory import PeakRSS
+from .tensors import TORCH_DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHAPES = "2048x256x32000,1024x512x128256"
 METHODS = ("ce_tvm", "eager", "compile", "torch_chunked", "gemm")
 LABELS = {"ce_tvm": "ce_tvm", "eager": "eager", "compile": "torch.compile",
@@ -66,8 +67,8 @@ class Row:
 def _inputs(n, h, v, dtype, seed=0):
     """``x [n, h]``, ``W [v, h]`` (leaves requiring grad), ``y [n]`` with every 17th row ignored."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, h, generator=gen).to(DTYPES[dtype]).requires_grad_()
-    W = (torch.randn(v, h, generator=gen) / h**0.5).to(DTYPES[dtype]).requires_grad_()
+    x = torch.randn(n, h, generator=gen).to(TORCH_DTYPES[dtype]).requires_grad_()
+    W = (torch.randn(v, h, generator=gen) / h**0.5).to(TORCH_DTYPES[dtype]).requires_grad_()
     y = torch.randint(0, v, (n,), generator=gen)
     y[::17] = -100
     return x, W, y
@@ -114,18 +115,13 @@ def time_shape(n, h, v, dtype, eps, methods, reps, warmup) -> dict:
 
 def peak_child(method: str, n: int, h: int, v: int, dtype: str, eps: float) -> float:
     """Extra peak RSS (MB) of one training step beyond the inputs and the gradients."""
-    from .bench import _vm_kb
-
     fn = loss_fns(eps, (method,))[method]
     x, W, y = _inputs(n, h, v, dtype)
     _step(fn, x, W, y)  # warm up: kernels loaded, graph compiled
     x.grad = W.grad = None
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _vm_kb("VmRSS")
-    fn(x, W, y).backward()
-    grads_kb = sum(t.grad.numel() * t.grad.element_size() for t in (x, W)) / 1024
-    return (_vm_kb("VmHWM") - before - grads_kb) / 1024
+    with PeakRSS() as peak:
+        fn(x, W, y).backward()
+    return peak.mb - sum(t.grad.numel() * t.grad.element_size() for t in (x, W)) / 2**20
 
 
 def measure_peaks(n, h, v, dtype, eps, methods) -> dict:

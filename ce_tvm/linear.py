@@ -22,19 +22,22 @@ Autograd, through the ``torch.library`` op ``ce_tvm::linear_cross_entropy``:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor, nn
 
 from . import linear_sweep as sweep
 from . import validation as check
+from .ops import schema_scalars
+from .options import LossOptions
+from .tensors import TORCH_DTYPES
 
 _OP_ARGS = 14  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
 
 
-def _options(reduction, ignore_index, label_smoothing, lse_square_scale) -> sweep.LossOptions:
-    return sweep.LossOptions(reduction, ignore_index, label_smoothing, lse_square_scale)
+def _options(reduction, ignore_index, label_smoothing, lse_square_scale) -> LossOptions:
+    """The op schema's scalars (primitive, as the schema needs) as one ``LossOptions``."""
+    return LossOptions(reduction=reduction, ignore_index=ignore_index,
+                       label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
 
 
 def _rows(x: Tensor, reduction: str) -> int:
@@ -43,8 +46,8 @@ def _rows(x: Tensor, reduction: str) -> int:
 
 @torch.library.custom_op("ce_tvm::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_forward(
-        input: Tensor, linear_weight: Tensor, linear_bias: Optional[Tensor], target: Tensor,
-        weight: Optional[Tensor], reduction: str, ignore_index: int, label_smoothing: float,
+        input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, target: Tensor,
+        weight: Tensor | None, reduction: str, ignore_index: int, label_smoothing: float,
         lse_square_scale: float, chunk_rows: int, grad_input: bool, grad_weight: bool,
         grad_bias: bool, allow_retain_graph: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, zloss, grad_input, grad_weight, grad_bias)`` for ``input [N, H]``.
@@ -84,8 +87,8 @@ def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index
 
 @torch.library.custom_op("ce_tvm::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(
-        grad_loss: Tensor, input: Tensor, linear_weight: Tensor, linear_bias: Optional[Tensor],
-        target: Tensor, weight: Optional[Tensor], ignore_index: int, label_smoothing: float,
+        grad_loss: Tensor, input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None,
+        target: Tensor, weight: Tensor | None, ignore_index: int, label_smoothing: float,
         lse_square_scale: float, chunk_rows: int, grad_input: bool, grad_weight: bool,
         grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(grad_input, grad_weight, grad_bias)`` of the ``none`` loss for the
@@ -168,11 +171,13 @@ def _flatten(input: Tensor, linear_weight: Tensor, target: Tensor,
     for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    check.storage_dtype(input, "input")
+    if input.dtype not in TORCH_DTYPES.values():
+        raise TypeError(f"input must be float32, float16, bfloat16 or float64, got {input.dtype}")
     if input.dim() < 1:
         raise ValueError("input must be [*, H] with at least one dimension, got a 0-d tensor")
     if linear_weight.dim() != 2:
-        raise ValueError(f"linear_weight must be 2-D [V, H], got shape {tuple(linear_weight.shape)}")
+        raise ValueError(f"linear_weight must be 2-D [V, H], "
+                         f"got shape {tuple(linear_weight.shape)}")
     hidden, classes = input.shape[-1], linear_weight.shape[0]
     if linear_weight.shape[1] != hidden:
         raise ValueError(f"linear_weight must be [V, H] with H = {hidden} (input's last "
@@ -223,19 +228,19 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     backward through the same graph needs ``allow_retain_graph=True``.
     """
     x, y = _flatten(input, linear_weight, target, linear_bias)
-    red = check.reduction(reduction)
+    options = LossOptions(reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
                                    or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
     grad_on = torch.is_grad_enabled()
     loss, zloss, *_ = linear_cross_entropy_forward(
-        x, linear_weight, linear_bias, y, weight, red, check.ignore_index(ignore_index),
-        check.label_smoothing(label_smoothing),
-        check.zloss_scale(lse_square_scale, "lse_square_scale"), chunk_rows or 0,
-        grad_on and input.requires_grad, grad_on and linear_weight.requires_grad,
-        grad_on and linear_bias is not None and linear_bias.requires_grad,
-        bool(allow_retain_graph))
-    shape = tuple(target.shape) if red == "none" else ()
+        x, linear_weight, linear_bias, y, weight, **schema_scalars(options),
+        chunk_rows=chunk_rows or 0, grad_input=grad_on and input.requires_grad,
+        grad_weight=grad_on and linear_weight.requires_grad,
+        grad_bias=grad_on and linear_bias is not None and linear_bias.requires_grad,
+        allow_retain_graph=bool(allow_retain_graph))
+    shape = tuple(target.shape) if options.reduction == "none" else ()
     loss, zloss = loss.reshape(shape), zloss.reshape(shape)
     return (loss, zloss) if return_zloss else loss
 
@@ -256,10 +261,10 @@ class LinearCrossEntropyLoss(nn.Module):
                  chunk_rows: int | None = None, allow_retain_graph: bool = False):
         super().__init__()
         self.register_buffer("weight", weight)
-        self.ignore_index = check.ignore_index(ignore_index)
-        self.reduction = check.reduction(reduction)
-        self.label_smoothing = check.label_smoothing(label_smoothing)
-        self.lse_square_scale = check.zloss_scale(lse_square_scale, "lse_square_scale")
+        options = LossOptions(reduction=reduction, ignore_index=ignore_index,
+                              label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
+        self.ignore_index, self.reduction = options.ignore_index, options.reduction
+        self.label_smoothing, self.lse_square_scale = options.label_smoothing, options.zloss_scale
         self.return_zloss = return_zloss
         self.chunk_rows = chunk_rows
         self.allow_retain_graph = allow_retain_graph

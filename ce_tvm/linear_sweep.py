@@ -22,13 +22,14 @@ loss kernels: the one-pass kernel (issue 13) replaces its body.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from . import launch, pool
-from .validation import accum_torch_dtype
+from .options import LossOptions
+from .tensors import accum_torch_dtype
 
 CHUNK_ROWS_ENV = "CE_TVM_LINEAR_CHUNK_ROWS"
 # One chunk's logits: small beside the [N, V] logits of an LM head. But at
@@ -46,16 +47,6 @@ MIN_CHUNK_ROWS = 512
 # is added to the float32 sums through a float32 copy of CONVERT_BYTES.
 SCRATCH_BYTES = 32 << 20
 CONVERT_BYTES = 8 << 20
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    """The runtime scalars of the loss (SPEC section 1), already validated."""
-
-    reduction: str
-    ignore_index: int
-    label_smoothing: float
-    zloss_scale: float
 
 
 @dataclass(frozen=True)
@@ -124,9 +115,8 @@ class _ChunkBuffers:
 def chunk_loss(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
                out: launch.ForwardOutputs) -> None:
     """The chunk's per-row loss (``ce + z``), z-loss and ``lse`` into ``out``
-    (SPEC section 1, ``none``); no gradient."""
-    launch.forward(logits, y, w, "none", opts.ignore_index, opts.label_smoothing,
-                   opts.zloss_scale, log_prob=False, out=out)
+    (SPEC section 1, ``none``, whatever ``opts.reduction``); no gradient."""
+    launch.forward(logits, y, w, replace(opts, reduction="none"), log_prob=False, out=out)
 
 
 def chunk_loss_and_dlogits(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
@@ -147,8 +137,8 @@ def chunk_loss_and_dlogits(logits: Tensor, y: Tensor, w: Tensor | None, opts: Lo
     """
     chunk_loss(logits, y, w, opts, out)
     launch.backward(grad_ce, grad_z - grad_ce, logits, out.lse, y, w,
-                    "none" if per_row else "sum", opts.ignore_index, opts.label_smoothing,
-                    opts.zloss_scale, source_kind="logits", out=dlogits)
+                    replace(opts, reduction="none" if per_row else "sum"),
+                    source_kind="logits", out=dlogits)
 
 
 class GradSink:
@@ -156,12 +146,13 @@ class GradSink:
 
     Over several chunks, ``grad_W`` and ``grad_b`` accumulate in float32 for
     16-bit weights and are cast once in ``finish`` (over one chunk the
-    product is written in the weight's dtype: the same single rounding). torch's CPU GEMM has no 16-bit-in,
-    float32-out form, so each chunk's ``G^T @ x`` goes through a scratch in
-    the weight's dtype (``SCRATCH_BYTES``), a block of classes at a time, and
-    a smaller float32 copy (``CONVERT_BYTES``; adding a 16-bit tensor to a
-    float32 one would allocate that copy afresh on every call: page faults
-    that cost more than the addition, measured here).
+    product is written in the weight's dtype: the same single rounding).
+    torch's CPU GEMM has no 16-bit-in, float32-out form, so each chunk's
+    ``G^T @ x`` goes through a scratch in the weight's dtype
+    (``SCRATCH_BYTES``), a block of classes at a time, and a smaller float32
+    copy (``CONVERT_BYTES``; adding a 16-bit tensor to a float32 one would
+    allocate that copy afresh on every call: page faults that cost more than
+    the addition, measured here).
     """
 
     def __init__(self, x: Tensor, W: Tensor, b: Tensor | None, needs: Needs, chunks: int):

@@ -27,8 +27,9 @@ LAYERS = [
     ("cache",),
     ("runtime", "tensors", "pool"),
     ("launch",),
-    ("validation", "functional", "ops", "nn", "distributed", "__init__"),
-    ("bench", "demo", "tuning", "bundle"),  # tools and the search, above the API
+    ("linear_sweep",),  # the chunked linear + loss sweep, on launch; no autograd
+    ("validation", "functional", "ops", "nn", "distributed", "linear", "__init__"),
+    ("peak_memory", "bench", "bench_linear", "demo", "tuning", "bundle"),  # tools, the search
     ("cli",),
 ]
 # Modules that must not depend on torch or on meta_schedule (the search).

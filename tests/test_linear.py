@@ -22,6 +22,7 @@ import reference
 from ce_tvm import linear_sweep
 from ce_tvm.launch import ForwardOutputs
 from ce_tvm.linear import linear_cross_entropy_backward, linear_cross_entropy_forward
+from ce_tvm.options import LossOptions
 from checks import TOL, assert_close
 
 
@@ -176,7 +177,7 @@ def test_chunk_step_may_write_the_gradient_over_the_logits(per_row):
     y = torch.randint(0, 1001, (7,), generator=gen)
     y[2] = -100
     w = torch.rand(1001, generator=gen) + 0.5
-    opts = linear_sweep.LossOptions("sum", -100, 0.1, 1e-2)
+    opts = LossOptions(reduction="sum", label_smoothing=0.1, zloss_scale=1e-2)
     g = torch.rand(7 if per_row else 1, generator=gen) + 0.5
     results = []
     for in_place in (False, True):
