@@ -78,8 +78,9 @@ def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index
     scalar = reduction != "none"
 
     def grad(like, wanted):
-        return torch.empty_like(like) if (scalar and wanted and like is not None) \
-            else input.new_empty(0)
+        if scalar and wanted and like is not None:
+            return torch.empty_like(like)
+        return input.new_empty(0)
 
     return (input.new_empty(rows), input.new_empty(rows), grad(input, grad_input),
             grad(linear_weight, grad_weight), grad(linear_bias, grad_bias))
