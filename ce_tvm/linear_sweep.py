@@ -90,14 +90,16 @@ def normalisers(y: Tensor, w: Tensor | None, opts: LossOptions, acc: torch.dtype
 
 
 class _ChunkBuffers:
-    """The buffer of one chunk's logits (then their gradient), reused by every
-    chunk, and the per-row outputs of the whole sweep (``loss``, ``zloss``:
-    ``[N]``; ``lse``: one chunk's)."""
+    """The buffer of one chunk's logits (then their gradient) and the chunk's
+    per-row outputs, reused by every chunk, and the per-row ``loss``/``zloss``
+    of the whole sweep (``[N]``). The kernels write the chunk's own outputs
+    (they start their buffers, so they are aligned as the kernels require)."""
 
     def __init__(self, rows: int, x: Tensor, classes: int):
         self.logits = pool.POOL.empty((rows, classes), x.dtype, x.device)
+        self.chunk = launch.ForwardOutputs(x.new_empty(rows), x.new_empty(rows),
+                                           x.new_empty(rows, dtype=accum_torch_dtype(x)), None)
         self.loss, self.zloss = x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
-        self.lse = x.new_empty(rows, dtype=accum_torch_dtype(x))
 
     def project(self, x_rows: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
         """``x_rows @ W^T + b`` into the logits buffer."""
@@ -106,10 +108,16 @@ class _ChunkBuffers:
             return torch.mm(x_rows, W.t(), out=out)
         return torch.addmm(b, x_rows, W.t(), out=out)
 
-    def outputs(self, rows: slice) -> launch.ForwardOutputs:
-        """Where ``chunk_loss`` writes the chunk ``rows``."""
+    def outputs(self, n: int) -> launch.ForwardOutputs:
+        """Where the chunk step writes a chunk of ``n`` rows."""
+        c = self.chunk
+        return launch.ForwardOutputs(c.loss[:n], c.zloss[:n], c.lse[:n], None)
+
+    def keep(self, rows: slice) -> None:
+        """The chunk's per-row losses into the sweep's ``[N]`` ones."""
         n = rows.stop - rows.start
-        return launch.ForwardOutputs(self.loss[rows], self.zloss[rows], self.lse[:n], None)
+        self.loss[rows].copy_(self.chunk.loss[:n])
+        self.zloss[rows].copy_(self.chunk.zloss[:n])
 
 
 def chunk_loss(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
@@ -221,7 +229,8 @@ def loss_only(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | Non
     """``(loss, zloss)`` without any gradient."""
     bufs = _ChunkBuffers(rows, x, W.shape[0])
     for sl in _chunks(x.shape[0], rows):
-        chunk_loss(bufs.project(x[sl], W, b), y[sl], w, opts, bufs.outputs(sl))
+        chunk_loss(bufs.project(x[sl], W, b), y[sl], w, opts, bufs.outputs(sl.stop - sl.start))
+        bufs.keep(sl)
     D, M = (normalisers(y, w, opts, accum_torch_dtype(x)) if opts.reduction == "mean"
             else (None, None))
     return _reduce(bufs, D, M, opts)
@@ -260,6 +269,8 @@ def _sweep_grads(bufs: _ChunkBuffers, x, W, b, y, w, opts, needs, grad_ce, grad_
         logits = bufs.project(x[sl], W, b)
         chunk_loss_and_dlogits(
             logits, y[sl], w, opts, grad_ce[sl] if per_row else grad_ce,
-            grad_z[sl] if per_row else grad_z, bufs.outputs(sl), logits, per_row=per_row)
+            grad_z[sl] if per_row else grad_z, bufs.outputs(logits.shape[0]), logits,
+            per_row=per_row)
+        bufs.keep(sl)
         sink.add(sl, x[sl], logits, W)
     return sink.finish(x)
