@@ -114,6 +114,17 @@ def _rows():
     return te.var("N", "int64")
 
 
+def _logits_inputs(classes: int, dtype: str, weighted: bool):
+    """``(acc, N, x[N, C], target[N], weight[C] or None)``: the inputs of the
+    kernels that read the logits."""
+    acc = accum_dtype(dtype)
+    n_rows = _rows()
+    x = te.placeholder((n_rows, _int64(classes)), dtype, name="x")
+    y = te.placeholder((n_rows,), "int64", name="target")
+    w = te.placeholder((_int64(classes),), acc, name="weight") if weighted else None
+    return acc, n_rows, x, y, w
+
+
 def _int64(v: int):
     return tirx.IntImm("int64", v)
 
@@ -342,11 +353,7 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     (``[N]`` for ``none``, else ``[1]``, dtype), ``lse[N]`` (accumulation
     dtype), and ``log_prob[N, C]`` (dtype, log-prob variant only).
     """
-    acc = accum_dtype(dtype)
-    n_rows = _rows()
-    x = te.placeholder((n_rows, _int64(classes)), dtype, name="x")
-    y = te.placeholder((n_rows,), "int64", name="target")
-    w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
+    acc, n_rows, x, y, w = _logits_inputs(classes, dtype, variant.weighted)
     ii, eps, s = _scalars(acc)
     mask, index = _masked_target(y, ii, classes)
     st = _row_stats(x, w, n_rows, classes, acc, chunk)
@@ -381,11 +388,7 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
     the shard's row max, ``sum exp(x - max)``, ``sum w x``, and the target's
     logit and weight where the target falls in this shard (0 elsewhere).
     """
-    acc = accum_dtype(dtype)
-    n_rows = _rows()
-    x = te.placeholder((n_rows, _int64(classes)), dtype, name="x")
-    y = te.placeholder((n_rows,), "int64", name="target")
-    w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
+    acc, n_rows, x, y, w = _logits_inputs(classes, dtype, variant.weighted)
     offset = te.var("shard_offset", "int64")
     st = _row_stats(x, w, n_rows, classes, acc, chunk)
     rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
@@ -616,11 +619,7 @@ def train_func(classes: int, dtype: str, variant: Variant,
     """
     if variant.reduction == "none":
         raise ValueError("train_func needs reduction 'sum' or 'mean'")
-    acc = accum_dtype(dtype)
-    n_rows = _rows()
-    x = te.placeholder((n_rows, _int64(classes)), dtype, name="x")
-    y = te.placeholder((n_rows,), "int64", name="target")
-    w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
+    acc, n_rows, x, y, w = _logits_inputs(classes, dtype, variant.weighted)
     ii, eps, s = _scalars(acc)
     mask, index = _masked_target(y, ii, classes)
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)

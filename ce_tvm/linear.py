@@ -27,21 +27,11 @@ from torch import Tensor, nn
 
 from . import linear_sweep as sweep
 from . import validation as check
-from .ops import schema_scalars
+from .ops import loss_rows, options_of, schema_scalars
 from .options import LossOptions
 from .tensors import TORCH_DTYPES
 
 _OP_ARGS = 14  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
-
-
-def _options(reduction, ignore_index, label_smoothing, lse_square_scale) -> LossOptions:
-    """The op schema's scalars (primitive, as the schema needs) as one ``LossOptions``."""
-    return LossOptions(reduction=reduction, ignore_index=ignore_index,
-                       label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
-
-
-def _rows(x: Tensor, reduction: str) -> int:
-    return x.shape[0] if reduction == "none" else 1
 
 
 @torch.library.custom_op("ce_tvm::linear_cross_entropy", mutates_args=())
@@ -60,7 +50,7 @@ def linear_cross_entropy_forward(
     """
     y = check.targets(target, input, ignore_index, classes=linear_weight.shape[0])
     w = check.weight(weight, input, classes=linear_weight.shape[0])
-    opts = _options(reduction, ignore_index, label_smoothing, lse_square_scale)
+    opts = options_of(reduction, ignore_index, label_smoothing, lse_square_scale)
     rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
     needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
     if reduction == "none" or not needs.any():
@@ -74,7 +64,7 @@ def linear_cross_entropy_forward(
 def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index,
       label_smoothing, lse_square_scale, chunk_rows, grad_input, grad_weight, grad_bias,
       allow_retain_graph):
-    rows = _rows(input, reduction)
+    rows = loss_rows(input, reduction)
     scalar = reduction != "none"
 
     def grad(like, wanted):
@@ -95,7 +85,7 @@ def linear_cross_entropy_backward(
     """``(grad_input, grad_weight, grad_bias)`` of the ``none`` loss for the
     per-row upstream gradient ``grad_loss [N]``, the logits recomputed chunk by
     chunk; an empty tensor for each gradient not asked for."""
-    opts = _options("none", ignore_index, label_smoothing, lse_square_scale)
+    opts = options_of("none", ignore_index, label_smoothing, lse_square_scale)
     rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
     needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
     return sweep.grads_from_rows(grad_loss, input, linear_weight, linear_bias,

@@ -35,12 +35,14 @@ def schema_scalars(options: LossOptions) -> dict:
                 label_smoothing=options.label_smoothing, lse_square_scale=options.zloss_scale)
 
 
-def _options(reduction, ignore_index, label_smoothing, lse_square_scale) -> LossOptions:
+def options_of(reduction, ignore_index, label_smoothing, lse_square_scale) -> LossOptions:
+    """The op schemas' scalars (primitive, as the schemas need) as one ``LossOptions``."""
     return LossOptions(reduction=reduction, ignore_index=ignore_index,
                        label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
 
 
-def _rows(x: Tensor, reduction: str) -> int:
+def loss_rows(x: Tensor, reduction: str) -> int:
+    """Rows of the ``loss`` output: ``N`` for ``none``, else 1."""
     return x.shape[0] if reduction == "none" else 1
 
 
@@ -49,7 +51,7 @@ def cross_entropy_forward(x: Tensor, target: Tensor, weight: Tensor | None, redu
                           ignore_index: int, label_smoothing: float,
                           lse_square_scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss, zloss, lse)``; ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``."""
-    options = _options(reduction, ignore_index, label_smoothing, lse_square_scale)
+    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale)
     y = check.targets(target, x, options.ignore_index)
     out = launch.forward(x.contiguous(), y, check.weight(weight, x), options, log_prob=False)
     return out.loss, out.zloss, out.lse
@@ -57,7 +59,7 @@ def cross_entropy_forward(x: Tensor, target: Tensor, weight: Tensor | None, redu
 
 @cross_entropy_forward.register_fake
 def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale):
-    rows = _rows(x, reduction)
+    rows = loss_rows(x, reduction)
     return (x.new_empty(rows), x.new_empty(rows),
             x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)))
 
@@ -67,7 +69,7 @@ def cross_entropy_backward(grad_loss: Tensor, x: Tensor, lse: Tensor, target: Te
                            weight: Tensor | None, reduction: str, ignore_index: int,
                            label_smoothing: float, lse_square_scale: float) -> Tensor:
     """The logits gradient, recomputed from the logits and their ``lse``."""
-    options = _options(reduction, ignore_index, label_smoothing, lse_square_scale)
+    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale)
     g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
     return launch.backward(g, torch.zeros_like(g), x.contiguous(), lse.contiguous(),
                            target.to(torch.int64).contiguous(), check.weight(weight, x),
@@ -105,7 +107,7 @@ def cross_entropy_train(x: Tensor, target: Tensor, weight: Tensor | None, reduct
                         lse_square_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, zloss, lse, x_grad)``: ``loss``/``zloss`` ``[1]``; ``x_grad`` is
     d(loss)/d(x) for a unit upstream gradient (``sum``/``mean`` only)."""
-    options = _options(reduction, ignore_index, label_smoothing, lse_square_scale)
+    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale)
     y = check.targets(target, x, options.ignore_index)
     out, x_grad = launch.train(x.contiguous(), y, check.weight(weight, x), options)
     return out.loss, out.zloss, out.lse, x_grad
