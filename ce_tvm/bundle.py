@@ -86,10 +86,11 @@ def make_bundle(out: Path, *, target: str, dtype: str, classes: list[int],
         _copy_private(directory.parent / name, out / "licenses" / f"apache-tvm-{name}")
     manifest = {"ce_tvm": __version__, "tvm": version, "target": target, "arch": arch,
                 "dtype": dtype, "classes": classes, "kernels": kernels, "runtime_libs": sums}
-    _write_private(out / BUNDLE_MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-    _write_private(out / "README.md", README.format(
+    cache.write_private(out / BUNDLE_MANIFEST,
+                        json.dumps(manifest, indent=1, sort_keys=True).encode())
+    cache.write_private(out / "README.md", README.format(
         target=target + (f" ({arch})" if arch else ""), dtype=dtype, classes=classes,
-        ce_tvm=__version__, tvm=version, out=out.resolve()))
+        ce_tvm=__version__, tvm=version, out=out.resolve()).encode())
     return manifest
 
 
@@ -111,9 +112,3 @@ def _copy_private(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

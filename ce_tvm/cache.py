@@ -96,14 +96,14 @@ def write_module(spec: KernelSpec, directory: Path) -> Path:
     manifest = {"key": spec.key(), "sha256": sha256_file(lib)}
     if compiled is not None:
         source, binary = compiled
-        _write_private(lib.with_suffix(".cubin"), binary)
+        write_private(lib.with_suffix(".cubin"), binary)
         manifest["cuda_binary"] = {"sha256": hashlib.sha256(binary).hexdigest(),
                                    "source_sha256": hashlib.sha256(source.encode()).hexdigest()}
-    _write_private(manifest_path(lib), json.dumps(manifest, indent=1, sort_keys=True).encode())
+    write_private(manifest_path(lib), json.dumps(manifest, indent=1, sort_keys=True).encode())
     return lib
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     """Write ``path`` atomically with mode 0600."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
