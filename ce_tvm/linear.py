@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from . import linear_sweep as sweep
 from . import validation as check
+from .custom_ops import custom_op
 from .ops import loss_rows, options_of, schema_scalars
 from .options import LossOptions
 from .tensors import TORCH_DTYPES
@@ -34,7 +35,7 @@ from .tensors import TORCH_DTYPES
 _OP_ARGS = 14  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
 
 
-@torch.library.custom_op("ce_tvm::linear_cross_entropy", mutates_args=())
+@custom_op("ce_tvm::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_forward(
         input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, target: Tensor,
         weight: Tensor | None, reduction: str, ignore_index: int, label_smoothing: float,
@@ -76,7 +77,7 @@ def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index
             grad(linear_weight, grad_weight), grad(linear_bias, grad_bias))
 
 
-@torch.library.custom_op("ce_tvm::linear_cross_entropy_backward", mutates_args=())
+@custom_op("ce_tvm::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(
         grad_loss: Tensor, input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None,
         target: Tensor, weight: Tensor | None, ignore_index: int, label_smoothing: float,

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import launch, pool
 from . import validation as check
+from .custom_ops import custom_op
 from .options import LossOptions
 from .tensors import accum_torch_dtype
 
@@ -46,7 +47,7 @@ def loss_rows(x: Tensor, reduction: str) -> int:
     return x.shape[0] if reduction == "none" else 1
 
 
-@torch.library.custom_op("ce_tvm::cross_entropy_forward", mutates_args=())
+@custom_op("ce_tvm::cross_entropy_forward", mutates_args=())
 def cross_entropy_forward(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
                           ignore_index: int, label_smoothing: float,
                           lse_square_scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -64,7 +65,7 @@ def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_sc
             x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)))
 
 
-@torch.library.custom_op("ce_tvm::cross_entropy_backward", mutates_args=())
+@custom_op("ce_tvm::cross_entropy_backward", mutates_args=())
 def cross_entropy_backward(grad_loss: Tensor, x: Tensor, lse: Tensor, target: Tensor,
                            weight: Tensor | None, reduction: str, ignore_index: int,
                            label_smoothing: float, lse_square_scale: float) -> Tensor:
@@ -101,7 +102,7 @@ def _backward(ctx, grad_loss, grad_zloss, grad_lse):
 cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("ce_tvm::cross_entropy_train", mutates_args=())
+@custom_op("ce_tvm::cross_entropy_train", mutates_args=())
 def cross_entropy_train(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
                         ignore_index: int, label_smoothing: float,
                         lse_square_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -25,7 +25,7 @@ LAYERS = [
     ("spec",),  # KernelSpec and its cache key, without TVM
     ("build",),
     ("cache",),
-    ("runtime", "tensors", "pool"),
+    ("runtime", "tensors", "pool", "custom_ops"),
     ("launch",),
     ("linear_sweep",),  # the chunked linear + loss sweep, on launch; no autograd
     ("validation", "functional", "ops", "nn", "distributed", "linear", "__init__"),
@@ -43,7 +43,7 @@ SEARCH_ONLY = "tuning"
 # function that builds or tunes may (``tvm_ffi``, the FFI, is not the compiler).
 RUNTIME_PATH = ("paths", "kinds", "tvmlib", "targets", "options", "records", "spec", "cache",
                 "runtime", "tensors", "pool", "launch", "validation", "functional", "ops", "nn",
-                "distributed", "__init__")
+                "distributed", "__init__", "custom_ops")
 
 
 def module_files() -> dict:
