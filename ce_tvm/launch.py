@@ -96,6 +96,14 @@ def _empty_reduction(out, reduction: str) -> None:
             t.fill_(float("nan") if reduction == "mean" else 0.0)
 
 
+def token_accuracy(hit: torch.Tensor, y: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The fraction of rows not ignored whose target is their first maximal
+    logit, from the kernels' ``hit`` rows: a 0-d float32 tensor, NaN when no
+    row counts (0/0); computed on the device, no host sync."""
+    counted = (y != ignore_index).sum(dtype=hit.dtype)
+    return (hit.sum() / counted).to(torch.float32)
+
+
 def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = False,
             out: ForwardOutputs | None = None) -> ForwardOutputs:
     """Run the fused forward; writes ``log_prob`` and ``hit`` only when asked
