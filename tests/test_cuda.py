@@ -45,6 +45,26 @@ def test_other_variants_compile_with_nvcc(op, variant):
     assert cuda_binary(compile_spec(spec), spec) is not None  # raises on any nvcc error
 
 
+# Softcap (tanh in every logit read, its slope in the gradient) and token accuracy
+# (the target logit per row, a chunk reduction counting columns ahead of it):
+# one whole-row and one chunked C.
+@needs_nvcc
+@pytest.mark.parametrize("classes", [1001, 32000])
+@pytest.mark.parametrize("op,variant", [
+    ("forward", Variant("mean", True, False, softcap=True, accuracy=True)),
+    ("forward", Variant("none", False, False, accuracy=True)),
+    ("backward", Variant("none", True, grad_source="logits", softcap=True)),
+    ("backward", Variant("mean", False, grad_source="shard", softcap=True)),
+    ("shard_stats", Variant(weighted=False, softcap=True)),
+])
+def test_softcap_and_accuracy_compile_with_nvcc(op, variant, classes):
+    spec = KernelSpec(op, "bfloat16", classes, variant, "cuda", (("arch", "sm_90"),))
+    source, cubin = cuda_binary(compile_spec(spec), spec)  # raises on any nvcc error
+    assert cubin[:4] == b"\x7fELF"
+    assert ("float softcap" in source) == variant.softcap  # the kernel's scalar argument
+    assert ("ce_row_hit" in source) == variant.accuracy
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("classes", [17, 1001, 32000, 128256])
