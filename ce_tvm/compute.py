@@ -23,7 +23,13 @@ chunks ``k`` of ``chunk`` classes:
 ``ce_total_*``         serial fixed-order sums over rows (sum and mean only)
 ``ce_loss``            output ``loss``
 ``ce_zloss``           output ``zloss``
+``ce_target_logit``    ``x[n, y[n]]``             (accuracy variant only)
+``ce_chunk_beats``     columns ahead of the target in argmax order (accuracy)
+``ce_row_hit``         output ``hit``: target is the first maximum (accuracy)
 =====================  =====================================================
+
+With ``softcap`` (capped variant) every read of a logit is ``t * tanh(x / t)``
+(``Logits``) and every gradient is multiplied by ``1 - tanh(x / t)^2``.
 
 backward (``backward_func``):
 
@@ -99,10 +105,14 @@ SHARD_TARGET_WEIGHT = "ce_shard_target_weight"
 CHUNK_EXP = "ce_chunk_exp"
 CHUNK_PSCALE = "ce_chunk_pscale"
 MEAN_NORMS = "ce_mean_norms"
+ROW_TARGET_LOGIT = "ce_target_logit"
+CHUNK_BEATS = "ce_chunk_beats"
+ROW_HIT = "ce_row_hit"
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
-          SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS)
+          SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
+          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT)
 
 
 def matrix_param(func: tirx.PrimFunc):
@@ -129,12 +139,41 @@ def _int64(v: int):
     return tirx.IntImm("int64", v)
 
 
-def _scalars(acc: str):
+def _scalars(acc: str, softcap: bool = False) -> tuple:
+    """The scalar arguments: ``ignore_index``, ``label_smoothing``,
+    ``zloss_scale``, and ``softcap`` for a capped variant."""
     return (
         te.var("ignore_index", "int64"),
         te.var("label_smoothing", acc),
         te.var("zloss_scale", acc),
-    )
+    ) + ((te.var("softcap", acc),) if softcap else ())
+
+
+@dataclass(frozen=True)
+class Logits:
+    """The logits ``x[N, C]`` as the loss sees them, in the accumulation dtype:
+    ``t * tanh(x / t)`` when ``cap`` holds the ``softcap`` argument ``t``
+    (SPEC section 5), else ``x`` itself (no ``tanh`` in the kernel)."""
+
+    x: te.Tensor
+    acc: str
+    cap: tuple = ()  # () or (softcap,)
+
+    def __call__(self, n, c):
+        value = self.x[n, c].astype(self.acc)
+        if not self.cap:
+            return value
+        t = self.cap[0]
+        return t * fastmath.tanh(value * (tirx.const(1.0, self.acc) / t))
+
+    def scaled_by_slope(self, n, c, grad):
+        """``grad`` (with respect to the capped logit) times ``d x' / d x =
+        1 - tanh(x / t)^2``; ``grad`` itself when uncapped."""
+        if not self.cap:
+            return grad
+        one = tirx.const(1.0, self.acc)
+        th = fastmath.tanh(self.x[n, c].astype(self.acc) * (one / self.cap[0]))
+        return grad * (one - th * th)
 
 
 def _masked_target(y, ii, classes: int):
@@ -240,24 +279,29 @@ class RowStats:
     chunk_max: te.Tensor
     chunk_exp: te.Tensor | None
     layout: ChunkLayout
+    beats: te.Tensor | None = None
 
 
-def _row_stats(x, w, n_rows, classes: int, acc: str, chunk: int | None,
-               keep_exp: bool = False) -> RowStats:
-    """Row statistics of ``x``, reduced chunk by chunk (``ChunkLayout``) and
-    merged by ``_softmax_merge``.
+def _row_stats(logit: Logits, w, n_rows, classes: int, acc: str, chunk: int | None,
+               keep_exp: bool = False, target=None) -> RowStats:
+    """Row statistics of the (capped) logits, reduced chunk by chunk
+    (``ChunkLayout``) and merged by ``_softmax_merge``.
 
     ``keep_exp``: ``exp(x - chunk_max)`` is a stage of its own
     (``ce_chunk_exp``) that the chunk's exp-sum reduces, so a gradient can
-    reuse it instead of evaluating ``exp`` again.
+    reuse it instead of evaluating ``exp`` again. ``target``: the per-row
+    target index (a function of ``n``); then ``beats[n]`` counts the columns
+    that come before the target in ``argmax`` order (a larger logit, or an
+    equal one at a smaller index: 0 iff the target is the first maximum),
+    from the target's logit ``ce_row_target_logit``.
     """
+    x = logit.x
     chunk = classes if chunk is None else min(chunk, classes)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     layout = ChunkLayout(classes, chunk)
 
-    def xf(n, c):
-        return x[n, c].astype(acc)
+    xf = logit
 
     def per_chunk(stage, reducer, pad, body):
         """``pad``: what an overlapped entry counts as; ``None`` for an idempotent
@@ -293,12 +337,30 @@ def _row_stats(x, w, n_rows, classes: int, acc: str, chunk: int | None,
     ]
     if w is not None:
         parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: w[c]))
+    if target is not None:
+        one = tirx.const(1.0, acc)
+        tl = te.compute((n_rows,), lambda n: xf(n, target(n)), name=ROW_TARGET_LOGIT)
+
+        def beats(n, c, k, j):
+            v = xf(n, c)
+            first = tirx.any(v > tl[n], tirx.all(v == tl[n], c < target(n)))
+            return tirx.Select(first, one, zero)
+
+        parts.append(per_chunk(CHUNK_BEATS, te.sum, zero, beats))
     k_axis = te.reduce_axis((_int64(0), _int64(layout.n_chunks)), name="k")
     stats = te.compute(
         (n_rows,), lambda n: _softmax_merge(len(parts))(
             tuple(p[n, k_axis] for p in parts), axis=k_axis), name=ROWSTATS)
     return RowStats(stats[0], stats[1], stats[2], stats[3] if w is not None else None,
-                    cmax, kept, layout)
+                    cmax, kept, layout, stats[len(parts) - 1] if target is not None else None)
+
+
+def _row_hits(n_rows, acc, mask, beats):
+    """``ce_row_hit``: 1 where the row counts and its target is the first
+    maximal logit, else 0 (token accuracy, SPEC section 5)."""
+    one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
+    return te.compute((n_rows,), lambda n: tirx.Select(
+        tirx.all(mask(n) != 0, beats[n] == zero), one, zero), name=ROW_HIT)
 
 
 def _row_losses(n_rows, classes, acc, eps, s, mask, lse, target_logit, target_weight, wxsum,
@@ -349,32 +411,39 @@ def forward_func(classes: int, dtype: str, variant: Variant,
 
     Arguments, in order: ``x[N, C]`` (dtype), ``target[N]`` (int64),
     ``weight[C]`` (accumulation dtype, weighted variant only), ``ignore_index``,
-    ``label_smoothing``, ``zloss_scale``; outputs ``loss`` and ``zloss``
+    ``label_smoothing``, ``zloss_scale``, ``softcap`` (capped variant only:
+    every logit is read as ``t * tanh(x / t)``); outputs ``loss`` and ``zloss``
     (``[N]`` for ``none``, else ``[1]``, dtype), ``lse[N]`` (accumulation
-    dtype), and ``log_prob[N, C]`` (dtype, log-prob variant only).
+    dtype), ``log_prob[N, C]`` (dtype, log-prob variant only), and
+    ``hit[N]`` (accumulation dtype, accuracy variant only: 1 where the row is
+    not ignored and its target is its first maximal logit, else 0).
     """
     acc, n_rows, x, y, w = _logits_inputs(classes, dtype, variant.weighted)
-    ii, eps, s = _scalars(acc)
+    ii, eps, s, *cap = scalars = _scalars(acc, variant.softcap)
+    logit = Logits(x, acc, tuple(cap))
     mask, index = _masked_target(y, ii, classes)
-    st = _row_stats(x, w, n_rows, classes, acc, chunk)
+    st = _row_stats(logit, w, n_rows, classes, acc, chunk,
+                    target=index if variant.accuracy else None)
     rowmax, expsum, wxsum, wsum = st.rowmax, st.expsum, st.wxsum, st.wsum
     lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name=LSE)
     rows = _row_losses(
         n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
-        target_logit=lambda n: x[n, index(n)].astype(acc),
+        target_logit=lambda n: logit(n, index(n)),
         target_weight=lambda n: w[index(n)] if w is not None else tirx.const(1.0, acc),
         wxsum=lambda n: wxsum[n],
         wsum=lambda n: wsum[n] if w is not None else tirx.const(float(classes), acc),
         reduction=variant.reduction)
     outs = _reduce_forward(rows, n_rows, dtype, variant.reduction).outputs
-    args = [x, y] + ([w] if w is not None else []) + [ii, eps, s] + outs + [lse]
+    args = [x, y] + ([w] if w is not None else []) + list(scalars) + outs + [lse]
     if variant.log_prob:
         log_prob = te.compute(
             (n_rows, _int64(classes)),
-            lambda n, c: (x[n, c].astype(acc) - lse[n]).astype(dtype),
+            lambda n, c: (logit(n, c) - lse[n]).astype(dtype),
             name=LOG_PROB,
         )
         args.append(log_prob)
+    if variant.accuracy:
+        args.append(_row_hits(n_rows, acc, mask, st.beats))
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
 
@@ -384,13 +453,16 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
     ``[shard_offset, shard_offset + C_r)`` of the full logits).
 
     Arguments: ``x``, ``target[N]`` (global class ids), ``weight[C_r]``
-    (weighted only), ``shard_offset``; outputs (accumulation dtype, ``[N]``):
-    the shard's row max, ``sum exp(x - max)``, ``sum w x``, and the target's
-    logit and weight where the target falls in this shard (0 elsewhere).
+    (weighted only), ``shard_offset``, ``softcap`` (capped variant only);
+    outputs (accumulation dtype, ``[N]``): the shard's row max,
+    ``sum exp(x - max)``, ``sum w x``, and the target's logit and weight
+    where the target falls in this shard (0 elsewhere).
     """
     acc, n_rows, x, y, w = _logits_inputs(classes, dtype, variant.weighted)
     offset = te.var("shard_offset", "int64")
-    st = _row_stats(x, w, n_rows, classes, acc, chunk)
+    cap = _scalars(acc, variant.softcap)[3:]
+    logit = Logits(x, acc, cap)
+    st = _row_stats(logit, w, n_rows, classes, acc, chunk)
     rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
     local = te.compute((n_rows,), lambda n: y[n] - offset, name=SHARD_LOCAL)
 
@@ -401,12 +473,13 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
         return tirx.Select(here(n), local[n], _int64(0))
 
     zero = tirx.const(0.0, acc)
-    xt = te.compute((n_rows,), lambda n: tirx.Select(here(n), x[n, clamp(n)].astype(acc), zero),
+    xt = te.compute((n_rows,), lambda n: tirx.Select(here(n), logit(n, clamp(n)), zero),
                     name=SHARD_TARGET_LOGIT)
     wy = te.compute((n_rows,), lambda n: tirx.Select(
         here(n), w[clamp(n)] if w is not None else tirx.const(1.0, acc), zero),
         name=SHARD_TARGET_WEIGHT)
-    args = [x, y] + ([w] if w is not None else []) + [offset, rowmax, expsum, wxsum, xt, wy]
+    args = ([x, y] + ([w] if w is not None else []) + [offset, *cap]
+            + [rowmax, expsum, wxsum, xt, wy])
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
 
@@ -522,8 +595,9 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
     columns ``[shard_offset, shard_offset + C)`` of the full logits, ``lse``
     is the full row's) also ``target_weight[N]`` (``w[y[n]]`` over the full
     vocabulary), ``shard_offset``, ``weight_sum`` and ``global_classes``;
-    then ``ignore_index``, ``label_smoothing``, ``zloss_scale``; output
-    ``x_grad[N, C]`` (dtype).
+    then ``ignore_index``, ``label_smoothing``, ``zloss_scale``, and
+    ``softcap`` (capped variant with a logits or shard source: the gradient
+    is taken through ``t * tanh(x / t)``); output ``x_grad[N, C]`` (dtype).
     """
     acc = accum_dtype(dtype)
     n_rows = _rows()
@@ -535,7 +609,10 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
     lse = te.placeholder((n_rows,), acc, name="lse")
     y = te.placeholder((n_rows,), "int64", name="target")
     w = te.placeholder((_int64(classes),), acc, name="weight") if variant.weighted else None
-    ii, eps, s = _scalars(acc)
+    if variant.softcap and variant.grad_source == "log_prob":
+        raise ValueError("the backward from log_prob (the seed pair) has no softcap")
+    ii, eps, s, *cap = scalars = _scalars(acc, variant.softcap)
+    logit = Logits(src, acc, tuple(cap))
     mask, index = _masked_target(y, ii, classes)
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
 
@@ -568,7 +645,7 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
             total_w = tirx.const(float(classes), acc)
 
     def logp(n, c):
-        value = src[n, c].astype(acc)
+        value = logit(n, c)
         return value if variant.grad_source == "log_prob" else value - lse[n]
 
     if variant.reduction == "mean":
@@ -591,11 +668,12 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         # x - lse <= 0 for a logits source; a caller's log_prob gets the full clamps.
         p = fastmath.exp(logp(n, c), nonpositive=variant.grad_source != "log_prob",
                          storage=dtype)
-        return (p * p_scale[n] - onehot - smooth[n] * wc(c)).astype(dtype)
+        return logit.scaled_by_slope(n, c, p * p_scale[n] - onehot - smooth[n] * wc(c)).astype(
+            dtype)
 
     x_grad = te.compute((n_rows, _int64(classes)), grad, name=X_GRAD)
     args = ([g, gzl, src, lse, y] + ([w] if w is not None else []) + shard_args
-            + [ii, eps, s, x_grad])
+            + list(scalars) + [x_grad])
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
 
@@ -615,15 +693,18 @@ def train_func(classes: int, dtype: str, variant: Variant,
 
     Arguments: those of ``forward_func``; outputs (``mean`` only) ``norms[2]``
     = ``(D, M)`` (accumulation dtype), ``x_grad[N, C]`` (dtype, rounded once),
-    ``lse[N]``, then ``loss`` and ``zloss`` as in ``forward_func``.
+    ``lse[N]``, ``loss`` and ``zloss`` as in ``forward_func``, then (accuracy
+    variant) ``hit[N]`` as in ``forward_func``.
     """
     if variant.reduction == "none":
         raise ValueError("train_func needs reduction 'sum' or 'mean'")
     acc, n_rows, x, y, w = _logits_inputs(classes, dtype, variant.weighted)
-    ii, eps, s = _scalars(acc)
+    ii, eps, s, *cap = scalars = _scalars(acc, variant.softcap)
+    logit = Logits(x, acc, tuple(cap))
     mask, index = _masked_target(y, ii, classes)
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
-    st = _row_stats(x, w, n_rows, classes, acc, chunk, keep_exp=True)
+    st = _row_stats(logit, w, n_rows, classes, acc, chunk, keep_exp=True,
+                    target=index if variant.accuracy else None)
     lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
 
     def wc(c):
@@ -634,7 +715,7 @@ def train_func(classes: int, dtype: str, variant: Variant,
 
     rows = _row_losses(
         n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
-        target_logit=lambda n: x[n, index(n)].astype(acc), target_weight=target_weight,
+        target_logit=lambda n: logit(n, index(n)), target_weight=target_weight,
         wxsum=lambda n: st.wxsum[n],
         wsum=lambda n: st.wsum[n] if w is not None else tirx.const(float(classes), acc),
         reduction=variant.reduction)
@@ -667,10 +748,14 @@ def train_func(classes: int, dtype: str, variant: Variant,
             k = tirx.Select(tail, _int64(lay.n_chunks - 1), tirx.floordiv(c, size))
             j = tirx.Select(tail, c - _int64(classes - lay.chunk), tirx.floormod(c, size))
         onehot = tirx.Select(_same_class(c, index(n)), hot[n], zero)
-        return (kept[n, k, j] * chunk_scale[n, k] - onehot - smooth[n] * wc(c)).astype(dtype)
+        return logit.scaled_by_slope(
+            n, c, kept[n, k, j] * chunk_scale[n, k] - onehot - smooth[n] * wc(c)).astype(dtype)
 
     x_grad = te.compute((n_rows, _int64(classes)), grad, name=X_GRAD)
     # Outputs in dependence order (the kernel's stages follow them): the mean's
     # D and M before the row sweep, the sweep's x_grad before the sums over rows.
-    args = [x, y] + ([w] if w is not None else []) + [ii, eps, s] + norms + [x_grad, lse] + outs
+    args = ([x, y] + ([w] if w is not None else []) + list(scalars) + norms + [x_grad, lse]
+            + outs)
+    if variant.accuracy:
+        args.append(_row_hits(n_rows, acc, mask, st.beats))
     return te.create_prim_func(args).with_attr("global_symbol", "main")

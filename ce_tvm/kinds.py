@@ -25,12 +25,19 @@ class Variant:
     seed API's ``log_prob``; ``"logits"`` recomputes it as ``x - lse``;
     ``"shard"`` does that for one vocabulary shard, with the row statistics
     of the full vocabulary passed in.
+
+    ``softcap``: the logits are capped, ``t * tanh(x / t)`` with ``t`` a scalar
+    argument (SPEC section 5); without it the kernel has no ``tanh`` at all.
+    ``accuracy``: the forward and training kernels also write, per row,
+    whether the target is the row's first maximal logit (token accuracy).
     """
 
     reduction: str = "mean"
     weighted: bool = False
     log_prob: bool = True
     grad_source: str = "log_prob"
+    softcap: bool = False
+    accuracy: bool = False
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
@@ -43,5 +50,6 @@ class Variant:
         """A short string naming the variant (used in cache keys and file names)."""
         return "-".join(
             [self.reduction, "w" if self.weighted else "nw", "lp" if self.log_prob else "nolp",
+             *(["sc"] if self.softcap else []), *(["acc"] if self.accuracy else []),
              self.grad_source]
         )

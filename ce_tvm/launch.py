@@ -11,7 +11,7 @@ launches nothing. The runtime scalars arrive as one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,12 +33,15 @@ from .tensors import (
 @dataclass
 class ForwardOutputs:
     """``loss``/``zloss``: ``[N]`` or ``[1]`` in the input dtype; ``lse``: ``[N]``
-    in the accumulation dtype; ``log_prob``: ``[N, C]`` or ``None``."""
+    in the accumulation dtype; ``log_prob``: ``[N, C]`` or ``None``; ``hit``:
+    ``[N]`` in the accumulation dtype, 1 where the row counts and its target
+    is its first maximal logit (token accuracy), or ``None``."""
 
     loss: torch.Tensor
     zloss: torch.Tensor
     lse: torch.Tensor
     log_prob: torch.Tensor | None
+    hit: torch.Tensor | None = None
 
 
 def _spec(op, x, variant) -> KernelSpec:
@@ -49,8 +52,15 @@ def _spec(op, x, variant) -> KernelSpec:
 
 
 def _scalars(options: LossOptions) -> tuple:
-    """The kernels' scalar arguments, in their order."""
-    return options.ignore_index, options.label_smoothing, options.zloss_scale
+    """The kernels' scalar arguments, in their order (``softcap`` only when on:
+    the kernels without it have no such argument)."""
+    return (options.ignore_index, options.label_smoothing, options.zloss_scale,
+            *((options.softcap,) if options.softcap else ()))
+
+
+def _capped(options: LossOptions) -> bool:
+    """Whether the kernels for ``options`` are the softcap variants."""
+    return options.softcap != 0.0
 
 
 def _weight(w) -> list:
@@ -86,9 +96,18 @@ def _empty_reduction(out, reduction: str) -> None:
             t.fill_(float("nan") if reduction == "mean" else 0.0)
 
 
-def forward(x, y, w, options: LossOptions, *, log_prob: bool,
+def token_accuracy(hit: torch.Tensor, y: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The fraction of rows not ignored whose target is their first maximal
+    logit, from the kernels' ``hit`` rows: a 0-d float32 tensor, NaN when no
+    row counts (0/0); computed on the device, no host sync."""
+    counted = (y != ignore_index).sum(dtype=hit.dtype)
+    return (hit.sum() / counted).to(torch.float32)
+
+
+def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = False,
             out: ForwardOutputs | None = None) -> ForwardOutputs:
-    """Run the fused forward; writes ``log_prob`` only when asked."""
+    """Run the fused forward; writes ``log_prob`` and ``hit`` only when asked
+    (a given ``out`` then holds a ``hit`` buffer)."""
     x, y, w = aligned(x), aligned(y), aligned(w)
     n = x.shape[0]
     if out is None:
@@ -98,33 +117,41 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool,
             zloss=x.new_empty(rows),
             lse=x.new_empty(n, dtype=accum_torch_dtype(x)),
             log_prob=pool.empty_like(x) if log_prob else None,
+            hit=x.new_empty(n, dtype=accum_torch_dtype(x)) if accuracy else None,
         )
-    _check_out(out.loss, out.zloss, out.lse, out.log_prob)
+    _check_out(out.loss, out.zloss, out.lse, out.log_prob, out.hit if accuracy else None)
     if _rows_to_run(x) == 0:
         _empty_reduction(out, options.reduction)
         return out
-    spec = _spec("forward", x, Variant(options.reduction, w is not None, log_prob=log_prob))
-    call(spec, x, y, *_weight(w), *_scalars(options), out.loss, out.zloss, out.lse,
-         *([out.log_prob] if log_prob else []))
+    variant = Variant(options.reduction, w is not None, log_prob=log_prob,
+                      softcap=_capped(options), accuracy=accuracy)
+    call(_spec("forward", x, variant), x, y, *_weight(w), *_scalars(options), out.loss,
+         out.zloss, out.lse, *([out.log_prob] if log_prob else []),
+         *([out.hit] if accuracy else []))
     return out
 
 
-def train(x, y, w, options: LossOptions) -> tuple[ForwardOutputs, torch.Tensor]:
+def train(x, y, w, options: LossOptions, *,
+          accuracy: bool = False) -> tuple[ForwardOutputs, torch.Tensor]:
     """The forward and, in the same sweep, the logits gradient for a unit
     upstream gradient (``sum``/``mean`` only); returns ``(ForwardOutputs,
-    x_grad)`` with ``x_grad`` from the buffer pool and ``log_prob`` ``None``."""
+    x_grad)`` with ``x_grad`` from the buffer pool, ``log_prob`` ``None``,
+    and ``hit`` when ``accuracy``."""
     x, y, w = aligned(x), aligned(y), aligned(w)
     n = x.shape[0]
+    acc = accum_torch_dtype(x)
     out = ForwardOutputs(loss=x.new_empty(1), zloss=x.new_empty(1),
-                         lse=x.new_empty(n, dtype=accum_torch_dtype(x)), log_prob=None)
+                         lse=x.new_empty(n, dtype=acc), log_prob=None,
+                         hit=x.new_empty(n, dtype=acc) if accuracy else None)
     x_grad = pool.empty_like(x)
     if _rows_to_run(x) == 0:
         _empty_reduction(out, options.reduction)
         return out, x_grad
-    norms = [x.new_empty(2, dtype=accum_torch_dtype(x))] if options.reduction == "mean" else []
-    spec = _spec("train", x, Variant(options.reduction, w is not None, log_prob=False))
-    call(spec, x, y, *_weight(w), *_scalars(options), *norms, x_grad, out.lse, out.loss,
-         out.zloss)
+    norms = [x.new_empty(2, dtype=acc)] if options.reduction == "mean" else []
+    variant = Variant(options.reduction, w is not None, log_prob=False,
+                      softcap=_capped(options), accuracy=accuracy)
+    call(_spec("train", x, variant), x, y, *_weight(w), *_scalars(options), *norms, x_grad,
+         out.lse, out.loss, out.zloss, *([out.hit] if accuracy else []))
     return out, x_grad
 
 
@@ -138,21 +165,23 @@ def backward(grad_loss, grad_zloss, source, lse, y, w, options: LossOptions, *,
     _check_out(x_grad)
     if _rows_to_run(source) == 0:
         return x_grad
-    variant = Variant(options.reduction, w is not None, grad_source=source_kind)
+    variant = Variant(options.reduction, w is not None, grad_source=source_kind,
+                      softcap=_capped(options))
     call(_spec("backward", source, variant), grad_loss, grad_zloss, source, lse, y,
          *_weight(w), *_scalars(options), x_grad)
     return x_grad
 
 
-def shard_stats(x, y, w, offset: int):
-    """Row statistics of a vocabulary shard: ``(rowmax, expsum, wxsum,
-    target_logit, target_weight)``, each ``[N]`` in the accumulation dtype."""
+def shard_stats(x, y, w, offset: int, softcap: float = 0.0):
+    """Row statistics of a vocabulary shard (logits capped by ``softcap`` when
+    non-zero): ``(rowmax, expsum, wxsum, target_logit, target_weight)``, each
+    ``[N]`` in the accumulation dtype."""
     x, y, w = aligned(x), aligned(y), aligned(w)
     outs = [x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)) for _ in range(5)]
     if _rows_to_run(x) == 0:
         return outs
-    spec = _spec("shard_stats", x, Variant(weighted=w is not None))
-    call(spec, x, y, *_weight(w), offset, *outs)
+    spec = _spec("shard_stats", x, Variant(weighted=w is not None, softcap=softcap != 0.0))
+    call(spec, x, y, *_weight(w), offset, *((softcap,) if softcap else ()), *outs)
     return outs
 
 
@@ -168,8 +197,9 @@ def shard_combine(lse, target_logit, target_weight, wxsum, y, *, weight_sum: flo
         return loss, zloss
     spec = KernelSpec("shard_combine", dtype_name(dtype), classes, Variant(options.reduction),
                       *kernel_target(lse))
-    call(spec, lse, target_logit, target_weight, wxsum, y, weight_sum, *_scalars(options),
-         loss, zloss)
+    # the statistics are of the capped logits already: this kernel has no softcap
+    call(spec, lse, target_logit, target_weight, wxsum, y, weight_sum,
+         *_scalars(replace(options, softcap=0.0)), loss, zloss)
     return loss, zloss
 
 
@@ -181,7 +211,8 @@ def shard_backward(grad_loss, x, lse, y, w, target_weight, *, offset: int, weigh
     x_grad = pool.empty_like(x)
     if _rows_to_run(x) == 0:
         return x_grad
-    variant = Variant(options.reduction, w is not None, grad_source="shard")
+    variant = Variant(options.reduction, w is not None, grad_source="shard",
+                      softcap=_capped(options))
     call(_spec("backward", x, variant), grad_loss, torch.zeros_like(grad_loss), x, lse, y,
          *_weight(w), target_weight, offset, weight_sum, float(global_classes),
          *_scalars(options), x_grad)

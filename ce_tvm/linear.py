@@ -28,22 +28,24 @@ from torch import Tensor, nn
 from . import linear_sweep as sweep
 from . import validation as check
 from .custom_ops import custom_op
-from .ops import loss_rows, options_of, schema_scalars
+from .ops import accuracy_like, loss_rows, options_of, schema_scalars, with_extras
 from .options import LossOptions
 from .tensors import TORCH_DTYPES
 
-_OP_ARGS = 14  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
+_OP_ARGS = 16  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
 
 
 @custom_op("ce_tvm::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_forward(
         input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, target: Tensor,
         weight: Tensor | None, reduction: str, ignore_index: int, label_smoothing: float,
-        lse_square_scale: float, chunk_rows: int, grad_input: bool, grad_weight: bool,
-        grad_bias: bool, allow_retain_graph: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, zloss, grad_input, grad_weight, grad_bias)`` for ``input [N, H]``.
+        lse_square_scale: float, softcap: float, token_accuracy: bool, chunk_rows: int,
+        grad_input: bool, grad_weight: bool, grad_bias: bool, allow_retain_graph: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, zloss, accuracy, grad_input, grad_weight, grad_bias)`` for ``input [N, H]``.
 
-    ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``. The gradients
+    ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``; ``accuracy`` is
+    0-d when ``token_accuracy``, else empty (``ops.accuracy_like``). The gradients
     (for a unit upstream gradient) are computed for ``mean``/``sum`` when
     their flag is set, else they are empty tensors. ``chunk_rows`` 0: the
     default chunk size (``linear_sweep.chunk_rows``). ``allow_retain_graph``
@@ -51,20 +53,21 @@ def linear_cross_entropy_forward(
     """
     y = check.targets(target, input, ignore_index, classes=linear_weight.shape[0])
     w = check.weight(weight, input, classes=linear_weight.shape[0])
-    opts = options_of(reduction, ignore_index, label_smoothing, lse_square_scale)
+    opts = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
     rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
     needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
     if reduction == "none" or not needs.any():
         empty = input.new_empty(0)
-        return (*sweep.loss_only(input, linear_weight, linear_bias, y, w, opts, rows),
-                empty, empty.clone(), empty.clone())
-    return sweep.loss_and_grads(input, linear_weight, linear_bias, y, w, opts, rows, needs)
+        return (*sweep.loss_only(input, linear_weight, linear_bias, y, w, opts, rows,
+                                 token_accuracy), empty, empty.clone(), empty.clone())
+    return sweep.loss_and_grads(input, linear_weight, linear_bias, y, w, opts, rows, needs,
+                                token_accuracy)
 
 
 @linear_cross_entropy_forward.register_fake
 def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index,
-      label_smoothing, lse_square_scale, chunk_rows, grad_input, grad_weight, grad_bias,
-      allow_retain_graph):
+      label_smoothing, lse_square_scale, softcap, token_accuracy, chunk_rows, grad_input,
+      grad_weight, grad_bias, allow_retain_graph):
     rows = loss_rows(input, reduction)
     scalar = reduction != "none"
 
@@ -73,20 +76,21 @@ def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index
             return torch.empty_like(like)
         return input.new_empty(0)
 
-    return (input.new_empty(rows), input.new_empty(rows), grad(input, grad_input),
-            grad(linear_weight, grad_weight), grad(linear_bias, grad_bias))
+    return (input.new_empty(rows), input.new_empty(rows), accuracy_like(input, token_accuracy),
+            grad(input, grad_input), grad(linear_weight, grad_weight),
+            grad(linear_bias, grad_bias))
 
 
 @custom_op("ce_tvm::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(
         grad_loss: Tensor, input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None,
         target: Tensor, weight: Tensor | None, ignore_index: int, label_smoothing: float,
-        lse_square_scale: float, chunk_rows: int, grad_input: bool, grad_weight: bool,
-        grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+        lse_square_scale: float, softcap: float, chunk_rows: int, grad_input: bool,
+        grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(grad_input, grad_weight, grad_bias)`` of the ``none`` loss for the
     per-row upstream gradient ``grad_loss [N]``, the logits recomputed chunk by
     chunk; an empty tensor for each gradient not asked for."""
-    opts = options_of("none", ignore_index, label_smoothing, lse_square_scale)
+    opts = options_of("none", ignore_index, label_smoothing, lse_square_scale, softcap)
     rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
     needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
     return sweep.grads_from_rows(grad_loss, input, linear_weight, linear_bias,
@@ -97,7 +101,8 @@ def linear_cross_entropy_backward(
 
 @linear_cross_entropy_backward.register_fake
 def _(grad_loss, input, linear_weight, linear_bias, target, weight, ignore_index,
-      label_smoothing, lse_square_scale, chunk_rows, grad_input, grad_weight, grad_bias):
+      label_smoothing, lse_square_scale, softcap, chunk_rows, grad_input, grad_weight,
+      grad_bias):
     def grad(like, wanted):
         return torch.empty_like(like) if wanted and like is not None else input.new_empty(0)
 
@@ -106,18 +111,19 @@ def _(grad_loss, input, linear_weight, linear_bias, target, weight, ignore_index
 
 
 def _setup_context(ctx, inputs, output):
-    (x, W, b, target, weight, reduction, ii, eps, s, chunk_rows, *needs, retain) = inputs
+    (x, W, b, target, weight, reduction, ii, eps, s, cap, _, chunk_rows, *needs,
+     retain) = inputs
     ctx.needs = tuple(needs)
     ctx.in_place = not retain
     ctx.reduction = reduction
     if reduction == "none":
         ctx.save_for_backward(x, W, b, target, weight)
-        ctx.options = (ii, eps, s, chunk_rows)
+        ctx.options = (ii, eps, s, cap, chunk_rows)
         ctx.grads = None
     else:
         # Detached: a forward output kept on ctx with its grad_fn would form a
         # reference cycle (node -> ctx -> output -> node).
-        ctx.grads = tuple(t.detach() for t in output[2:])
+        ctx.grads = tuple(t.detach() for t in output[3:])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero [V, H] tensors for the unused outputs
 
@@ -203,7 +209,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          linear_bias: Tensor | None = None, weight: Tensor | None = None,
                          reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
-                         return_zloss: bool = False, chunk_rows: int | None = None,
+                         softcap: float = 0.0, return_zloss: bool = False,
+                         return_token_accuracy: bool = False, chunk_rows: int | None = None,
                          allow_retain_graph: bool = False):
     """``cross_entropy(input @ linear_weight.T + linear_bias, target, ...)`` without
     the logits ever existing whole.
@@ -212,29 +219,33 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     ``linear_bias [V]``, ``target [*]`` class indices; the class dimension of
     the logits is the last one. Returns the loss (0-d for ``mean``/``sum``,
     the target's shape for ``none``), z-loss included when
-    ``lse_square_scale > 0``; with ``return_zloss=True``, ``(loss, zloss)``
-    as ``ce_tvm.cross_entropy`` does. ``chunk_rows`` (or the environment
-    variable ``CE_TVM_LINEAR_CHUNK_ROWS``) sets the rows per chunk; by
-    default a chunk's logits take about 32 MB. For ``mean``/``sum`` the
+    ``lse_square_scale > 0``; ``softcap``, ``return_zloss`` and
+    ``return_token_accuracy`` as ``ce_tvm.cross_entropy`` has them (the
+    capped logits and the accuracy are computed chunk by chunk too).
+    ``chunk_rows`` (or the environment variable ``CE_TVM_LINEAR_CHUNK_ROWS``)
+    sets the rows per chunk; by default a chunk's logits take about 32 MB. For ``mean``/``sum`` the
     backward consumes gradients computed in the forward, so a second
     backward through the same graph needs ``allow_retain_graph=True``.
     """
     x, y = _flatten(input, linear_weight, target, linear_bias)
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
-                          label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
+                          label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
+                          softcap=softcap)
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
                                    or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
     grad_on = torch.is_grad_enabled()
-    loss, zloss, *_ = linear_cross_entropy_forward(
+    loss, zloss, accuracy, *_ = linear_cross_entropy_forward(
         x, linear_weight, linear_bias, y, weight, **schema_scalars(options),
-        chunk_rows=chunk_rows or 0, grad_input=grad_on and input.requires_grad,
+        token_accuracy=bool(return_token_accuracy), chunk_rows=chunk_rows or 0,
+        grad_input=grad_on and input.requires_grad,
         grad_weight=grad_on and linear_weight.requires_grad,
         grad_bias=grad_on and linear_bias is not None and linear_bias.requires_grad,
         allow_retain_graph=bool(allow_retain_graph))
     shape = tuple(target.shape) if options.reduction == "none" else ()
     loss, zloss = loss.reshape(shape), zloss.reshape(shape)
-    return (loss, zloss) if return_zloss else loss
+    return with_extras(loss, zloss if return_zloss else None,
+                       accuracy if return_token_accuracy else None)
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -250,14 +261,18 @@ class LinearCrossEntropyLoss(nn.Module):
     def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, return_zloss: bool = False,
-                 chunk_rows: int | None = None, allow_retain_graph: bool = False):
+                 chunk_rows: int | None = None, allow_retain_graph: bool = False, *,
+                 softcap: float = 0.0, return_token_accuracy: bool = False):
         super().__init__()
         self.register_buffer("weight", weight)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
-                              label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
+                              label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
+                              softcap=softcap)
         self.ignore_index, self.reduction = options.ignore_index, options.reduction
         self.label_smoothing, self.lse_square_scale = options.label_smoothing, options.zloss_scale
+        self.softcap = options.softcap
         self.return_zloss = return_zloss
+        self.return_token_accuracy = return_token_accuracy
         self.chunk_rows = chunk_rows
         self.allow_retain_graph = allow_retain_graph
 
@@ -267,10 +282,12 @@ class LinearCrossEntropyLoss(nn.Module):
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
             reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
-            return_zloss=self.return_zloss, chunk_rows=self.chunk_rows,
+            softcap=self.softcap, return_zloss=self.return_zloss,
+            return_token_accuracy=self.return_token_accuracy, chunk_rows=self.chunk_rows,
             allow_retain_graph=self.allow_retain_graph)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, "
-                f"lse_square_scale={self.lse_square_scale}, chunk_rows={self.chunk_rows}")
+                f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, "
+                f"chunk_rows={self.chunk_rows}")

@@ -92,14 +92,18 @@ def normalisers(y: Tensor, w: Tensor | None, opts: LossOptions, acc: torch.dtype
 class _ChunkBuffers:
     """The buffer of one chunk's logits (then their gradient) and the chunk's
     per-row outputs, reused by every chunk, and the per-row ``loss``/``zloss``
-    of the whole sweep (``[N]``). The kernels write the chunk's own outputs
-    (they start their buffers, so they are aligned as the kernels require)."""
+    (and, for token accuracy, ``hit``) of the whole sweep (``[N]``). The
+    kernels write the chunk's own outputs (they start their buffers, so they
+    are aligned as the kernels require)."""
 
-    def __init__(self, rows: int, x: Tensor, classes: int):
+    def __init__(self, rows: int, x: Tensor, classes: int, accuracy: bool = False):
+        acc = accum_torch_dtype(x)
         self.logits = pool.POOL.empty((rows, classes), x.dtype, x.device)
         self.chunk = launch.ForwardOutputs(x.new_empty(rows), x.new_empty(rows),
-                                           x.new_empty(rows, dtype=accum_torch_dtype(x)), None)
+                                           x.new_empty(rows, dtype=acc), None,
+                                           x.new_empty(rows, dtype=acc) if accuracy else None)
         self.loss, self.zloss = x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
+        self.hit = x.new_empty(x.shape[0], dtype=acc) if accuracy else None
 
     def project(self, x_rows: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
         """``x_rows @ W^T + b`` into the logits buffer."""
@@ -111,20 +115,32 @@ class _ChunkBuffers:
     def outputs(self, n: int) -> launch.ForwardOutputs:
         """Where the chunk step writes a chunk of ``n`` rows."""
         c = self.chunk
-        return launch.ForwardOutputs(c.loss[:n], c.zloss[:n], c.lse[:n], None)
+        return launch.ForwardOutputs(c.loss[:n], c.zloss[:n], c.lse[:n], None,
+                                     None if c.hit is None else c.hit[:n])
 
     def keep(self, rows: slice) -> None:
-        """The chunk's per-row losses into the sweep's ``[N]`` ones."""
+        """The chunk's per-row outputs into the sweep's ``[N]`` ones."""
         n = rows.stop - rows.start
         self.loss[rows].copy_(self.chunk.loss[:n])
         self.zloss[rows].copy_(self.chunk.zloss[:n])
+        if self.hit is not None:
+            self.hit[rows].copy_(self.chunk.hit[:n])
+
+    def accuracy(self, y: Tensor, opts: LossOptions) -> Tensor:
+        """The sweep's token accuracy (``launch.token_accuracy``), or an empty
+        tensor when it was not asked for."""
+        if self.hit is None:
+            return self.loss.new_empty(0, dtype=torch.float32)
+        return launch.token_accuracy(self.hit, y, opts.ignore_index)
 
 
 def chunk_loss(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
                out: launch.ForwardOutputs) -> None:
-    """The chunk's per-row loss (``ce + z``), z-loss and ``lse`` into ``out``
-    (SPEC section 1, ``none``, whatever ``opts.reduction``); no gradient."""
-    launch.forward(logits, y, w, replace(opts, reduction="none"), log_prob=False, out=out)
+    """The chunk's per-row loss (``ce + z``), z-loss, ``lse`` (and ``hit`` when
+    ``out`` has it) into ``out`` (SPEC section 1, ``none``, whatever
+    ``opts.reduction``); no gradient."""
+    launch.forward(logits, y, w, replace(opts, reduction="none"), log_prob=False,
+                   accuracy=out.hit is not None, out=out)
 
 
 def chunk_loss_and_dlogits(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
@@ -225,21 +241,23 @@ def _reduce(bufs: _ChunkBuffers, D: Tensor | None, M: Tensor | None,
 
 
 def loss_only(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | None,
-              opts: LossOptions, rows: int) -> tuple[Tensor, Tensor]:
-    """``(loss, zloss)`` without any gradient."""
-    bufs = _ChunkBuffers(rows, x, W.shape[0])
+              opts: LossOptions, rows: int,
+              accuracy: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, zloss, accuracy)`` without any gradient (``accuracy`` empty
+    unless asked for)."""
+    bufs = _ChunkBuffers(rows, x, W.shape[0], accuracy)
     for sl in _chunks(x.shape[0], rows):
         chunk_loss(bufs.project(x[sl], W, b), y[sl], w, opts, bufs.outputs(sl.stop - sl.start))
         bufs.keep(sl)
     D, M = (normalisers(y, w, opts, accum_torch_dtype(x)) if opts.reduction == "mean"
             else (None, None))
-    return _reduce(bufs, D, M, opts)
+    return (*_reduce(bufs, D, M, opts), bufs.accuracy(y, opts))
 
 
 def loss_and_grads(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | None,
-                   opts: LossOptions, rows: int, needs: Needs):
-    """``(loss, zloss, grad_x, grad_W, grad_b)`` for ``mean``/``sum`` in one sweep;
-    the gradients are for a unit upstream gradient of ``loss``."""
+                   opts: LossOptions, rows: int, needs: Needs, accuracy: bool = False):
+    """``(loss, zloss, accuracy, grad_x, grad_W, grad_b)`` for ``mean``/``sum``
+    in one sweep; the gradients are for a unit upstream gradient of ``loss``."""
     acc = accum_torch_dtype(x)
     if opts.reduction == "mean":
         D, M = normalisers(y, w, opts, acc)
@@ -247,9 +265,9 @@ def loss_and_grads(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor 
     else:
         D = M = None
         grad_ce = grad_z = torch.ones(1, dtype=acc, device=x.device)
-    bufs = _ChunkBuffers(rows, x, W.shape[0])
+    bufs = _ChunkBuffers(rows, x, W.shape[0], accuracy)
     grads = _sweep_grads(bufs, x, W, b, y, w, opts, needs, grad_ce, grad_z, per_row=False)
-    return (*_reduce(bufs, D, M, opts), *grads)
+    return (*_reduce(bufs, D, M, opts), bufs.accuracy(y, opts), *grads)
 
 
 def grads_from_rows(grad_loss: Tensor, x: Tensor, W: Tensor, b: Tensor | None, y: Tensor,

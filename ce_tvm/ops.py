@@ -33,13 +33,29 @@ from .tensors import accum_torch_dtype
 def schema_scalars(options: LossOptions) -> dict:
     """``options`` by the names of the ops' schema (whose scalars stay primitive)."""
     return dict(reduction=options.reduction, ignore_index=options.ignore_index,
-                label_smoothing=options.label_smoothing, lse_square_scale=options.zloss_scale)
+                label_smoothing=options.label_smoothing, lse_square_scale=options.zloss_scale,
+                softcap=options.softcap)
 
 
-def options_of(reduction, ignore_index, label_smoothing, lse_square_scale) -> LossOptions:
+def options_of(reduction, ignore_index, label_smoothing, lse_square_scale,
+               softcap) -> LossOptions:
     """The op schemas' scalars (primitive, as the schemas need) as one ``LossOptions``."""
     return LossOptions(reduction=reduction, ignore_index=ignore_index,
-                       label_smoothing=label_smoothing, zloss_scale=lse_square_scale)
+                       label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
+                       softcap=softcap)
+
+
+def accuracy_like(x: Tensor, wanted: bool) -> Tensor:
+    """The token-accuracy output's shape: 0-d float32 when ``wanted``, else empty."""
+    return x.new_empty((), dtype=torch.float32) if wanted else x.new_empty(0,
+                                                                          dtype=torch.float32)
+
+
+def with_extras(loss: Tensor, zloss: Tensor | None, accuracy: Tensor | None):
+    """The loss alone, or the tuple ``(loss, [zloss], [accuracy])`` of the extras
+    asked for, in that order; the extras are detached (logging only)."""
+    extras = tuple(t.detach() for t in (zloss, accuracy) if t is not None)
+    return (loss, *extras) if extras else loss
 
 
 def loss_rows(x: Tensor, reduction: str) -> int:
@@ -49,28 +65,42 @@ def loss_rows(x: Tensor, reduction: str) -> int:
 
 @custom_op("ce_tvm::cross_entropy_forward", mutates_args=())
 def cross_entropy_forward(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
-                          ignore_index: int, label_smoothing: float,
-                          lse_square_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(loss, zloss, lse)``; ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``."""
-    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale)
+                          ignore_index: int, label_smoothing: float, lse_square_scale: float,
+                          softcap: float, token_accuracy: bool
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, zloss, lse, accuracy)``; ``loss``/``zloss`` are ``[N]`` for
+    ``none``, else ``[1]``; ``accuracy`` (``launch.token_accuracy``) is 0-d
+    when ``token_accuracy``, else empty."""
+    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
     y = check.targets(target, x, options.ignore_index)
-    out = launch.forward(x.contiguous(), y, check.weight(weight, x), options, log_prob=False)
-    return out.loss, out.zloss, out.lse
+    out = launch.forward(x.contiguous(), y, check.weight(weight, x), options, log_prob=False,
+                         accuracy=token_accuracy)
+    return out.loss, out.zloss, out.lse, _accuracy(out, y, options, x, token_accuracy)
+
+
+def _accuracy(out: launch.ForwardOutputs, y: Tensor, options: LossOptions, x: Tensor,
+              wanted: bool) -> Tensor:
+    if not wanted:
+        return accuracy_like(x, False)
+    return launch.token_accuracy(out.hit, y, options.ignore_index)
 
 
 @cross_entropy_forward.register_fake
-def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale):
+def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
+      token_accuracy):
     rows = loss_rows(x, reduction)
     return (x.new_empty(rows), x.new_empty(rows),
-            x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)))
+            x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)),
+            accuracy_like(x, token_accuracy))
 
 
 @custom_op("ce_tvm::cross_entropy_backward", mutates_args=())
 def cross_entropy_backward(grad_loss: Tensor, x: Tensor, lse: Tensor, target: Tensor,
                            weight: Tensor | None, reduction: str, ignore_index: int,
-                           label_smoothing: float, lse_square_scale: float) -> Tensor:
+                           label_smoothing: float, lse_square_scale: float,
+                           softcap: float) -> Tensor:
     """The logits gradient, recomputed from the logits and their ``lse``."""
-    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale)
+    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
     g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
     return launch.backward(g, torch.zeros_like(g), x.contiguous(), lse.contiguous(),
                            target.to(torch.int64).contiguous(), check.weight(weight, x),
@@ -79,24 +109,31 @@ def cross_entropy_backward(grad_loss: Tensor, x: Tensor, lse: Tensor, target: Te
 
 @cross_entropy_backward.register_fake
 def _(grad_loss, x, lse, target, weight, reduction, ignore_index, label_smoothing,
-      lse_square_scale):
+      lse_square_scale, softcap):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+_OP_ARGS = 9  # inputs of cross_entropy_forward/_train, for the backward's None slots
+
+
 def _setup_context(ctx, inputs, output):
-    x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale = inputs
+    x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap, _ = (
+        inputs)
     ctx.save_for_backward(x, output[2], target, weight)
     ctx.scalars = dict(reduction=reduction, ignore_index=ignore_index,  # checked by the forward
-                       label_smoothing=label_smoothing, lse_square_scale=lse_square_scale)
+                       label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
+                       softcap=softcap)
+    ctx.mark_non_differentiable(output[3])
 
 
-def _backward(ctx, grad_loss, grad_zloss, grad_lse):
-    # zloss and lse are reported for logging; gradient flows through loss only.
+def _backward(ctx, grad_loss, grad_zloss, grad_lse, grad_accuracy):
+    # zloss, lse and the accuracy are reported for logging; gradient flows through loss only.
     x, lse, target, weight = ctx.saved_tensors
+    none = (None,) * (_OP_ARGS - 1)
     if grad_loss is None:
-        return None, None, None, None, None, None, None
+        return (None, *none)
     grad = cross_entropy_backward(grad_loss, x, lse, target, weight, **ctx.scalars)
-    return grad, None, None, None, None, None, None
+    return (grad, *none)
 
 
 cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -104,20 +141,26 @@ cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
 
 @custom_op("ce_tvm::cross_entropy_train", mutates_args=())
 def cross_entropy_train(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
-                        ignore_index: int, label_smoothing: float,
-                        lse_square_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, zloss, lse, x_grad)``: ``loss``/``zloss`` ``[1]``; ``x_grad`` is
-    d(loss)/d(x) for a unit upstream gradient (``sum``/``mean`` only)."""
-    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale)
+                        ignore_index: int, label_smoothing: float, lse_square_scale: float,
+                        softcap: float, token_accuracy: bool
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, zloss, lse, accuracy, x_grad)``: ``loss``/``zloss`` ``[1]``;
+    ``accuracy`` as in ``cross_entropy_forward``; ``x_grad`` is d(loss)/d(x)
+    for a unit upstream gradient (``sum``/``mean`` only)."""
+    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
     y = check.targets(target, x, options.ignore_index)
-    out, x_grad = launch.train(x.contiguous(), y, check.weight(weight, x), options)
-    return out.loss, out.zloss, out.lse, x_grad
+    out, x_grad = launch.train(x.contiguous(), y, check.weight(weight, x), options,
+                               accuracy=token_accuracy)
+    return (out.loss, out.zloss, out.lse, _accuracy(out, y, options, x, token_accuracy),
+            x_grad)
 
 
 @cross_entropy_train.register_fake
-def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale):
+def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
+      token_accuracy):
     return (x.new_empty(1), x.new_empty(1),
             x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)),
+            accuracy_like(x, token_accuracy),
             torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
@@ -126,9 +169,9 @@ def _setup_train_context(ctx, inputs, output):
     # referenced until the graph is freed, so autograd would copy it into a
     # leaf's .grad (a fresh [N, C] buffer every step) instead of taking it.
     # Being non-differentiable, it makes no reference cycle with the graph.
-    ctx.mark_non_differentiable(output[3])
+    ctx.mark_non_differentiable(output[3], output[4])
     ctx.set_materialize_grads(False)  # no [N, C] of zeros for the unused outputs' gradients
-    ctx.x_grad, ctx.version = output[3], output[3]._version
+    ctx.x_grad, ctx.version = output[4], output[4]._version
 
 
 def _graph_kept() -> bool:
@@ -155,15 +198,16 @@ _REUSED = ("ce_tvm.cross_entropy computed this gradient in the forward pass and 
            "backward then recomputes the gradient from the logits.")
 
 
-def _train_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_x_grad):
+def _train_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_accuracy, grad_x_grad):
     x_grad = ctx.x_grad
     if x_grad._version != ctx.version:
         raise RuntimeError(_REUSED)
     if not _graph_kept():  # the graph dies after this pass: let a leaf's .grad take the buffer
         del ctx.x_grad
+    none = (None,) * (_OP_ARGS - 1)
     if grad_loss is None:
-        return None, None, None, None, None, None, None
-    return scale_unit_gradient(x_grad, grad_loss), None, None, None, None, None, None
+        return (None, *none)
+    return (scale_unit_gradient(x_grad, grad_loss), *none)
 
 
 def scale_unit_gradient(x_grad: Tensor, grad_loss: Tensor) -> Tensor:

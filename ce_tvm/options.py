@@ -17,8 +17,9 @@ from .kinds import REDUCTIONS
 @dataclass(frozen=True)
 class LossOptions:
     """``reduction`` (``none``, ``sum`` or ``mean``), ``ignore_index`` (an int),
-    ``label_smoothing`` in ``[0, 1)`` and the z-loss scale ``zloss_scale``
-    (finite, ``>= 0``; the ``s`` of ``s * lse^2``).
+    ``label_smoothing`` in ``[0, 1)``, the z-loss scale ``zloss_scale``
+    (finite, ``>= 0``; the ``s`` of ``s * lse^2``) and ``softcap`` (finite,
+    ``>= 0``; the ``t`` of ``t * tanh(x / t)``, SPEC section 5; 0 is off).
 
     Constructing one checks every field, in that order, and raises
     ``TypeError``/``ValueError`` saying what was expected; ``zloss_name`` is the
@@ -29,6 +30,7 @@ class LossOptions:
     ignore_index: int = -100
     label_smoothing: float = 0.0
     zloss_scale: float = 0.0
+    softcap: float = 0.0
     zloss_name: InitVar[str] = "lse_square_scale"
 
     def __post_init__(self, zloss_name: str):
@@ -45,8 +47,12 @@ class LossOptions:
         s = _real(self.zloss_scale, zloss_name)
         if s < 0.0 or math.isinf(s):
             raise ValueError(f"{zloss_name} must be finite and >= 0, got {s}")
+        t = _real(self.softcap, "softcap")
+        if t < 0.0 or math.isinf(t):
+            raise ValueError(f"softcap must be finite and >= 0 (0 turns it off), got {t}")
         object.__setattr__(self, "label_smoothing", eps)
         object.__setattr__(self, "zloss_scale", s)
+        object.__setattr__(self, "softcap", t)
 
 
 def _real(v, name: str) -> float:

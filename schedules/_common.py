@@ -15,6 +15,7 @@ from tvm import tirx
 from tvm.s_tir import ScheduleError
 
 from ..compute import (
+    CHUNK_BEATS,
     CHUNK_EXP,
     CHUNK_EXPSUM,
     CHUNK_MAX,
@@ -28,7 +29,9 @@ from ..compute import (
     LOSS,
     LSE,
     ROW_CE,
+    ROW_HIT,
     ROW_MASK,
+    ROW_TARGET_LOGIT,
     ROW_WEIGHT,
     ROW_Z,
     ROWSTATS,
@@ -46,13 +49,15 @@ from ..compute import (
 )
 
 # Row reductions of the forward and shard statistics, reduced chunk by chunk;
-# CHUNK_WSUM exists for a weighted variant only.
+# the optional ones exist for some variants only (CHUNK_WSUM weighted,
+# CHUNK_BEATS token accuracy).
 ROW_REDUCTIONS = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM)
+OPTIONAL_ROW_REDUCTIONS = (CHUNK_WSUM, CHUNK_BEATS)
 # Serial sums over rows: for sum and mean (and the mean backward) only.
 ROW_TOTALS = (TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT)
 # Per-row stages of the forward after the row statistics (not in the shard
 # statistics; log_prob for the log-prob variant only).
-ROW_FORWARD_REST = (LSE, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS)
+ROW_FORWARD_REST = (LSE, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS, ROW_HIT)
 # Blocks inlined into their consumers: without a producer under the row loop,
 # reverse_compute_at would recompute them for every row of the batch. Each
 # belongs to some declarations only (the row weight to the mean only).
@@ -91,7 +96,8 @@ def has_stage(sch, name) -> bool:
 
 def chunk_reductions(sch) -> list:
     """Names of the forward's per-chunk row reductions in this function."""
-    return list(ROW_REDUCTIONS) + ([CHUNK_WSUM] if has_stage(sch, CHUNK_WSUM) else [])
+    return list(ROW_REDUCTIONS) + [name for name in OPTIONAL_ROW_REDUCTIONS
+                                   if has_stage(sch, name)]
 
 
 def place_row_stages(sch, lanes: int):
@@ -110,6 +116,8 @@ def place_row_stages(sch, lanes: int):
     for name in reversed(names):
         for blk in reversed(stages[name]):
             sch.compute_at(blk, chunk_loop)
+    for blk in present_blocks(sch, [ROW_TARGET_LOGIT]):  # read by every chunk of the row
+        sch.compute_at(blk, row)
     for blk in present_blocks(sch, ROW_FORWARD_REST):
         if is_per_row(sch, blk):
             sch.reverse_compute_at(blk, row)

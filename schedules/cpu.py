@@ -268,6 +268,8 @@ def _with_prefetch(loop, distance: int):
     first = _unbound(logits.indices[-1], body)
     if isinstance(first, tirx.Ramp):
         first, span = first.base, first.lanes
+    elif lanes_loop is None:  # a vector store of scalar loads (float64's exact tanh)
+        return loop
     else:
         span = int(lanes_loop.extent)
         first = tvm_ffi.structural_map(first, [(tirx.Var, lambda v: (

@@ -39,6 +39,7 @@ from ..compute import (
     LOG_PROB,
     LOSS,
     ROW_CE,
+    ROW_TARGET_LOGIT,
     ROW_Z,
     ROWSTATS,
     WSUM,
@@ -148,7 +149,7 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
                             consumer_blocks=readers)
     sch.compute_at(staged, chunk_loop)
     per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
-    _keep_on_chip(sch, func, names + [ROWSTATS] + per_row_only)
+    _keep_on_chip(sch, func, names + [ROWSTATS, ROW_TARGET_LOGIT] + per_row_only)
     sch.bind(row, "blockIdx.x")
     copy = sch.get_loops(staged)[-1]
     _thread_loop(sch, copy, knobs.threads,

@@ -25,12 +25,14 @@ def shard_bounds(rank, world):
 
 
 def check_cases(rank, world):
-    """24 option combinations; returns how many were checked."""
+    """24 option combinations, and 2 with softcap; returns how many were checked."""
     n, c = 24, C
     widths, lo, hi = shard_bounds(rank, world)
     checked = 0
-    for reduction, weighted, eps, zloss in itertools.product(
-            ("none", "sum", "mean"), (False, True), (0.0, 0.1), (0.0, 1e-2)):
+    plain = itertools.product(("none", "sum", "mean"), (False, True), (0.0, 0.1), (0.0, 1e-2),
+                              (0.0,))
+    capped = [("none", True, 0.1, 1e-2, 2.0), ("mean", True, 0.1, 1e-2, 2.0)]
+    for reduction, weighted, eps, zloss, softcap in itertools.chain(plain, capped):
         gen = torch.Generator().manual_seed(7)
         full = torch.randn(n, c, generator=gen) * 3
         y = torch.randint(0, c, (n,), generator=gen)
@@ -39,7 +41,7 @@ def check_cases(rank, world):
         y[2] = widths[0] - 1  # the last column of the first shard
         w = torch.rand(c, generator=gen) + 0.5 if weighted else None
         opts = dict(ignore_index=-100, reduction=reduction, label_smoothing=eps,
-                    lse_square_scale=zloss)
+                    lse_square_scale=zloss, softcap=softcap)
         ref_x = full.clone().requires_grad_()
         ref = ce_tvm.cross_entropy(ref_x, y, w, **opts)
         shard = full[:, lo:hi].clone().requires_grad_()
@@ -50,15 +52,17 @@ def check_cases(rank, world):
         loss.backward(g)
         torch.testing.assert_close(shard.grad, ref_x.grad[:, lo:hi], rtol=1e-6, atol=1e-7)
         checked += 1
-    # The module form, weighted, against torch on the full logits (z-loss added by hand).
+    # The module form, weighted and softcapped, against torch on the full capped
+    # logits (z-loss added by hand).
     gen = torch.Generator().manual_seed(11)
     full = torch.randn(6, c, generator=gen) * 2
     y = torch.randint(0, c, (6,), generator=gen)
     w = torch.rand(c, generator=gen) + 0.5
     module = VocabParallelCrossEntropyLoss(w[lo:hi], reduction="sum", label_smoothing=0.1,
-                                           lse_square_scale=1e-2)
-    ref = (torch.nn.functional.cross_entropy(full, y, w, reduction="sum", label_smoothing=0.1)
-           + 1e-2 * (torch.logsumexp(full, 1) ** 2).sum())
+                                           lse_square_scale=1e-2, softcap=2.0)
+    capped = 2.0 * torch.tanh(full / 2.0)
+    ref = (torch.nn.functional.cross_entropy(capped, y, w, reduction="sum", label_smoothing=0.1)
+           + 1e-2 * (torch.logsumexp(capped, 1) ** 2).sum())
     torch.testing.assert_close(module(full[:, lo:hi].clone(), y), ref, rtol=1e-6, atol=1e-5)
     return checked
 

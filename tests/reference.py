@@ -35,9 +35,25 @@ def _mask_and_index(y, ignore_index, classes):
     return m, t
 
 
-def row_terms(x, y, weight=None, ignore_index=-100, label_smoothing=0.0, zloss_scale=0.0):
-    """Per-row quantities of SPEC section 1 for a block of rows."""
+def capped(x, softcap):
+    """SPEC section 5: the logits ``t * tanh(x / t)`` (``x`` itself for ``t = 0``)."""
     x = np.asarray(x, dtype=np.float64)
+    return softcap * np.tanh(x / softcap) if softcap else x
+
+
+def through_softcap(grad, x, softcap):
+    """A gradient with respect to the capped logits as one with respect to
+    ``x``: times ``1 - tanh(x / t)^2`` (SPEC section 5)."""
+    if not softcap:
+        return grad
+    return grad * (1.0 - np.tanh(np.asarray(x, dtype=np.float64) / softcap) ** 2)
+
+
+def row_terms(x, y, weight=None, ignore_index=-100, label_smoothing=0.0, zloss_scale=0.0,
+              softcap=0.0):
+    """Per-row quantities of SPEC section 1 (of the capped logits, section 5)
+    for a block of rows."""
+    x = capped(x, softcap)
     n, c = x.shape
     w = _weights(weight, c)
     m, t = _mask_and_index(y, ignore_index, c)
@@ -79,9 +95,10 @@ def concat(blocks):
 
 
 def forward(x, y, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
-            zloss_scale=0.0):
-    """SPEC section 1: ``(loss, log_prob, zloss, lse)`` in float64."""
-    terms = row_terms(x, y, weight, ignore_index, label_smoothing, zloss_scale)
+            zloss_scale=0.0, softcap=0.0):
+    """SPEC section 1: ``(loss, log_prob, zloss, lse)`` in float64 (``log_prob``
+    of the capped logits when ``softcap``: section 5)."""
+    terms = row_terms(x, y, weight, ignore_index, label_smoothing, zloss_scale, softcap)
     loss, zloss = reduce(terms, reduction)
     return loss, terms.log_prob, zloss, terms.lse
 

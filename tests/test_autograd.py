@@ -97,11 +97,13 @@ def test_gradcheck_float64(reduction):
 def test_opcheck():
     x, y = _inputs("NC")
     w = torch.rand(13) + 0.5
-    for args in [(x, y, w, "mean", -100, 0.1, 1e-3), (x, y, None, "none", -100, 0.0, 0.0)]:
+    # (..., softcap, token_accuracy): a capped kernel with accuracy, and a plain one
+    for args in [(x, y, w, "mean", -100, 0.1, 1e-3, 5.0, True),
+                 (x, y, None, "none", -100, 0.0, 0.0, 0.0, False)]:
         torch.library.opcheck(cross_entropy_forward, (x.clone().requires_grad_(), *args[1:]))
-        loss, _, lse = cross_entropy_forward(*args)
+        loss, _, lse, _ = cross_entropy_forward(*args)
         torch.library.opcheck(cross_entropy_backward,
-                              (torch.ones_like(loss), x, lse, y, args[2], *args[3:]))
+                              (torch.ones_like(loss), x, lse, y, args[2], *args[3:-1]))
 
 
 def _saved_for_backward(x, y, reduction):

@@ -45,6 +45,26 @@ def test_other_variants_compile_with_nvcc(op, variant):
     assert cuda_binary(compile_spec(spec), spec) is not None  # raises on any nvcc error
 
 
+# Softcap (tanh in every logit read, its slope in the gradient) and token accuracy
+# (the target logit per row, a chunk reduction counting columns ahead of it):
+# one whole-row and one chunked C.
+@needs_nvcc
+@pytest.mark.parametrize("classes", [1001, 32000])
+@pytest.mark.parametrize("op,variant", [
+    ("forward", Variant("mean", True, False, softcap=True, accuracy=True)),
+    ("forward", Variant("none", False, False, accuracy=True)),
+    ("backward", Variant("none", True, grad_source="logits", softcap=True)),
+    ("backward", Variant("mean", False, grad_source="shard", softcap=True)),
+    ("shard_stats", Variant(weighted=False, softcap=True)),
+])
+def test_softcap_and_accuracy_compile_with_nvcc(op, variant, classes):
+    spec = KernelSpec(op, "bfloat16", classes, variant, "cuda", (("arch", "sm_90"),))
+    source, cubin = cuda_binary(compile_spec(spec), spec)  # raises on any nvcc error
+    assert cubin[:4] == b"\x7fELF"
+    assert ("float softcap" in source) == variant.softcap  # the kernel's scalar argument
+    assert ("ce_row_hit" in source) == variant.accuracy
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("classes", [17, 1001, 32000, 128256])
@@ -85,3 +105,34 @@ def test_nan_rows_isolated_on_gpu(dtype, classes):
     loss.sum().backward()
     assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
     assert torch.isnan(xg.grad[2]).any() and torch.isfinite(xg.grad[[0, 1, 3]]).all()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("classes", [1001, 50257])
+def test_softcap_and_accuracy_on_gpu(dtype, classes):
+    """Capped loss and gradient against torch on ``t * tanh(x / t)``; the token
+    accuracy against ``torch.argmax`` (ties: the first maximum)."""
+    import ce_tvm
+
+    gen = torch.Generator().manual_seed(classes)
+    x = (torch.randn(64, classes, generator=gen) * 20).to(dtype)
+    y = torch.randint(0, classes, (64,), generator=gen)
+    x[:4, 3] = x[:4, 11] = 1e4  # saturated ties: the first one is the argmax
+    y[:2], y[2:4] = 3, 11
+    y[::5] = -100
+    y[7] = int(x[7].float().argmax())
+    xg = x.cuda().requires_grad_()
+    loss, accuracy = ce_tvm.cross_entropy(xg, y.cuda(), softcap=30.0, label_smoothing=0.1,
+                                          return_token_accuracy=True)
+    loss.backward()
+    xr = x.float().requires_grad_()
+    capped = 30.0 * torch.tanh(xr / 30.0)
+    ref = torch.nn.functional.cross_entropy(capped, y, label_smoothing=0.1)
+    ref.backward()
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(loss.float().cpu(), ref.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(xg.grad.float().cpu(), xr.grad, rtol=tol, atol=tol * 1e-2)
+    kept = y != -100
+    expected = ((capped.detach().argmax(1) == y) & kept).sum() / kept.sum()
+    assert accuracy.item() == pytest.approx(expected.item())

@@ -91,3 +91,35 @@ def test_explicit_nan_test_keeps_nan_and_accuracy():
     assert torch.isnan(ys[0]) and ys[1] == 0.0 and ys[4] == 1.0
     ref = np.exp(xs[2:].double().numpy())
     assert (np.abs(ys[2:].double().numpy() - ref) <= 4e-7 * ref + 1.2e-38).all()
+
+
+@pytest.mark.parametrize("scaling", fastmath.SCALINGS)
+def test_tanh_accuracy_and_special_values(scaling):
+    """``fastmath.tanh`` (softcap): relative error below 1e-6 over the range
+    that matters (vectorised), exact odd symmetry, +-1 beyond it, NaN kept."""
+    target = tvm_target("llvm")
+    if scaling == "ldexp" and not target_has_features("avx512f", target):
+        pytest.skip("ldexp scaling is chosen only where AVX-512 has vscalefps")
+    n = te.var("n", "int64")
+    x = te.placeholder((n,), "float32", name="x")
+    with fastmath.scaling(scaling):
+        y = te.compute((n,), lambda i: fastmath.tanh(x[i].asobject()), name="y")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([x, y]))
+    _, inner = sch.split(sch.get_loops(sch.get_sblock("y"))[0], [None, 16])
+    sch.vectorize(inner)
+    fn = tvm.compile(sch.mod, target=target)["main"]
+    grid = np.concatenate([np.linspace(-12.0, 12.0, 1_200_001), np.geomspace(1e-30, 1.0, 10001),
+                           [0.24999, 0.25, 0.25001]])
+    xs = torch.tensor(np.concatenate([grid, -grid]), dtype=torch.float32)
+    ys = torch.empty_like(xs)
+    fn(xs, ys)
+    x64, y64 = xs.double().numpy(), ys.double().numpy()
+    rel = np.abs(y64 - np.tanh(x64)) / np.maximum(np.abs(np.tanh(x64)), 1e-37)
+    assert rel.max() < 1e-6, (rel.max(), x64[rel.argmax()])
+    half = len(grid)
+    assert np.array_equal(y64[:half], -y64[half:])  # odd: tanh(-x) = -tanh(x) exactly
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 50.0, -1e30, 0.0])
+    out = torch.empty_like(special)
+    fn(special, out)
+    assert out[0] == 1.0 and out[1] == -1.0 and torch.isnan(out[2])
+    assert out[3] == 1.0 and out[4] == -1.0 and out[5] == 0.0

@@ -233,13 +233,14 @@ def test_bit_identical_reruns():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def _op_args(x, W, b, y, w, reduction="mean", grads=(True, True, True), retain=False):
-    return (x, W, b, y, w, reduction, -100, 0.1, 1e-2, 4, *grads, retain)
+def _op_args(x, W, b, y, w, reduction="mean", grads=(True, True, True), retain=False,
+             softcap=0.0, accuracy=False):
+    return (x, W, b, y, w, reduction, -100, 0.1, 1e-2, softcap, accuracy, 4, *grads, retain)
 
 
 def test_only_requested_gradients_are_computed():
     x, W, b, y, w = LinearCase(bias=True).inputs()
-    _, _, gx, gW, gb = linear_cross_entropy_forward(*_op_args(x, W, b, y, w,
+    _, _, _, gx, gW, gb = linear_cross_entropy_forward(*_op_args(x, W, b, y, w,
                                                               grads=(False, True, False)))
     assert gx.numel() == 0 and gW.shape == W.shape and gb.numel() == 0
     # what autograd asks for: only linear_weight requires grad here
@@ -252,7 +253,7 @@ def test_only_requested_gradients_are_computed():
     for reduction, grads in (("mean", (False,) * 3), ("none", (True,) * 3)):
         # none: the gradients come from the backward op, never from the forward
         out = linear_cross_entropy_forward(*_op_args(x, W, b, y, w, reduction, grads))
-        assert all(t.numel() == 0 for t in out[2:])
+        assert all(t.numel() == 0 for t in out[3:])
 
 
 def test_second_backward_needs_allow_retain_graph():
@@ -289,11 +290,14 @@ def test_opcheck():
     x, W, b, y, w = LinearCase(bias=True, weighted=True).inputs()
     for reduction in ("mean", "sum", "none"):
         args = _op_args(x.clone().requires_grad_(), W.clone().requires_grad_(),
-                        b.clone().requires_grad_(), y, w, reduction, retain=True)
+                        b.clone().requires_grad_(), y, w, reduction, retain=True,
+                        softcap=5.0 if reduction == "mean" else 0.0,
+                        accuracy=reduction != "sum")
         torch.library.opcheck(linear_cross_entropy_forward, args)
     g = torch.rand(x.shape[0])
-    torch.library.opcheck(linear_cross_entropy_backward,
-                          (g, x, W, b, y, w, -100, 0.1, 1e-2, 4, True, True, True))
+    for softcap in (0.0, 5.0):
+        torch.library.opcheck(linear_cross_entropy_backward,
+                              (g, x, W, b, y, w, -100, 0.1, 1e-2, softcap, 4, True, True, True))
 
 
 class TinyLM(torch.nn.Module):

@@ -164,7 +164,9 @@ def test_half_gradients_as_accurate_as_pytorchs(dtype):
 
 def test_opcheck():
     x, y, w = _inputs(5, 19, torch.float32, True, True)
-    for args in [(w, "mean", -100, 0.1, 1e-3), (None, "sum", -100, 0.0, 0.0)]:
+    # (..., softcap, token_accuracy)
+    for args in [(w, "mean", -100, 0.1, 1e-3, 5.0, True),
+                 (None, "sum", -100, 0.0, 0.0, 0.0, False)]:
         torch.library.opcheck(cross_entropy_train, (x.clone().requires_grad_(), y, *args))
 
 
@@ -174,8 +176,8 @@ def test_leaf_grad_is_the_gradient_buffer_and_backward_allocates_nothing(monkeyp
     written = []  # the buffer's address only: a reference would make autograd copy it
     train = ce_tvm.ops.launch.train
 
-    def spy(*args):
-        out = train(*args)
+    def spy(*args, **kwargs):
+        out = train(*args, **kwargs)
         written.append(out[1].data_ptr())
         return out
 
