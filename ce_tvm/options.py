@@ -45,10 +45,10 @@ class LossOptions:
         if not 0.0 <= eps < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {eps}")
         s = _real(self.zloss_scale, zloss_name)
-        if s < 0.0 or math.isinf(s):
+        if s < 0.0 or s == math.inf:
             raise ValueError(f"{zloss_name} must be finite and >= 0, got {s}")
         t = _real(self.softcap, "softcap")
-        if t < 0.0 or math.isinf(t):
+        if t < 0.0 or t == math.inf:
             raise ValueError(f"softcap must be finite and >= 0 (0 turns it off), got {t}")
         object.__setattr__(self, "label_smoothing", eps)
         object.__setattr__(self, "zloss_scale", s)
@@ -59,6 +59,8 @@ def _real(v, name: str) -> float:
     if type(v) is not float and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
     v = float(v)
-    if math.isnan(v):
+    # Comparisons, not math.isnan/isinf: under torch.compile(dynamic=True) a
+    # default argument may arrive as a symbolic float, which they refuse.
+    if v != v:
         raise ValueError(f"{name} must not be NaN")
     return v

@@ -378,3 +378,12 @@ def test_accuracy_reference_grid(dtype):
         _, accuracy = ce_tvm.cross_entropy(x, y, return_token_accuracy=True)
         assert accuracy.item() == pytest.approx(_argmax_accuracy(x.float(), y).item())
         assert np.isfinite(accuracy.item())
+
+
+def test_compiled_dynamic_with_every_option_left_at_its_default():
+    """Under dynamic=True a float default (softcap, lse_square_scale, ...) may
+    reach LossOptions as a symbolic float: its checks must still trace."""
+    x, y, _ = _inputs(8, torch.float32, False, seed=12)
+    compiled = torch.compile(ce_tvm.cross_entropy, fullgraph=True, dynamic=True,
+                             backend="aot_eager")
+    torch.testing.assert_close(compiled(x, y), F.cross_entropy(x, y), rtol=1e-5, atol=1e-6)

@@ -29,6 +29,14 @@ def declared_funcs():
         yield compute.shard_stats_func(10, "float32", Variant(weighted=weighted), 4)
     for reduction in compute.REDUCTIONS:
         yield compute.shard_combine_func(10, "float32", Variant(reduction))
+    # softcap and token accuracy (their stages: the target logit, the count of
+    # columns ahead of it, the per-row hit)
+    capped = dict(softcap=True, accuracy=True)
+    yield compute.forward_func(10, "float32", Variant("mean", True, False, **capped), 4)
+    yield compute.train_func(10, "float32", Variant("sum", False, False, **capped), 4)
+    yield compute.backward_func(10, "float32", Variant("none", True, grad_source="logits",
+                                                       softcap=True))
+    yield compute.shard_stats_func(10, "float32", Variant(weighted=True, softcap=True), 4)
 
 
 def block_names(func) -> set:
