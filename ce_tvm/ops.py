@@ -221,3 +221,67 @@ def scale_unit_gradient(x_grad: Tensor, grad_loss: Tensor) -> Tensor:
 
 
 cross_entropy_train.register_autograd(_train_backward, setup_context=_setup_train_context)
+
+
+# --- Probability targets (SPEC section 5) -----------------------------------
+# ``ce_tvm::cross_entropy_probs`` returns ``(loss, zloss, lse, target_mass)``;
+# autograd saves the logits, the targets and the two ``[N]`` vectors, and
+# ``ce_tvm::cross_entropy_probs_backward`` recomputes the probabilities. The
+# targets get no gradient (``ce_tvm.nn`` refuses targets that require one).
+
+
+@custom_op("ce_tvm::cross_entropy_probs", mutates_args=())
+def cross_entropy_probs(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
+                        label_smoothing: float, lse_square_scale: float,
+                        softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, zloss, lse, target_mass)`` for probability targets of ``x``'s shape
+    and dtype; ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``."""
+    options = options_of(reduction, -100, label_smoothing, lse_square_scale, softcap)
+    q = check.probabilities(target, x)
+    out, mass = launch.prob_forward(x.contiguous(), q, check.weight(weight, x), options)
+    return out.loss, out.zloss, out.lse, mass
+
+
+@cross_entropy_probs.register_fake
+def _(x, target, weight, reduction, label_smoothing, lse_square_scale, softcap):
+    rows, acc = loss_rows(x, reduction), accum_torch_dtype(x)
+    return (x.new_empty(rows), x.new_empty(rows), x.new_empty(x.shape[0], dtype=acc),
+            x.new_empty(x.shape[0], dtype=acc))
+
+
+@custom_op("ce_tvm::cross_entropy_probs_backward", mutates_args=())
+def cross_entropy_probs_backward(grad_loss: Tensor, x: Tensor, target: Tensor, lse: Tensor,
+                                 target_mass: Tensor, weight: Tensor | None, reduction: str,
+                                 label_smoothing: float, lse_square_scale: float,
+                                 softcap: float) -> Tensor:
+    """The logits gradient for probability targets, from the forward's ``lse`` and
+    ``target_mass``."""
+    options = options_of(reduction, -100, label_smoothing, lse_square_scale, softcap)
+    g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
+    return launch.prob_backward(g, x.contiguous(), target.contiguous(), lse.contiguous(),
+                                target_mass.contiguous(), check.weight(weight, x), options)
+
+
+@cross_entropy_probs_backward.register_fake
+def _(grad_loss, x, target, lse, target_mass, weight, reduction, label_smoothing,
+      lse_square_scale, softcap):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _setup_probs_context(ctx, inputs, output):
+    x, target, weight, reduction, label_smoothing, lse_square_scale, softcap = inputs
+    ctx.save_for_backward(x, target, output[2], output[3], weight)
+    ctx.scalars = dict(reduction=reduction, label_smoothing=label_smoothing,  # checked already
+                       lse_square_scale=lse_square_scale, softcap=softcap)
+
+
+def _probs_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_mass):
+    # zloss, lse and the mass are reported for logging; gradient flows through loss only.
+    x, target, lse, mass, weight = ctx.saved_tensors
+    if grad_loss is None:
+        return None, None, None, None, None, None, None
+    grad = cross_entropy_probs_backward(grad_loss, x, target, lse, mass, weight, **ctx.scalars)
+    return grad, None, None, None, None, None, None
+
+
+cross_entropy_probs.register_autograd(_probs_backward, setup_context=_setup_probs_context)
