@@ -127,6 +127,15 @@ def lse_vector(t, n: int, like: torch.Tensor) -> torch.Tensor:
     return t.to(accum_torch_dtype(like)).contiguous()
 
 
+def one_dtype(**tensors) -> None:
+    """The seed operator's rule: the named tensors (``None`` and non-tensors
+    skipped; their own checks report them) share one dtype, else ``TypeError``."""
+    given = {name: t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(given.values())) > 1:
+        listed = ", ".join(f"{name} ({dtype})" for name, dtype in given.items())
+        raise TypeError(f"{listed} must share one dtype (the seed operator requires it)")
+
+
 def check_device(x: torch.Tensor) -> None:
     """Raise unless ce_tvm has kernels for the device of ``x`` (traceable by dynamo).
 
