@@ -25,6 +25,9 @@ def schedule_module(target: str):
     return importlib.import_module(f"ce_tvm.schedules.{schedule_name(target)}")
 
 
+PROB_OPS = ("prob_forward", "prob_backward", "prob_target_grad")  # probability targets
+
+
 def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> list[KernelSpec]:
     """Every forward, training and backward variant for one (target, dtype, C)
     (training kernels where the target's schedule has them), for class-index
@@ -37,8 +40,7 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> lis
              for r, w in itertools.product(("sum", "mean"), (False, True))
              if hasattr(schedule_module(target), "train")]
     probs = [KernelSpec(op, dtype, classes, Variant(r, w, False), target, options)
-             for op, r, w in itertools.product(("prob_forward", "prob_backward"), REDUCTIONS,
-                                               (False, True))]
+             for op, r, w in itertools.product(PROB_OPS, REDUCTIONS, (False, True))]
     return fwd + train + bwd + probs
 
 
@@ -60,13 +62,15 @@ def _declare(spec: KernelSpec, schedule) -> tvm.tirx.PrimFunc:
         chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(), **spec.schedule_options())
         return chunked[spec.op](*args, chunk)
     whole = {"shard_combine": compute.shard_combine_func, "backward": compute.backward_func,
-             "prob_backward": compute.prob_backward_func}
+             "prob_backward": compute.prob_backward_func,
+             "prob_target_grad": compute.prob_target_grad_func}
     return whole[spec.op](*args)
 
 
 SCHEDULE_OF_OP = {"forward": "forward", "train": "train", "shard_stats": "forward",
                   "backward": "backward", "shard_combine": "per_row",
-                  "prob_forward": "forward", "prob_backward": "backward"}
+                  "prob_forward": "forward", "prob_backward": "backward",
+                  "prob_target_grad": "backward"}
 
 
 def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:

@@ -69,6 +69,7 @@ counts), plus:
 ``ce_row_mass``        ``sum_c v[n, c]`` (output, for the backward)
 ``ce_grad_smooth``     ``r[n]``: the row's upstream gradient, coefficient of ``v``
 ``ce_grad_pscale``     ``r[n] (sum_c v + 2 s lse)``: coefficient of ``p``
+``target_grad``        output ``-r (1 - eps) w[c] logp`` (``prob_target_grad_func``)
 =====================  =====================================================
 
 ``N`` is a symbolic int64 variable, so one compiled module serves every batch
@@ -121,11 +122,12 @@ ROW_TARGET_LOGIT = "ce_target_logit"
 CHUNK_BEATS = "ce_chunk_beats"
 ROW_HIT = "ce_row_hit"
 ROW_MASS = "ce_row_mass"
+TARGET_GRAD = "target_grad"
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
-          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS)
+          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD)
 
 
 def matrix_param(func: tirx.PrimFunc):
@@ -837,6 +839,22 @@ def prob_forward_func(classes: int, dtype: str, variant: Variant,
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
 
+def _prob_row_grad(g, n_rows, reduction: str, acc: str):
+    """``ce_grad_smooth``: each row's upstream gradient ``r[n]`` (``g[n]`` for
+    ``none``; ``g``, divided by ``N`` for ``mean``)."""
+    def row_grad(n):
+        if reduction == "none":
+            return g[n]
+        return g[0] / n_rows.astype(acc) if reduction == "mean" else g[0]
+
+    return te.compute((n_rows,), row_grad, name=GRAD_SMOOTH)
+
+
+def _grad_input(n_rows, acc: str, reduction: str):
+    """The ``grad_loss`` placeholder: ``[N]`` for ``none``, else ``[1]``."""
+    return te.placeholder((n_rows,) if reduction == "none" else (1,), acc, name="grad_loss")
+
+
 def prob_backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
     """The logits gradient of probability targets (SPEC section 5) as a PrimFunc:
     ``x_grad = r (sum_c v + 2 s lse) p - r v`` with ``v`` the target mass and
@@ -850,20 +868,14 @@ def prob_backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimF
     output ``x_grad[N, C]`` (dtype).
     """
     acc, n_rows, x, q, w = _logits_inputs(classes, dtype, variant.weighted, probs=True)
-    g = te.placeholder((n_rows,) if variant.reduction == "none" else (1,), acc, name="grad_loss")
+    g = _grad_input(n_rows, acc, variant.reduction)
     lse = te.placeholder((n_rows,), acc, name="lse")
     total = te.placeholder((n_rows,), acc, name="target_mass")
     _, eps, s, *cap = _scalars(acc, variant.softcap)
     logit = Logits(x, acc, tuple(cap))
     mass = _target_mass(q, w, eps, classes, acc)
     zero, two = tirx.const(0.0, acc), tirx.const(2.0, acc)
-
-    def row_grad(n):
-        if variant.reduction == "none":
-            return g[n]
-        return g[0] / n_rows.astype(acc) if variant.reduction == "mean" else g[0]
-
-    coef = te.compute((n_rows,), row_grad, name=GRAD_SMOOTH)
+    coef = _prob_row_grad(g, n_rows, variant.reduction, acc)
     p_scale = te.compute(
         (n_rows,), lambda n: coef[n] * total[n]
         + tirx.Select(s != zero, two * s * lse[n] * coef[n], zero), name=GRAD_PSCALE)
@@ -874,4 +886,30 @@ def prob_backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimF
 
     x_grad = te.compute((n_rows, _int64(classes)), grad, name=X_GRAD)
     args = [g, x, q, lse, total] + ([w] if w is not None else []) + [eps, s, *cap, x_grad]
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+def prob_target_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
+    """The gradient of the probability-target loss with respect to the targets:
+    ``target_grad = -r (1 - eps) w[c] (x - lse)`` (``r`` as in
+    ``prob_backward_func``; ``x`` capped in the capped variant).
+
+    Arguments, in order: ``grad_loss[G]``, ``x[N, C]`` (dtype), ``lse[N]``,
+    ``weight[C]`` (weighted only), ``label_smoothing``, ``softcap`` (capped
+    variant only); output ``target_grad[N, C]`` (dtype).
+    """
+    acc, n_rows, x, _, w = _logits_inputs(classes, dtype, variant.weighted, probs=True)
+    g = _grad_input(n_rows, acc, variant.reduction)
+    lse = te.placeholder((n_rows,), acc, name="lse")
+    _, eps, _, *cap = _scalars(acc, variant.softcap)
+    logit = Logits(x, acc, tuple(cap))
+    coef = _prob_row_grad(g, n_rows, variant.reduction, acc)
+    one = tirx.const(1.0, acc)
+
+    def grad(n, c):
+        scale = coef[n] * (one - eps) * (w[c] if w is not None else one)
+        return (-scale * (logit(n, c) - lse[n])).astype(dtype)
+
+    target_grad = te.compute((n_rows, _int64(classes)), grad, name=TARGET_GRAD)
+    args = [g, x, lse] + ([w] if w is not None else []) + [eps, *cap, target_grad]
     return te.create_prim_func(args).with_attr("global_symbol", "main")

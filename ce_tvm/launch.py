@@ -255,3 +255,16 @@ def prob_backward(grad_loss, x, q, lse, mass, w, options: LossOptions) -> torch.
                                              softcap=_capped(options)))
     call(spec, grad_loss, x, q, lse, mass, *_weight(w), *_prob_scalars(options), x_grad)
     return x_grad
+
+
+def prob_target_grad(grad_loss, x, lse, w, options: LossOptions) -> torch.Tensor:
+    """The gradient of the probability-target loss with respect to the targets."""
+    grad_loss, x, lse, w = (aligned(t) for t in (grad_loss, x, lse, w))
+    target_grad = pool.empty_like(x)
+    if _rows_to_run(x) == 0:
+        return target_grad
+    spec = _spec("prob_target_grad", x, Variant(options.reduction, w is not None, log_prob=False,
+                                                softcap=_capped(options)))
+    softcap = (options.softcap,) if _capped(options) else ()
+    call(spec, grad_loss, x, lse, *_weight(w), options.label_smoothing, *softcap, target_grad)
+    return target_grad

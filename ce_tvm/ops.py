@@ -226,8 +226,9 @@ cross_entropy_train.register_autograd(_train_backward, setup_context=_setup_trai
 # --- Probability targets (SPEC section 5) -----------------------------------
 # ``ce_tvm::cross_entropy_probs`` returns ``(loss, zloss, lse, target_mass)``;
 # autograd saves the logits, the targets and the two ``[N]`` vectors, and
-# ``ce_tvm::cross_entropy_probs_backward`` recomputes the probabilities. The
-# targets get no gradient (``ce_tvm.nn`` refuses targets that require one).
+# ``ce_tvm::cross_entropy_probs_backward`` recomputes the probabilities for
+# the logits' gradient and the log-probabilities for the targets' (each only
+# when it is needed).
 
 
 @custom_op("ce_tvm::cross_entropy_probs", mutates_args=())
@@ -253,19 +254,28 @@ def _(x, target, weight, reduction, label_smoothing, lse_square_scale, softcap):
 def cross_entropy_probs_backward(grad_loss: Tensor, x: Tensor, target: Tensor, lse: Tensor,
                                  target_mass: Tensor, weight: Tensor | None, reduction: str,
                                  label_smoothing: float, lse_square_scale: float,
-                                 softcap: float) -> Tensor:
-    """The logits gradient for probability targets, from the forward's ``lse`` and
-    ``target_mass``."""
+                                 softcap: float, grad_input: bool,
+                                 grad_target: bool) -> tuple[Tensor, Tensor]:
+    """``(x_grad, target_grad)`` for probability targets, from the forward's ``lse``
+    and ``target_mass``; an empty tensor for a gradient not asked for."""
     options = options_of(reduction, -100, label_smoothing, lse_square_scale, softcap)
     g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
-    return launch.prob_backward(g, x.contiguous(), target.contiguous(), lse.contiguous(),
-                                target_mass.contiguous(), check.weight(weight, x), options)
+    x, lse, w = x.contiguous(), lse.contiguous(), check.weight(weight, x)
+    empty = x.new_empty(0)
+    x_grad = (launch.prob_backward(g, x, target.contiguous(), lse, target_mass.contiguous(), w,
+                                   options) if grad_input else empty)
+    target_grad = launch.prob_target_grad(g, x, lse, w, options) if grad_target else empty.clone()
+    return x_grad, target_grad
 
 
 @cross_entropy_probs_backward.register_fake
 def _(grad_loss, x, target, lse, target_mass, weight, reduction, label_smoothing,
-      lse_square_scale, softcap):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+      lse_square_scale, softcap, grad_input, grad_target):
+    def grad(wanted):
+        return torch.empty_like(x, memory_format=torch.contiguous_format) if wanted \
+            else x.new_empty(0)
+
+    return grad(grad_input), grad(grad_target)
 
 
 def _setup_probs_context(ctx, inputs, output):
@@ -278,10 +288,14 @@ def _setup_probs_context(ctx, inputs, output):
 def _probs_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_mass):
     # zloss, lse and the mass are reported for logging; gradient flows through loss only.
     x, target, lse, mass, weight = ctx.saved_tensors
-    if grad_loss is None:
+    wanted = ctx.needs_input_grad[:2]
+    if grad_loss is None or not any(wanted):
         return None, None, None, None, None, None, None
-    grad = cross_entropy_probs_backward(grad_loss, x, target, lse, mass, weight, **ctx.scalars)
-    return grad, None, None, None, None, None, None
+    x_grad, target_grad = cross_entropy_probs_backward(
+        grad_loss, x, target, lse, mass, weight, **ctx.scalars, grad_input=wanted[0],
+        grad_target=wanted[1])
+    return (x_grad if wanted[0] else None, target_grad if wanted[1] else None,
+            None, None, None, None, None)
 
 
 cross_entropy_probs.register_autograd(_probs_backward, setup_context=_setup_probs_context)

@@ -128,9 +128,10 @@ def lse_vector(t, n: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def one_dtype(**tensors) -> None:
-    """The seed operator's rule: the named tensors (``None`` and non-tensors
-    skipped; their own checks report them) share one dtype, else ``TypeError``."""
-    given = {name: t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    """The seed operator's rule: the named floating-point tensors share one
+    dtype, else ``TypeError`` (anything else is left to its own check)."""
+    given = {name: t.dtype for name, t in tensors.items()
+             if isinstance(t, torch.Tensor) and t.dtype.is_floating_point}
     if len(set(given.values())) > 1:
         listed = ", ".join(f"{name} ({dtype})" for name, dtype in given.items())
         raise TypeError(f"{listed} must share one dtype (the seed operator requires it)")

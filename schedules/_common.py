@@ -40,6 +40,7 @@ from ..compute import (
     SHARD_TARGET_LOGIT,
     SHARD_TARGET_WEIGHT,
     STAGES,
+    TARGET_GRAD,
     TOTAL_CE,
     TOTAL_COUNT,
     TOTAL_WEIGHT,
@@ -68,6 +69,8 @@ INLINED = (ROW_MASK, ROW_WEIGHT, GRAD_MASK, SHARD_LOCAL)
 SHARD_GATHERS = (SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT)
 # Per-row blocks of the shard-combine kernel (rows already reduced over classes).
 COMBINE_ROWS = (ROW_CE, ROW_Z, LOSS, ZLOSS)
+# The [N, C] output of a backward: the logits' gradient, or the probability targets'.
+GRAD_OUTPUTS = (X_GRAD, TARGET_GRAD)
 # Per-row coefficients of the backward (probability targets have no one-hot term).
 ROW_GRAD_COEFS = (GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE)
 
@@ -128,8 +131,9 @@ def place_row_stages(sch, lanes: int):
 
 def place_grad_coefficients(sch):
     """The backward phase every schedule shares: the per-row coefficients under
-    the row loop of ``x_grad``. Returns ``(x_grad block, row loop)``."""
-    grad = sch.get_sblock(X_GRAD)
+    the row loop of the gradient (``x_grad``, or ``target_grad``). Returns
+    ``(gradient block, row loop)``."""
+    grad = present_blocks(sch, GRAD_OUTPUTS)[0]
     row = sch.get_loops(grad)[0]
     for blk in reversed(present_blocks(sch, ROW_GRAD_COEFS)):
         sch.compute_at(blk, row)
