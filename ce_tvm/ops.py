@@ -13,6 +13,10 @@ written once, one ``exp`` per element). Autograd saves only that gradient
 (the logits may be freed) and scales it by the upstream gradient when that
 is not exactly 1.
 
+Probability targets (SPEC section 5) have their own pair,
+``ce_tvm::cross_entropy_probs`` and ``ce_tvm::cross_entropy_probs_backward``
+(below).
+
 The ops are opaque to ``torch.compile`` (no graph break) and do no host
 synchronisation beyond the target range check, which needs the target values.
 """
