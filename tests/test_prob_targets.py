@@ -147,7 +147,8 @@ def test_torch_compile_fullgraph_equals_eager():
 
 
 def test_layouts_and_promotion_match_torch():
-    """(C,) and (N, C, d1, d2) layouts; a float64 target promotes a float32 input."""
+    """(C,) and (N, C, d1, d2) layouts; a float64 target promotes a float32 input;
+    a negative ignore_index is accepted (it can match no probability), as in PyTorch."""
     gen = torch.Generator().manual_seed(7)
     for shape in [(9,), (2, 9, 3, 2)]:
         x = torch.randn(shape, generator=gen)
@@ -156,7 +157,7 @@ def test_layouts_and_promotion_match_torch():
             torch.testing.assert_close(ce_tvm.cross_entropy(x, q, reduction=reduction),
                                        F.cross_entropy(x, q, reduction=reduction))
     x, q = torch.randn(4, 5, generator=gen), torch.rand(4, 5, generator=gen, dtype=torch.float64)
-    ours, ref = ce_tvm.cross_entropy(x, q), F.cross_entropy(x, q)
+    ours, ref = ce_tvm.cross_entropy(x, q, ignore_index=-1), F.cross_entropy(x, q, ignore_index=-1)
     assert ours.dtype == ref.dtype == torch.float64
     torch.testing.assert_close(ours, ref)
 
@@ -175,6 +176,7 @@ def test_empty_batch():
     (dict(ignore_index=1), ValueError, "ignore_index is not supported for probability targets"),
     (dict(weight=torch.ones(6)), ValueError, r"weight must have shape \[C\] = \[5\]"),
     (dict(label_smoothing=1.5), ValueError, r"\[0, 1\)"),
+    (dict(input=torch.ones(4, 5, dtype=torch.int64)), TypeError, "input must be float32"),
 ])
 def test_rejects(kw, error, message):
     args = dict(input=torch.randn(4, 5), target=torch.rand(4, 5))
