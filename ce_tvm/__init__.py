@@ -7,6 +7,8 @@ See SPEC.md for the contract. Public surface:
 - ``linear_cross_entropy`` / ``LinearCrossEntropyLoss``: the output projection
   fused with the loss, rows in chunks (the ``[N, V]`` logits never exist whole);
 - ``cross_entropy_loss`` / ``cross_entropy_loss_grad``: the seed-compatible pair;
+- ``TargetOutOfRangeError``: what every entry point raises for a class index
+  outside ``[0, C)`` (an ``IndexError`` and a ``ValueError``);
 - ``schedule("ascend", profile=...)``: run CPU calls with another schedule;
 - ``use_bundle(DIR)``: run kernels from a bundle (``ce-tvm bundle``), no compiler needed.
 
@@ -20,7 +22,8 @@ from .spec import __version__
 
 _LAZY = {"CrossEntropyLoss": "nn", "cross_entropy": "nn", "cross_entropy_loss": "functional",
          "cross_entropy_loss_grad": "functional", "LinearCrossEntropyLoss": "linear",
-         "linear_cross_entropy": "linear", "schedule": "targets", "use_bundle": "paths"}
+         "linear_cross_entropy": "linear", "schedule": "targets", "use_bundle": "paths",
+         "TargetOutOfRangeError": "validation"}
 _SUBMODULES = ("distributed",)
 
 __all__ = ["__version__", *_LAZY]

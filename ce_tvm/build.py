@@ -25,9 +25,13 @@ def schedule_module(target: str):
     return importlib.import_module(f"ce_tvm.schedules.{schedule_name(target)}")
 
 
+PROB_OPS = ("prob_forward", "prob_backward", "prob_target_grad")  # probability targets
+
+
 def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> list[KernelSpec]:
     """Every forward, training and backward variant for one (target, dtype, C)
-    (training kernels where the target's schedule has them)."""
+    (training kernels where the target's schedule has them), for class-index
+    and probability targets."""
     fwd = [KernelSpec("forward", dtype, classes, Variant(r, w, lp), target, options)
            for r, w, lp in itertools.product(REDUCTIONS, (False, True), (True, False))]
     bwd = [KernelSpec("backward", dtype, classes, Variant(r, w, grad_source=src), target, options)
@@ -35,7 +39,9 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> lis
     train = [KernelSpec("train", dtype, classes, Variant(r, w, False), target, options)
              for r, w in itertools.product(("sum", "mean"), (False, True))
              if hasattr(schedule_module(target), "train")]
-    return fwd + train + bwd
+    probs = [KernelSpec(op, dtype, classes, Variant(r, w, False), target, options)
+             for op, r, w in itertools.product(PROB_OPS, REDUCTIONS, (False, True))]
+    return fwd + train + bwd + probs
 
 
 def declared_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
@@ -49,19 +55,22 @@ def declared_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
 
 def _declare(spec: KernelSpec, schedule) -> tvm.tirx.PrimFunc:
     args = (spec.classes, spec.dtype, spec.variant)
-    if spec.op in ("forward", "train", "shard_stats"):
+    chunked = {"forward": compute.forward_func, "train": compute.train_func,
+               "shard_stats": compute.shard_stats_func, "prob_forward": compute.prob_forward_func}
+    if spec.op in chunked:
         chunk_of = getattr(schedule, f"{spec.op}_chunk", schedule.forward_chunk)
         chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(), **spec.schedule_options())
-        declare = {"forward": compute.forward_func, "train": compute.train_func,
-                   "shard_stats": compute.shard_stats_func}[spec.op]
-        return declare(*args, chunk)
-    if spec.op == "shard_combine":
-        return compute.shard_combine_func(*args)
-    return compute.backward_func(*args)
+        return chunked[spec.op](*args, chunk)
+    whole = {"shard_combine": compute.shard_combine_func, "backward": compute.backward_func,
+             "prob_backward": compute.prob_backward_func,
+             "prob_target_grad": compute.prob_target_grad_func}
+    return whole[spec.op](*args)
 
 
 SCHEDULE_OF_OP = {"forward": "forward", "train": "train", "shard_stats": "forward",
-                  "backward": "backward", "shard_combine": "per_row"}
+                  "backward": "backward", "shard_combine": "per_row",
+                  "prob_forward": "forward", "prob_backward": "backward",
+                  "prob_target_grad": "backward"}
 
 
 def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:

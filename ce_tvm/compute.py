@@ -59,6 +59,19 @@ vocabulary shards (``shard_stats_func``, ``shard_combine_func``, and the
 ``ce_shard_local`` (target index in the shard), ``ce_shard_target_logit`` and
 ``ce_shard_target_weight``.
 
+probability targets (``prob_forward_func``, ``prob_backward_func``; SPEC
+section 5) reuse the forward's and backward's stages with the target mass
+``v[n, c] = w[c] q'[n, c]`` as the per-element weight (``ce_chunk_wxsum`` is
+``sum_j v x``, ``ce_chunk_wsum`` ``sum_j v``; ``ce_row_mask`` is 1: every row
+counts), plus:
+
+=====================  =====================================================
+``ce_row_mass``        ``sum_c v[n, c]`` (output, for the backward)
+``ce_grad_smooth``     ``r[n]``: the row's upstream gradient, coefficient of ``v``
+``ce_grad_pscale``     ``r[n] (sum_c v + 2 s lse)``: coefficient of ``p``
+``target_grad``        output ``-r (1 - eps) w[c] logp`` (``prob_target_grad_func``)
+=====================  =====================================================
+
 ``N`` is a symbolic int64 variable, so one compiled module serves every batch
 size; ``C`` is a compile-time constant. ``ignore_index``, ``label_smoothing``
 and ``zloss_scale`` are scalar kernel arguments.
@@ -108,11 +121,13 @@ MEAN_NORMS = "ce_mean_norms"
 ROW_TARGET_LOGIT = "ce_target_logit"
 CHUNK_BEATS = "ce_chunk_beats"
 ROW_HIT = "ce_row_hit"
+ROW_MASS = "ce_row_mass"
+TARGET_GRAD = "target_grad"
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
-          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT)
+          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD)
 
 
 def matrix_param(func: tirx.PrimFunc):
@@ -124,13 +139,17 @@ def _rows():
     return te.var("N", "int64")
 
 
-def _logits_inputs(classes: int, dtype: str, weighted: bool):
-    """``(acc, N, x[N, C], target[N], weight[C] or None)``: the inputs of the
-    kernels that read the logits."""
+def _logits_inputs(classes: int, dtype: str, weighted: bool, probs: bool = False):
+    """``(acc, N, x[N, C], target, weight[C] or None)``: the inputs of the
+    kernels that read the logits; ``target`` is ``[N]`` int64 class indices,
+    or with ``probs`` ``[N, C]`` probabilities in the logits' dtype."""
     acc = accum_dtype(dtype)
     n_rows = _rows()
     x = te.placeholder((n_rows, _int64(classes)), dtype, name="x")
-    y = te.placeholder((n_rows,), "int64", name="target")
+    if probs:
+        y = te.placeholder((n_rows, _int64(classes)), dtype, name="target")
+    else:
+        y = te.placeholder((n_rows,), "int64", name="target")
     w = te.placeholder((_int64(classes),), acc, name="weight") if weighted else None
     return acc, n_rows, x, y, w
 
@@ -282,10 +301,21 @@ class RowStats:
     beats: te.Tensor | None = None
 
 
-def _row_stats(logit: Logits, w, n_rows, classes: int, acc: str, chunk: int | None,
+def _per_class(w):
+    """A ``[C]`` weight (or ``None``) as the per-element weight ``_row_stats`` takes."""
+    return None if w is None else (lambda n, c: w[c])
+
+
+def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: int | None,
                keep_exp: bool = False, target=None) -> RowStats:
     """Row statistics of the (capped) logits, reduced chunk by chunk
     (``ChunkLayout``) and merged by ``_softmax_merge``.
+
+    ``weight_of(n, c)``: the weight ``v`` of element ``(n, c)`` in the
+    weighted sums (``sum v x`` and ``sum v``: ``ce_chunk_wxsum``,
+    ``ce_chunk_wsum``); ``w[c]`` for class-index targets (``_per_class``),
+    the target mass ``w[c] q'[n, c]`` for probability targets; ``None``: all
+    ones, and no ``sum v`` stage.
 
     ``keep_exp``: ``exp(x - chunk_max)`` is a stage of its own
     (``ce_chunk_exp``) that the chunk's exp-sum reduces, so a gradient can
@@ -332,11 +362,11 @@ def _row_stats(logit: Logits, w, n_rows, classes: int, acc: str, chunk: int | No
     parts = [
         cmax,
         per_chunk(CHUNK_EXPSUM, te.sum, zero, exp_term),
-        per_chunk(CHUNK_WXSUM, te.sum, zero,
-                  lambda n, c, k, j: (w[c] * xf(n, c)) if w is not None else xf(n, c)),
+        per_chunk(CHUNK_WXSUM, te.sum, zero, lambda n, c, k, j: (
+            weight_of(n, c) * xf(n, c)) if weight_of is not None else xf(n, c)),
     ]
-    if w is not None:
-        parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: w[c]))
+    if weight_of is not None:
+        parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: weight_of(n, c)))
     if target is not None:
         one = tirx.const(1.0, acc)
         tl = te.compute((n_rows,), lambda n: xf(n, target(n)), name=ROW_TARGET_LOGIT)
@@ -351,7 +381,7 @@ def _row_stats(logit: Logits, w, n_rows, classes: int, acc: str, chunk: int | No
     stats = te.compute(
         (n_rows,), lambda n: _softmax_merge(len(parts))(
             tuple(p[n, k_axis] for p in parts), axis=k_axis), name=ROWSTATS)
-    return RowStats(stats[0], stats[1], stats[2], stats[3] if w is not None else None,
+    return RowStats(stats[0], stats[1], stats[2], stats[3] if weight_of is not None else None,
                     cmax, kept, layout, stats[len(parts) - 1] if target is not None else None)
 
 
@@ -422,7 +452,7 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     ii, eps, s, *cap = scalars = _scalars(acc, variant.softcap)
     logit = Logits(x, acc, tuple(cap))
     mask, index = _masked_target(y, ii, classes)
-    st = _row_stats(logit, w, n_rows, classes, acc, chunk,
+    st = _row_stats(logit, _per_class(w), n_rows, classes, acc, chunk,
                     target=index if variant.accuracy else None)
     rowmax, expsum, wxsum, wsum = st.rowmax, st.expsum, st.wxsum, st.wsum
     lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name=LSE)
@@ -462,7 +492,7 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
     offset = te.var("shard_offset", "int64")
     cap = _scalars(acc, variant.softcap)[3:]
     logit = Logits(x, acc, cap)
-    st = _row_stats(logit, w, n_rows, classes, acc, chunk)
+    st = _row_stats(logit, _per_class(w), n_rows, classes, acc, chunk)
     rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
     local = te.compute((n_rows,), lambda n: y[n] - offset, name=SHARD_LOCAL)
 
@@ -703,7 +733,7 @@ def train_func(classes: int, dtype: str, variant: Variant,
     logit = Logits(x, acc, tuple(cap))
     mask, index = _masked_target(y, ii, classes)
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
-    st = _row_stats(logit, w, n_rows, classes, acc, chunk, keep_exp=True,
+    st = _row_stats(logit, _per_class(w), n_rows, classes, acc, chunk, keep_exp=True,
                     target=index if variant.accuracy else None)
     lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
 
@@ -758,4 +788,128 @@ def train_func(classes: int, dtype: str, variant: Variant,
             + outs)
     if variant.accuracy:
         args.append(_row_hits(n_rows, acc, mask, st.beats))
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+def _target_mass(q, w, eps, classes: int, acc: str):
+    """``v(n, c) = w[c] q'[n, c]`` with ``q' = (1 - eps) q + eps / C`` (SPEC
+    section 5): the weight of ``logp[n, c]`` in a probability target's loss."""
+    one, spread = tirx.const(1.0, acc), eps / tirx.const(float(classes), acc)
+
+    def mass(n, c):
+        smoothed = (one - eps) * q[n, c].astype(acc) + spread
+        return w[c] * smoothed if w is not None else smoothed
+
+    return mass
+
+
+def prob_forward_func(classes: int, dtype: str, variant: Variant,
+                      chunk: int | None = None) -> tirx.PrimFunc:
+    """The loss of probability targets (SPEC section 5) as a PrimFunc.
+
+    With the target mass ``v = w q'`` (``_target_mass``) as the per-element
+    weight of the row statistics (chunked as in ``forward_func``), a row's
+    loss is ``-sum_c v logp = lse * sum_c v - sum_c v x`` (``ce_row_ce``);
+    its z-loss is ``s * lse^2``. Every row counts: the mean divides both by
+    ``N`` (the ``ce_row_mask`` of this kernel is 1).
+
+    Arguments, in order: ``x[N, C]``, ``target[N, C]`` (dtype),
+    ``weight[C]`` (accumulation dtype, weighted variant only),
+    ``label_smoothing``, ``zloss_scale``, ``softcap`` (capped variant only:
+    ``x`` is read as ``t * tanh(x / t)``); outputs ``loss`` and ``zloss``
+    (``[N]`` for ``none``, else ``[1]``, dtype), ``lse[N]`` and
+    ``target_mass[N]`` (``sum_c v``; accumulation dtype), which the backward
+    takes.
+    """
+    acc, n_rows, x, q, w = _logits_inputs(classes, dtype, variant.weighted, probs=True)
+    _, eps, s, *cap = _scalars(acc, variant.softcap)
+    st = _row_stats(Logits(x, acc, tuple(cap)), _target_mass(q, w, eps, classes, acc), n_rows,
+                    classes, acc, chunk)
+    lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
+    mass = te.compute((n_rows,), lambda n: st.wsum[n], name=ROW_MASS)
+    every = te.compute((n_rows,), lambda n: tirx.const(1.0, acc), name=ROW_MASK)
+    rows = {
+        "ce": te.compute((n_rows,), lambda n: lse[n] * st.wsum[n] - st.wxsum[n], name=ROW_CE),
+        "z": te.compute((n_rows,), lambda n: s * lse[n] * lse[n], name=ROW_Z),
+    }
+    if variant.reduction == "mean":
+        rows["weight"] = rows["count"] = every
+    outs = _reduce_forward(rows, n_rows, dtype, variant.reduction).outputs
+    args = [x, q] + ([w] if w is not None else []) + [eps, s, *cap] + outs + [lse, mass]
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+def _prob_row_grad(g, n_rows, reduction: str, acc: str):
+    """``ce_grad_smooth``: each row's upstream gradient ``r[n]`` (``g[n]`` for
+    ``none``; ``g``, divided by ``N`` for ``mean``)."""
+    def row_grad(n):
+        if reduction == "none":
+            return g[n]
+        return g[0] / n_rows.astype(acc) if reduction == "mean" else g[0]
+
+    return te.compute((n_rows,), row_grad, name=GRAD_SMOOTH)
+
+
+def _grad_input(n_rows, acc: str, reduction: str):
+    """The ``grad_loss`` placeholder: ``[N]`` for ``none``, else ``[1]``."""
+    return te.placeholder((n_rows,) if reduction == "none" else (1,), acc, name="grad_loss")
+
+
+def prob_backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
+    """The logits gradient of probability targets (SPEC section 5) as a PrimFunc:
+    ``x_grad = r (sum_c v + 2 s lse) p - r v`` with ``v`` the target mass and
+    ``r`` the upstream gradient of the row (divided by ``N`` for ``mean``).
+
+    Arguments, in order: ``grad_loss[G]`` (accumulation dtype; ``G = N`` for
+    ``none``, else 1), ``x[N, C]``, ``target[N, C]`` (dtype), ``lse[N]``,
+    ``target_mass[N]`` (accumulation dtype; the forward's), ``weight[C]``
+    (weighted only), ``label_smoothing``, ``zloss_scale``, ``softcap``
+    (capped variant only: the gradient is taken through ``t * tanh(x / t)``);
+    output ``x_grad[N, C]`` (dtype).
+    """
+    acc, n_rows, x, q, w = _logits_inputs(classes, dtype, variant.weighted, probs=True)
+    g = _grad_input(n_rows, acc, variant.reduction)
+    lse = te.placeholder((n_rows,), acc, name="lse")
+    total = te.placeholder((n_rows,), acc, name="target_mass")
+    _, eps, s, *cap = _scalars(acc, variant.softcap)
+    logit = Logits(x, acc, tuple(cap))
+    mass = _target_mass(q, w, eps, classes, acc)
+    zero, two = tirx.const(0.0, acc), tirx.const(2.0, acc)
+    coef = _prob_row_grad(g, n_rows, variant.reduction, acc)
+    p_scale = te.compute(
+        (n_rows,), lambda n: coef[n] * total[n]
+        + tirx.Select(s != zero, two * s * lse[n] * coef[n], zero), name=GRAD_PSCALE)
+
+    def grad(n, c):
+        p = fastmath.exp(logit(n, c) - lse[n], nonpositive=True, storage=dtype)
+        return logit.scaled_by_slope(n, c, p * p_scale[n] - coef[n] * mass(n, c)).astype(dtype)
+
+    x_grad = te.compute((n_rows, _int64(classes)), grad, name=X_GRAD)
+    args = [g, x, q, lse, total] + ([w] if w is not None else []) + [eps, s, *cap, x_grad]
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+def prob_target_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
+    """The gradient of the probability-target loss with respect to the targets:
+    ``target_grad = -r (1 - eps) w[c] (x - lse)`` (``r`` as in
+    ``prob_backward_func``; ``x`` capped in the capped variant).
+
+    Arguments, in order: ``grad_loss[G]``, ``x[N, C]`` (dtype), ``lse[N]``,
+    ``weight[C]`` (weighted only), ``label_smoothing``, ``softcap`` (capped
+    variant only); output ``target_grad[N, C]`` (dtype).
+    """
+    acc, n_rows, x, _, w = _logits_inputs(classes, dtype, variant.weighted, probs=True)
+    g = _grad_input(n_rows, acc, variant.reduction)
+    lse = te.placeholder((n_rows,), acc, name="lse")
+    _, eps, _, *cap = _scalars(acc, variant.softcap)
+    logit = Logits(x, acc, tuple(cap))
+    coef = _prob_row_grad(g, n_rows, variant.reduction, acc)
+    one = tirx.const(1.0, acc)
+
+    def grad(n, c):
+        scale = coef[n] * (one - eps) * (w[c] if w is not None else one)
+        return (-scale * (logit(n, c) - lse[n])).astype(dtype)
+
+    target_grad = te.compute((n_rows, _int64(classes)), grad, name=TARGET_GRAD)
+    args = [g, x, lse] + ([w] if w is not None else []) + [eps, *cap, target_grad]
     return te.create_prim_func(args).with_attr("global_symbol", "main")

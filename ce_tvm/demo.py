@@ -25,7 +25,8 @@ def run_demo(rows: int, classes: int, dtype: str) -> None:
 
     t0 = time.perf_counter()
     loss, log_prob, _, _ = cross_entropy_loss(x, y, **opts)
-    grad = cross_entropy_loss_grad(torch.ones(1), log_prob, y, **opts)
+    one = torch.ones(1, dtype=x.dtype)  # the seed pair's upstream gradient has log_prob's dtype
+    grad = cross_entropy_loss_grad(one, log_prob, y, **opts)
     first = time.perf_counter() - t0
 
     xr = x.detach().float().requires_grad_()
@@ -35,7 +36,7 @@ def run_demo(rows: int, classes: int, dtype: str) -> None:
     grad_err = (grad.float() - xr.grad).abs().max().item()
 
     fwd_ms = best_ms(lambda: cross_entropy_loss(x, y, **opts))
-    bwd_ms = best_ms(lambda: cross_entropy_loss_grad(torch.ones(1), log_prob, y, **opts))
+    bwd_ms = best_ms(lambda: cross_entropy_loss_grad(one, log_prob, y, **opts))
     # The same kernels writing into buffers allocated once (the API call gets
     # its [N, C] output from the buffer pool).
     options = LossOptions(**opts)

@@ -42,12 +42,15 @@ def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, grad_zloss
     """Gradient of ``cross_entropy_loss`` with respect to the logits (SPEC section 2).
 
     ``grad_loss`` (and ``grad_zloss``) have the shape of ``loss``;
-    ``lse_for_zloss`` is required when the z-loss scale is non-zero. Returns
+    ``lse_for_zloss`` is required when the z-loss scale is non-zero. All four
+    share ``log_prob``'s dtype (``TypeError`` otherwise, as the seed operator). Returns
     ``x_grad [N, C]`` in the dtype of ``log_prob``.
     """
     lp, y, w, options = check.operator_args(
         log_prob, "log_prob", target, weight, reduction=reduction, ignore_index=ignore_index,
         label_smoothing=label_smoothing, zloss_scale=lse_square_scale_for_zloss)
+    check.one_dtype(grad_loss=grad_loss, log_prob=lp, grad_zloss=grad_zloss,
+                    lse_for_zloss=lse_for_zloss)
     n = lp.shape[0]
     g = check.row_vector(grad_loss, n, lp, "grad_loss", options.reduction)
     gz = (torch.zeros_like(g) if grad_zloss is None

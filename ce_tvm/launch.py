@@ -63,6 +63,12 @@ def _capped(options: LossOptions) -> bool:
     return options.softcap != 0.0
 
 
+def _prob_scalars(options: LossOptions) -> tuple:
+    """The probability-target kernels' scalar arguments: those of ``_scalars``
+    but the ignore index."""
+    return _scalars(options)[1:]
+
+
 def _weight(w) -> list:
     return [w] if w is not None else []
 
@@ -217,3 +223,48 @@ def shard_backward(grad_loss, x, lse, y, w, target_weight, *, offset: int, weigh
          *_weight(w), target_weight, offset, weight_sum, float(global_classes),
          *_scalars(options), x_grad)
     return x_grad
+
+
+def prob_forward(x, q, w, options: LossOptions) -> tuple[ForwardOutputs, torch.Tensor]:
+    """The loss of probability targets ``q`` (``x``'s shape and dtype); returns
+    ``(ForwardOutputs, target_mass)``, ``log_prob`` ``None`` and ``target_mass``
+    the ``[N]`` row sums of ``w q'`` (accumulation dtype) the backward takes."""
+    x, q, w = aligned(x), aligned(q), aligned(w)
+    n = x.shape[0]
+    rows = n if options.reduction == "none" else 1
+    out = ForwardOutputs(loss=x.new_empty(rows), zloss=x.new_empty(rows),
+                         lse=x.new_empty(n, dtype=accum_torch_dtype(x)), log_prob=None)
+    mass = x.new_empty(n, dtype=accum_torch_dtype(x))
+    if _rows_to_run(x) == 0:
+        _empty_reduction(out, options.reduction)
+        return out, mass
+    spec = _spec("prob_forward", x, Variant(options.reduction, w is not None, log_prob=False,
+                                            softcap=_capped(options)))
+    call(spec, x, q, *_weight(w), *_prob_scalars(options), out.loss, out.zloss, out.lse, mass)
+    return out, mass
+
+
+def prob_backward(grad_loss, x, q, lse, mass, w, options: LossOptions) -> torch.Tensor:
+    """The logits gradient of probability targets, from the logits, their ``lse``
+    and the forward's ``target_mass``."""
+    grad_loss, x, q, lse, mass, w = (aligned(t) for t in (grad_loss, x, q, lse, mass, w))
+    x_grad = pool.empty_like(x)
+    if _rows_to_run(x) == 0:
+        return x_grad
+    spec = _spec("prob_backward", x, Variant(options.reduction, w is not None, log_prob=False,
+                                             softcap=_capped(options)))
+    call(spec, grad_loss, x, q, lse, mass, *_weight(w), *_prob_scalars(options), x_grad)
+    return x_grad
+
+
+def prob_target_grad(grad_loss, x, lse, w, options: LossOptions) -> torch.Tensor:
+    """The gradient of the probability-target loss with respect to the targets."""
+    grad_loss, x, lse, w = (aligned(t) for t in (grad_loss, x, lse, w))
+    target_grad = pool.empty_like(x)
+    if _rows_to_run(x) == 0:
+        return target_grad
+    spec = _spec("prob_target_grad", x, Variant(options.reduction, w is not None, log_prob=False,
+                                                softcap=_capped(options)))
+    softcap = (options.softcap,) if _capped(options) else ()
+    call(spec, grad_loss, x, lse, *_weight(w), options.label_smoothing, *softcap, target_grad)
+    return target_grad

@@ -13,6 +13,10 @@ written once, one ``exp`` per element). Autograd saves only that gradient
 (the logits may be freed) and scales it by the upstream gradient when that
 is not exactly 1.
 
+Probability targets (SPEC section 5) have their own pair,
+``ce_tvm::cross_entropy_probs`` and ``ce_tvm::cross_entropy_probs_backward``
+(below).
+
 The ops are opaque to ``torch.compile`` (no graph break) and do no host
 synchronisation beyond the target range check, which needs the target values.
 """
@@ -221,3 +225,81 @@ def scale_unit_gradient(x_grad: Tensor, grad_loss: Tensor) -> Tensor:
 
 
 cross_entropy_train.register_autograd(_train_backward, setup_context=_setup_train_context)
+
+
+# --- Probability targets (SPEC section 5) -----------------------------------
+# ``ce_tvm::cross_entropy_probs`` returns ``(loss, zloss, lse, target_mass)``;
+# autograd saves the logits, the targets and the two ``[N]`` vectors, and
+# ``ce_tvm::cross_entropy_probs_backward`` recomputes the probabilities for
+# the logits' gradient and the log-probabilities for the targets' (each only
+# when it is needed).
+
+
+@custom_op("ce_tvm::cross_entropy_probs", mutates_args=())
+def cross_entropy_probs(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
+                        label_smoothing: float, lse_square_scale: float,
+                        softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, zloss, lse, target_mass)`` for probability targets of ``x``'s shape
+    and dtype; ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``."""
+    options = options_of(reduction, -100, label_smoothing, lse_square_scale, softcap)
+    q = check.probabilities(target, x)
+    out, mass = launch.prob_forward(x.contiguous(), q, check.weight(weight, x), options)
+    return out.loss, out.zloss, out.lse, mass
+
+
+@cross_entropy_probs.register_fake
+def _(x, target, weight, reduction, label_smoothing, lse_square_scale, softcap):
+    rows, acc = loss_rows(x, reduction), accum_torch_dtype(x)
+    return (x.new_empty(rows), x.new_empty(rows), x.new_empty(x.shape[0], dtype=acc),
+            x.new_empty(x.shape[0], dtype=acc))
+
+
+@custom_op("ce_tvm::cross_entropy_probs_backward", mutates_args=())
+def cross_entropy_probs_backward(grad_loss: Tensor, x: Tensor, target: Tensor, lse: Tensor,
+                                 target_mass: Tensor, weight: Tensor | None, reduction: str,
+                                 label_smoothing: float, lse_square_scale: float,
+                                 softcap: float, grad_input: bool,
+                                 grad_target: bool) -> tuple[Tensor, Tensor]:
+    """``(x_grad, target_grad)`` for probability targets, from the forward's ``lse``
+    and ``target_mass``; an empty tensor for a gradient not asked for."""
+    options = options_of(reduction, -100, label_smoothing, lse_square_scale, softcap)
+    g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
+    x, lse, w = x.contiguous(), lse.contiguous(), check.weight(weight, x)
+    empty = x.new_empty(0)
+    x_grad = (launch.prob_backward(g, x, target.contiguous(), lse, target_mass.contiguous(), w,
+                                   options) if grad_input else empty)
+    target_grad = launch.prob_target_grad(g, x, lse, w, options) if grad_target else empty.clone()
+    return x_grad, target_grad
+
+
+@cross_entropy_probs_backward.register_fake
+def _(grad_loss, x, target, lse, target_mass, weight, reduction, label_smoothing,
+      lse_square_scale, softcap, grad_input, grad_target):
+    def grad(wanted):
+        return torch.empty_like(x, memory_format=torch.contiguous_format) if wanted \
+            else x.new_empty(0)
+
+    return grad(grad_input), grad(grad_target)
+
+
+def _setup_probs_context(ctx, inputs, output):
+    x, target, weight, reduction, label_smoothing, lse_square_scale, softcap = inputs
+    ctx.save_for_backward(x, target, output[2], output[3], weight)
+    ctx.scalars = dict(reduction=reduction, label_smoothing=label_smoothing,  # checked already
+                       lse_square_scale=lse_square_scale, softcap=softcap)
+
+
+def _probs_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_mass):
+    # zloss, lse and the mass are reported for logging; gradient flows through loss only.
+    x, target, lse, mass, weight = ctx.saved_tensors
+    wanted = ctx.needs_input_grad[:2]
+    if grad_loss is None or not any(wanted):
+        return None, None, None, None, None, None, None
+    x_grad, target_grad = cross_entropy_probs_backward(
+        grad_loss, x, target, lse, mass, weight, **ctx.scalars, grad_input=wanted[0],
+        grad_target=wanted[1])
+    return (x_grad if wanted[0] else None, target_grad if wanted[1] else None,
+            None, None, None, None, None)
+
+
+cross_entropy_probs.register_autograd(_probs_backward, setup_context=_setup_probs_context)

@@ -26,7 +26,8 @@ from .targets import target_description
 from .tvmlib import tvm_version
 
 __version__ = importlib.metadata.version("ce-tvm")
-OPS = ("forward", "train", "backward", "shard_stats", "shard_combine")
+OPS = ("forward", "train", "backward", "shard_stats", "shard_combine", "prob_forward",
+       "prob_backward", "prob_target_grad")
 TUNED_OPS = ("forward", "backward")  # the kernels tuning records exist for
 log = logging.getLogger("ce_tvm")
 

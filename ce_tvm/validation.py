@@ -3,8 +3,9 @@
 Each check raises ``TypeError`` (wrong kind of object or dtype) or
 ``ValueError`` (wrong value or shape) with a message that says what was
 expected. Targets outside ``[0, C)`` that are not ``ignore_index`` are
-reported with the first bad row; the kernels clamp indices as well, so a
-target is never used to read or write out of bounds. The runtime scalars
+reported with the first bad row, as a ``TargetOutOfRangeError`` (both an
+``IndexError``, PyTorch's type, and a ``ValueError``); the kernels clamp
+indices as well, so a target is never used to read or write out of bounds. The runtime scalars
 are checked by constructing a ``LossOptions``.
 """
 
@@ -17,6 +18,11 @@ from .tensors import TORCH_DTYPES, accum_torch_dtype
 
 TARGET_DTYPES = (torch.int64, torch.int32)
 KERNEL_DEVICES = ("cpu", "cuda")
+
+
+class TargetOutOfRangeError(IndexError, ValueError):
+    """A class-index target outside ``[0, C)`` that is not ``ignore_index``:
+    an ``IndexError`` as PyTorch raises, and a ``ValueError`` as SPEC section 3 asks."""
 
 
 def logits(x: torch.Tensor, name: str = "input") -> torch.Tensor:
@@ -55,11 +61,25 @@ def targets(y, x: torch.Tensor, ignore_index: int, classes: int | None = None) -
     bad = (y != ignore_index) & ((y < 0) | (y >= c))
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        raise ValueError(
+        raise TargetOutOfRangeError(
             f"target[{row}] = {int(y[row])} is out of range: expected a class index in "
             f"[0, {c}) or ignore_index ({ignore_index})"
         )
     return y
+
+
+def probabilities(q, x: torch.Tensor) -> torch.Tensor:
+    """Probability targets: a contiguous float tensor of ``x``'s shape, dtype and device."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(q).__name__}")
+    if q.dtype != x.dtype:
+        raise TypeError(f"probability targets must have the logits' dtype {x.dtype}, "
+                        f"got {q.dtype}")
+    _same_device(q, x, "target")
+    if q.shape != x.shape:
+        raise ValueError(f"probability targets must have the logits' shape {tuple(x.shape)}, "
+                         f"got {tuple(q.shape)}")
+    return q.contiguous()
 
 
 def weight(w, x: torch.Tensor, classes: int | None = None) -> torch.Tensor | None:
@@ -105,6 +125,16 @@ def lse_vector(t, n: int, like: torch.Tensor) -> torch.Tensor:
     if tuple(t.shape) != (n,):
         raise ValueError(f"lse_for_zloss must have shape [N] = [{n}], got {tuple(t.shape)}")
     return t.to(accum_torch_dtype(like)).contiguous()
+
+
+def one_dtype(**tensors) -> None:
+    """The seed operator's rule: the named floating-point tensors share one
+    dtype, else ``TypeError`` (anything else is left to its own check)."""
+    given = {name: t.dtype for name, t in tensors.items()
+             if isinstance(t, torch.Tensor) and t.dtype.is_floating_point}
+    if len(set(given.values())) > 1:
+        listed = ", ".join(f"{name} ({dtype})" for name, dtype in given.items())
+        raise TypeError(f"{listed} must share one dtype (the seed operator requires it)")
 
 
 def check_device(x: torch.Tensor) -> None:

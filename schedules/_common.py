@@ -31,6 +31,7 @@ from ..compute import (
     ROW_CE,
     ROW_HIT,
     ROW_MASK,
+    ROW_MASS,
     ROW_TARGET_LOGIT,
     ROW_WEIGHT,
     ROW_Z,
@@ -39,6 +40,7 @@ from ..compute import (
     SHARD_TARGET_LOGIT,
     SHARD_TARGET_WEIGHT,
     STAGES,
+    TARGET_GRAD,
     TOTAL_CE,
     TOTAL_COUNT,
     TOTAL_WEIGHT,
@@ -56,8 +58,9 @@ OPTIONAL_ROW_REDUCTIONS = (CHUNK_WSUM, CHUNK_BEATS)
 # Serial sums over rows: for sum and mean (and the mean backward) only.
 ROW_TOTALS = (TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT)
 # Per-row stages of the forward after the row statistics (not in the shard
-# statistics; log_prob for the log-prob variant only).
-ROW_FORWARD_REST = (LSE, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS, ROW_HIT)
+# statistics; log_prob for the log-prob variant only, the hits for the accuracy
+# variant only, the target mass for probability targets only).
+ROW_FORWARD_REST = (LSE, ROW_MASS, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS, ROW_HIT)
 # Blocks inlined into their consumers: without a producer under the row loop,
 # reverse_compute_at would recompute them for every row of the batch. Each
 # belongs to some declarations only (the row weight to the mean only).
@@ -66,7 +69,9 @@ INLINED = (ROW_MASK, ROW_WEIGHT, GRAD_MASK, SHARD_LOCAL)
 SHARD_GATHERS = (SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT)
 # Per-row blocks of the shard-combine kernel (rows already reduced over classes).
 COMBINE_ROWS = (ROW_CE, ROW_Z, LOSS, ZLOSS)
-# Per-row coefficients of the backward.
+# The [N, C] output of a backward: the logits' gradient, or the probability targets'.
+GRAD_OUTPUTS = (X_GRAD, TARGET_GRAD)
+# Per-row coefficients of the backward (probability targets have no one-hot term).
 ROW_GRAD_COEFS = (GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE)
 
 
@@ -126,10 +131,11 @@ def place_row_stages(sch, lanes: int):
 
 def place_grad_coefficients(sch):
     """The backward phase every schedule shares: the per-row coefficients under
-    the row loop of ``x_grad``. Returns ``(x_grad block, row loop)``."""
-    grad = sch.get_sblock(X_GRAD)
+    the row loop of the gradient (``x_grad``, or ``target_grad``). Returns
+    ``(gradient block, row loop)``."""
+    grad = present_blocks(sch, GRAD_OUTPUTS)[0]
     row = sch.get_loops(grad)[0]
-    for blk in reversed([sch.get_sblock(name) for name in ROW_GRAD_COEFS]):
+    for blk in reversed(present_blocks(sch, ROW_GRAD_COEFS)):
         sch.compute_at(blk, row)
     return grad, row
 

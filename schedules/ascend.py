@@ -148,8 +148,8 @@ def backward(func, target: Target, profile: str = "910b"):
     p = plan(prof, 1, classes_of(func), dtype, "backward")
     grad, row = place_grad_coefficients(sch)
     tile, _ = sch.split(sch.get_loops(grad)[-1], [None, p.chunk])
-    source = next(r.source.name for r in sch.get(grad).reads)  # log_prob or the logits
-    staged = _stage(sch, [grad], tile, p.buffers, source)
+    # log_prob or the logits (a probability target is read from memory, unstaged)
+    staged = _stage(sch, [grad], tile, p.buffers, matrix_param(func).name)
     _parallel_rows(sch, row, prof.vector_cores)
     init_row_totals(sch)
     for blk in (staged, grad):

@@ -98,8 +98,9 @@ def check_once(case: Case) -> None:
 
     g_rows = case.n if case.reduction == "none" else 1
     gen = torch.Generator().manual_seed(case.seed + 1)
-    g = torch.rand(g_rows, generator=gen) + 0.5
-    gz = torch.rand(g_rows, generator=gen)
+    # the seed pair takes its upstream gradients in log_prob's dtype
+    g = (torch.rand(g_rows, generator=gen) + 0.5).to(case.dtype)
+    gz = torch.rand(g_rows, generator=gen).to(case.dtype)
     x_grad = ce_tvm.cross_entropy_loss_grad(
         g, log_prob, y, w, grad_zloss=gz,
         lse_for_zloss=lse if case.zloss_scale else None, **opts)
@@ -108,7 +109,7 @@ def check_once(case: Case) -> None:
     for rows in _blocks(case.n, case.c):
         per_row = (lambda t: t[rows]) if case.reduction == "none" else (lambda t: t)
         ref = reference.backward(
-            per_row(g).numpy(), log_prob[rows].double().numpy(), y[rows].numpy(), wn,
-            per_row(gz).numpy(), lse[rows].double().numpy(), case.reduction, case.ignore_index,
-            case.label_smoothing, case.zloss_scale, row_totals=row_totals)
+            per_row(g).double().numpy(), log_prob[rows].double().numpy(), y[rows].numpy(), wn,
+            per_row(gz).double().numpy(), lse[rows].double().numpy(), case.reduction,
+            case.ignore_index, case.label_smoothing, case.zloss_scale, row_totals=row_totals)
         assert_close(x_grad[rows], ref, tol, f"x_grad rows {rows}")

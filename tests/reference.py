@@ -35,6 +35,16 @@ def _mask_and_index(y, ignore_index, classes):
     return m, t
 
 
+def _lse(x):
+    """Row-wise ``log(sum_c exp(x))``, max-shifted."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        mx = x.max(axis=1, keepdims=True) if x.shape[0] else np.zeros((0, 1))
+        # A row of only -inf has lse = log(0) = -inf (as torch.logsumexp), not
+        # the NaN of -inf - (-inf): shift it by 0 instead of its max.
+        mx = np.where(mx == -np.inf, 0.0, mx)
+        return (mx + np.log(np.exp(x - mx).sum(axis=1, keepdims=True)))[:, 0]
+
+
 def capped(x, softcap):
     """SPEC section 5: the logits ``t * tanh(x / t)`` (``x`` itself for ``t = 0``)."""
     x = np.asarray(x, dtype=np.float64)
@@ -57,12 +67,8 @@ def row_terms(x, y, weight=None, ignore_index=-100, label_smoothing=0.0, zloss_s
     n, c = x.shape
     w = _weights(weight, c)
     m, t = _mask_and_index(y, ignore_index, c)
+    lse = _lse(x)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        mx = x.max(axis=1, keepdims=True) if n else np.zeros((0, 1))
-        # A row of only -inf has lse = log(0) = -inf (as torch.logsumexp), not
-        # the NaN of -inf - (-inf): shift it by 0 instead of its max.
-        mx = np.where(mx == -np.inf, 0.0, mx)
-        lse = (mx + np.log(np.exp(x - mx).sum(axis=1, keepdims=True)))[:, 0]
         logp = x - lse[:, None]
         nll = -w[t] * logp[np.arange(n), t]
         smooth = -(logp * w[None, :]).sum(axis=1)
@@ -142,3 +148,47 @@ def backward(grad_loss, log_prob, y, weight=None, grad_zloss=None, lse=None, red
             lse = np.asarray(lse, dtype=np.float64)
             grad = grad + np.where(m > 0, 2 * zloss_scale * lse * zg, 0.0)[:, None] * p
     return grad
+
+
+# --- Probability targets (SPEC section 5) -----------------------------------
+
+
+def _smoothed(q, label_smoothing):
+    q = np.asarray(q, dtype=np.float64)
+    return (1 - label_smoothing) * q + label_smoothing / q.shape[1]
+
+
+def prob_forward(x, q, weight=None, reduction="mean", label_smoothing=0.0, zloss_scale=0.0):
+    """SPEC section 5: ``(loss, zloss, lse)`` in float64 for probability targets
+    ``q`` of ``x``'s shape: ``l = -sum_c w q' logp`` and ``z = s lse^2`` per
+    row; ``mean`` divides both sums by the number of rows."""
+    x = np.asarray(x, dtype=np.float64)
+    n, c = x.shape
+    lse = _lse(x)
+    loss = -(_weights(weight, c)[None, :] * _smoothed(q, label_smoothing)
+             * (x - lse[:, None])).sum(axis=1)
+    z = zloss_scale * lse**2
+    if reduction == "none":
+        return loss + z, z, lse
+    scale = 1.0 if reduction == "sum" else (np.float64(1.0) / n if n else np.nan)
+    return np.array([(loss.sum() + z.sum()) * scale]), np.array([z.sum() * scale]), lse
+
+
+def prob_backward(grad_loss, x, q, weight=None, reduction="mean", label_smoothing=0.0,
+                  zloss_scale=0.0):
+    """SPEC section 5: ``(x_grad, target_grad)`` in float64, by the chain rule of
+    ``prob_forward``: with ``v = w q'`` and ``r`` the row's upstream gradient,
+    ``x_grad = r (sum_c v) p - r v + r 2 s lse p`` and
+    ``target_grad = -r (1 - eps) w logp``."""
+    x = np.asarray(x, dtype=np.float64)
+    n, c = x.shape
+    w = _weights(weight, c)
+    lse = _lse(x)
+    logp = x - lse[:, None]
+    p = np.exp(logp)
+    v = w[None, :] * _smoothed(q, label_smoothing)
+    g = np.asarray(grad_loss, dtype=np.float64).reshape(-1)
+    r = g if reduction == "none" else np.full(n, g[0] / (n if reduction == "mean" else 1))
+    x_grad = r[:, None] * (v.sum(axis=1)[:, None] * p - v + 2 * zloss_scale * lse[:, None] * p)
+    target_grad = -r[:, None] * (1 - label_smoothing) * w[None, :] * logp
+    return x_grad, target_grad

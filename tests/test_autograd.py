@@ -171,8 +171,10 @@ def test_torch_compile_fullgraph_training_step_equals_eager():
 
 
 @pytest.mark.parametrize("kw,error,message", [
-    (dict(target=torch.zeros(9)), TypeError, "class-index targets"),
-    (dict(target=torch.zeros(8, dtype=torch.long)), ValueError, r"shape \[N\]"),
+    (dict(target=torch.zeros(9)), ValueError, r"probability target must have shape \(9, 13\)"),
+    (dict(target=torch.zeros(8, dtype=torch.long)), ValueError,
+     r"class-index target must have shape \(9,\)"),
+    (dict(target=torch.zeros(9, dtype=torch.int16)), TypeError, "int64 or int32"),
     (dict(lse_square_scale=-1.0), ValueError, "lse_square_scale must be finite and >= 0"),
     (dict(reduction="avg"), ValueError, "reduction"),
     (dict(target=torch.full((9,), 13)), ValueError, r"target\[0\] = 13"),

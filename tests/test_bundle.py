@@ -90,7 +90,8 @@ def test_bundle_contents(bundle):
     assert manifest["runtime_libs"] == {"libtvm_runtime.so":
                                         sha256_file(bundle / "lib" / "libtvm_runtime.so")}
     kernels = sorted(p.name for p in bundle.glob("*.so"))
-    assert sorted(manifest["kernels"]) == kernels and len(kernels) == 28  # 12 fwd 4 train 12 bwd
+    # 12 fwd, 4 train, 12 bwd; probability targets: 6 fwd, 6 bwd, 6 target-grad
+    assert sorted(manifest["kernels"]) == kernels and len(kernels) == 46
     assert (bundle / "licenses" / "apache-tvm-LICENSE").is_file()
     assert (bundle / "licenses" / "apache-tvm-NOTICE").is_file()
     assert len(list(bundle.glob("host-*.json"))) == 1
@@ -173,7 +174,8 @@ def check_cuda_bundle(cuda_bundle, classes):
     assert manifest["runtime_libs"] == {n: sha256_file(cuda_bundle / "lib" / n) for n in libs}
     kernels = sorted(p.name for p in cuda_bundle.glob("*.so"))
     assert sorted(manifest["kernels"]) == kernels
-    assert len(kernels) == 24 * len(classes)  # 12 forward + 12 backward variants per C
+    # per C: 12 forward + 12 backward variants, 18 for probability targets
+    assert len(kernels) == 42 * len(classes)
     for name in kernels:
         lib = cuda_bundle / name
         entry = json.loads(lib.with_suffix(".json").read_text())

@@ -63,6 +63,37 @@ def test_softcap_and_accuracy_compile_with_nvcc(op, variant, classes):
     assert cubin[:4] == b"\x7fELF"
     assert ("float softcap" in source) == variant.softcap  # the kernel's scalar argument
     assert ("ce_row_hit" in source) == variant.accuracy
+@needs_nvcc
+@pytest.mark.parametrize("op", ["prob_forward", "prob_backward", "prob_target_grad"])
+def test_probability_target_kernels_compile_with_nvcc(op):
+    """Two chunks, the last overlapping (C = 5003), weighted and not."""
+    for weighted in (False, True):
+        spec = KernelSpec(op, "bfloat16", 5003, Variant("mean", weighted, False), "cuda",
+                          (("arch", "sm_90"),))
+        assert cuda_binary(compile_spec(spec), spec) is not None  # raises on any nvcc error
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("classes", [17, 32000])
+def test_probability_targets_match_torch_on_gpu(dtype, classes):
+    import ce_tvm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, classes, generator=gen) * 2).to(dtype)
+    q = torch.softmax(torch.randn(64, classes, generator=gen), 1).to(dtype)
+    w = torch.rand(classes, generator=gen) + 0.5
+    xg, qg = x.cuda().requires_grad_(), q.cuda().requires_grad_()
+    loss = ce_tvm.cross_entropy(xg, qg, w.cuda(), label_smoothing=0.1)
+    loss.backward()
+    xr, qr = x.double().requires_grad_(), q.double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(xr, qr, w.double(), label_smoothing=0.1)
+    ref.backward()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(loss.double().cpu(), ref.detach(), rtol=tol, atol=tol)
+    for ours, theirs in ((xg.grad, xr.grad), (qg.grad, qr.grad)):
+        scale = float(theirs.abs().max())
+        torch.testing.assert_close(ours.double().cpu(), theirs, rtol=tol, atol=tol * scale)
 
 
 @needs_gpu

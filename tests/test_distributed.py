@@ -40,3 +40,42 @@ def test_vocab_parallel_matches_single_process(world):
 def test_vocab_parallel_empty_batches_and_odd_strides():
     """Empty shards with strides 0 in every dtype, size-1 dimensions with odd strides."""
     run_ranks(2, "odd_strides", 7)
+
+
+VOCAB_PARALLEL_OUT_OF_RANGE = """
+import sys, torch, torch.distributed as dist, ce_tvm
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
+                        world_size=1)
+try:
+    ce_tvm.distributed.vocab_parallel_cross_entropy(torch.randn(4, 5), torch.tensor([0, 5, 1, 2]))
+except ce_tvm.TargetOutOfRangeError as err:
+    print(type(err).__name__, isinstance(err, IndexError), isinstance(err, ValueError), err)
+dist.destroy_process_group()
+"""
+
+
+def test_vocab_parallel_out_of_range_target_is_an_index_error_and_a_value_error():
+    done = subprocess.run([sys.executable, "-c", VOCAB_PARALLEL_OUT_OF_RANGE, str(free_port())],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TargetOutOfRangeError True True target[1] = 5 is out of range" in done.stdout
+
+
+LAZY_DISTRIBUTED = """
+import sys
+import ce_tvm
+assert "torch" not in sys.modules and "ce_tvm.distributed" not in sys.modules
+module = ce_tvm.distributed  # imported on first use
+import torch.distributed as dist
+assert module.vocab_parallel_cross_entropy and not dist.is_initialized()
+assert "distributed" in dir(ce_tvm)
+print("lazy ok")
+"""
+
+
+def test_import_ce_tvm_reaches_distributed_lazily():
+    """``import ce_tvm`` imports neither torch nor ``ce_tvm.distributed``; the
+    attribute imports the module on first use and initialises no process group."""
+    done = subprocess.run([sys.executable, "-c", LAZY_DISTRIBUTED], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "lazy ok" in done.stdout, done.stderr[-3000:]

@@ -76,7 +76,7 @@ def test_bit_identical_runs(dtype):
     second = ce_tvm.cross_entropy_loss(x, y, **opts)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-    grads = [ce_tvm.cross_entropy_loss_grad(torch.ones(1), first[1], y, weight=w,
+    grads = [ce_tvm.cross_entropy_loss_grad(torch.ones(1, dtype=dtype), first[1], y, weight=w,
                                             label_smoothing=0.1) for _ in range(2)]
     assert torch.equal(grads[0], grads[1])
 
@@ -99,7 +99,8 @@ def test_more_than_2_pow_31_elements():
     assert_close(log_prob[tail], ref_lp, 1.6e-2, "log_prob tail")
     assert_close(lse[tail], ref_lse, 1.6e-2, "lse tail")
     del x
-    grad = ce_tvm.cross_entropy_loss_grad(torch.ones(n), log_prob, y, reduction="none")
+    grad = ce_tvm.cross_entropy_loss_grad(torch.ones(n, dtype=torch.bfloat16), log_prob, y,
+                                          reduction="none")
     ref_grad = reference.backward(np.ones(4), log_prob[tail].double().numpy(), y[tail].numpy(),
                                   reduction="none", row_totals=(4.0, 4.0))
     assert_close(grad[tail], ref_grad, 1.6e-2, "grad tail")

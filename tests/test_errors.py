@@ -84,6 +84,13 @@ BACKWARD_CASES = [
      r"target\[2\] = 7"),
     ("bad reduction", dict(reduction="batchmean"), ValueError, "reduction"),
     ("smoothing out of range", dict(label_smoothing=2.0), ValueError, r"\[0, 1\)"),
+    ("grad_loss float64, log_prob float32", dict(grad_loss=torch.ones(1, dtype=torch.float64)),
+     TypeError, r"grad_loss \(torch.float64\), log_prob \(torch.float32\) must share one dtype"),
+    ("grad_zloss bfloat16", dict(grad_zloss=torch.ones(1, dtype=torch.bfloat16)), TypeError,
+     r"grad_zloss \(torch.bfloat16\) must share one dtype"),
+    ("lse_for_zloss float16", dict(lse_for_zloss=torch.ones(4, dtype=torch.float16),
+                                   lse_square_scale_for_zloss=1e-3), TypeError,
+     r"lse_for_zloss \(torch.float16\) must share one dtype"),
 ]
 
 
@@ -98,3 +105,35 @@ def test_scalar_grad_loss_is_accepted():
     """A 0-d grad (what autograd passes for a scalar loss) counts as one value."""
     g = bwd(grad_loss=torch.tensor(1.0))
     assert g.shape == X.shape
+
+
+def test_seed_backward_takes_one_dtype_in_half_precision():
+    """bfloat16 everywhere is accepted; a float32 upstream gradient is not."""
+    lp = LP.to(torch.bfloat16)
+    grad = bwd(grad_loss=torch.ones(1, dtype=torch.bfloat16), log_prob=lp)
+    assert grad.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="must share one dtype"):
+        bwd(grad_loss=torch.ones(1), log_prob=lp)
+
+
+H = torch.randn(4, 3)
+LINEAR = torch.randn(5, 3)
+ENTRY_POINTS = {
+    "cross_entropy": lambda y: ce_tvm.cross_entropy(X, y),
+    "CrossEntropyLoss": lambda y: ce_tvm.CrossEntropyLoss()(X, y),
+    "cross_entropy_loss": lambda y: ce_tvm.cross_entropy_loss(X, y),
+    "cross_entropy_loss_grad": lambda y: ce_tvm.cross_entropy_loss_grad(torch.ones(1), LP, y),
+    "linear_cross_entropy": lambda y: ce_tvm.linear_cross_entropy(H, LINEAR, y),
+    "linear_cross_entropy training": lambda y: ce_tvm.linear_cross_entropy(
+        H.clone().requires_grad_(), LINEAR, y),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_out_of_range_target_is_an_index_error_and_a_value_error(entry):
+    """PyTorch raises IndexError, SPEC section 3 ValueError: one class is both
+    (the vocab-parallel loss: ``test_distributed.py``)."""
+    with pytest.raises(ce_tvm.TargetOutOfRangeError, match=r"target\[1\] = 5 is out of range"
+                       ) as raised:
+        ENTRY_POINTS[entry](torch.tensor([0, 5, 1, -100]))
+    assert isinstance(raised.value, IndexError) and isinstance(raised.value, ValueError)

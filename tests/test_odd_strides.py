@@ -36,9 +36,9 @@ def restrided(t, stride):
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def empty_vector(device):
+def empty_vector(device, dtype):
     """An upstream gradient ``[0]`` with stride 0."""
-    return torch.empty_strided((0,), (0,), device=device)
+    return torch.empty_strided((0,), (0,), device=device, dtype=dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -51,7 +51,8 @@ def test_seed_pair_empty_batch(dtype, device):
         assert out.shape == (0,) and out.dtype == dtype
     assert log_prob.shape == (0, C) and log_prob.dtype == dtype
     grad = ce_tvm.cross_entropy_loss_grad(
-        empty_vector(device), restrided(log_prob, (0, 0)), y, grad_zloss=empty_vector(device),
+        empty_vector(device, dtype), restrided(log_prob, (0, 0)), y,
+        grad_zloss=empty_vector(device, dtype),
         lse_for_zloss=restrided(lse, (0,)), reduction="none", lse_square_scale_for_zloss=1e-3)
     assert grad.shape == (0, C) and grad.dtype == dtype and grad.device == x.device
 
@@ -81,7 +82,7 @@ def test_drop_in_empty_batch_every_reduction(device):
         ref = F.cross_entropy(x, y, reduction=reduction)
         assert loss.shape == ref.shape
         torch.testing.assert_close(loss, ref)
-        loss.backward(empty_vector(device) if reduction == "none" else None)
+        loss.backward(empty_vector(device, torch.float32) if reduction == "none" else None)
         assert xr.grad.shape == (0, C)
 
 

@@ -246,15 +246,16 @@ def check_pair(case, x, y, w, gen):
     assert_close(lse, expected(ref_lse, dtype), tol, "lse")
     assert_close(log_prob, expected(ref_lp, dtype), tol, "log_prob")
 
-    g = torch.rand(loss.shape, generator=gen) + 0.5
-    gz = torch.rand(loss.shape, generator=gen) if case.grad_zloss else None
+    # the seed pair takes its upstream gradients in log_prob's dtype
+    g = (torch.rand(loss.shape, generator=gen) + 0.5).to(dtype)
+    gz = torch.rand(loss.shape, generator=gen).to(dtype) if case.grad_zloss else None
     lp_in = strided_copy(log_prob) if case.aux_strides else log_prob
     x_grad = ce_tvm.cross_entropy_loss_grad(
         aux(case, g), lp_in, aux(case, y), aux(case, w), grad_zloss=aux(case, gz),
         lse_for_zloss=aux(case, lse) if case.zloss_scale or case.grad_zloss else None, **opts)
     assert x_grad.dtype == dtype and x_grad.shape == x.shape
-    ref = reference.backward(g.numpy(), log_prob.double().numpy(), y64, w64,
-                             None if gz is None else gz.numpy(), lse.double().numpy(),
+    ref = reference.backward(g.double().numpy(), log_prob.double().numpy(), y64, w64,
+                             None if gz is None else gz.double().numpy(), lse.double().numpy(),
                              case.reduction, *scalars)
     assert_close(x_grad, expected(ref, dtype), tol, "x_grad")
 

@@ -37,6 +37,10 @@ def declared_funcs():
     yield compute.backward_func(10, "float32", Variant("none", True, grad_source="logits",
                                                        softcap=True))
     yield compute.shard_stats_func(10, "float32", Variant(weighted=True, softcap=True), 4)
+    for reduction, weighted in itertools.product(compute.REDUCTIONS, (False, True)):
+        yield compute.prob_forward_func(10, "float32", Variant(reduction, weighted, False), 4)
+        yield compute.prob_backward_func(10, "float32", Variant(reduction, weighted, False))
+        yield compute.prob_target_grad_func(10, "float32", Variant(reduction, weighted, False))
 
 
 def block_names(func) -> set:
