@@ -256,6 +256,15 @@ def test_trainer_logs_the_same_losses(tmp_path):
     assert ours == pytest.approx(stock, rel=1e-5)
 
 
+def test_trainer_example_curves_agree():
+    """examples/train_tiny_trainer.py: stock, apply and fused agree to 1e-5."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "train_tiny_trainer.py"),
+                           "--steps", "3", "--check"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "largest relative difference from stock over 3 steps" in done.stdout
+
+
 @pytest.mark.slow
 def test_fused_step_memory_at_most_a_third_of_stock():
     """A tiny Llama with Llama 3's vocabulary (128256), 1024 tokens: the extra peak
