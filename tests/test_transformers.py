@@ -280,3 +280,23 @@ def test_fused_step_memory_at_most_a_third_of_stock():
     assert fused["loss"] == pytest.approx(stock["loss"], rel=1e-5)
     assert stock["extra_peak_mb"] > 1000  # the logits alone are 501 MB
     assert fused["extra_peak_mb"] <= stock["extra_peak_mb"] / 3, peaks
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_bfloat16_model_is_close_to_stock(fused):
+    """A bfloat16 model. ``apply``: the float32 loss of the logits cast to float32,
+    like stock. Fused: the logits are bfloat16 chunks and the loss comes back in
+    bfloat16 (ce_tvm's output dtype), so it agrees to bfloat16's rounding."""
+    stock = build("llama").to(torch.bfloat16)
+    patched = cehf.apply(copy.deepcopy(stock), fused_linear=fused)
+    ids, labels = batch()
+    expected, expected_grads = loss_and_grads(stock, input_ids=ids, labels=labels)
+    out, grads = loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert expected.loss.dtype == torch.float32
+    assert out.loss.dtype == (torch.bfloat16 if fused else torch.float32)
+    tol = dict(rtol=2 ** -8, atol=0) if fused else TOL
+    torch.testing.assert_close(out.loss.float(), expected.loss, **tol)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name].float(), grad.float(),
+                                   **(dict(rtol=2e-2, atol=1e-3) if fused else TOL),
+                                   msg=lambda m, n=name: f"{n}: {m}")

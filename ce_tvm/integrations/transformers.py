@@ -70,8 +70,9 @@ def _causal_lm_loss(loss_of, labels: Tensor | None, shift_labels: Tensor | None,
 class CausalLMLoss:
     """A model's ``loss_function``: ``ForCausalLMLoss``'s arguments, the loss
     from ``ce_tvm.cross_entropy`` with the options given at construction (an
-    ``ignore_index`` the model passes wins). The logits keep their dtype (the
-    kernels compute in float32 whatever they store)."""
+    ``ignore_index`` the model passes wins). Like ``ForCausalLMLoss`` it casts
+    16-bit logits to float32 first, so the loss is float32 (a no-op for
+    float32 models)."""
 
     def __init__(self, options: LossOptions):
         self.options = options
@@ -80,7 +81,7 @@ class CausalLMLoss:
                  num_items_in_batch=None, ignore_index: int | None = None,
                  shift_labels: Tensor | None = None, **kwargs) -> Tensor:
         ii = self.options.ignore_index if ignore_index is None else ignore_index
-        logits = logits.reshape(-1, vocab_size)
+        logits = logits.float().reshape(-1, vocab_size)
 
         def loss_of(target, reduction):
             return cross_entropy(logits, target, ignore_index=ii, reduction=reduction,
