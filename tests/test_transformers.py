@@ -209,6 +209,23 @@ def test_unsupported_family_is_a_clear_error():
                                stock(input_ids=ids, labels=labels).loss, **TOL)
 
 
+def test_subclass_that_overrides_forward_is_refused():
+    class Custom(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model = Custom(build("llama").config)
+    with pytest.raises(TypeError, match="Custom overrides LlamaForCausalLM.forward"):
+        cehf.apply(model, fused_linear=True)
+
+    class Plain(transformers.LlamaForCausalLM):
+        pass
+
+    ids, labels = batch()
+    plain = cehf.apply(Plain(build("llama").config), fused_linear=True)
+    assert plain(input_ids=ids, labels=labels).logits is None
+
+
 def test_apply_again_replaces_the_mode():
     stock = build("llama")
     model = cehf.apply(copy.deepcopy(stock), fused_linear=True)

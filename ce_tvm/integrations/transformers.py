@@ -92,22 +92,24 @@ class CausalLMLoss:
                                logits.device)
 
 
-def _fused_family(model: nn.Module) -> str:
-    """The supported class ``model`` is (or derives from), else a ``TypeError``."""
-    for cls in type(model).__mro__:
-        if cls.__name__ in FUSED_FAMILIES and cls.__module__.startswith("transformers."):
-            return cls.__name__
-    raise TypeError(f"apply(fused_linear=True) supports {', '.join(FUSED_FAMILIES)} "
-                    f"(and subclasses), not {type(model).__name__}; "
-                    f"apply(model) without fused_linear works for any causal LM")
+def _check_fused_family(model: nn.Module) -> None:
+    """A ``TypeError`` unless ``model`` is a ``FUSED_FAMILIES`` class (or a
+    subclass that keeps its forward)."""
+    family = next((cls for cls in type(model).__mro__ if cls.__name__ in FUSED_FAMILIES
+                   and cls.__module__.startswith("transformers.")), None)
+    if family is None:
+        raise TypeError(f"apply(fused_linear=True) supports {', '.join(FUSED_FAMILIES)} "
+                        f"(and subclasses), not {type(model).__name__}; "
+                        f"apply(model) without fused_linear works for any causal LM")
+    if type(model).forward is not family.forward:
+        raise TypeError(f"apply(fused_linear=True): {type(model).__name__} overrides "
+                        f"{family.__name__}.forward, which the fused forward would replace")
 
 
 def _fused_forward(model: nn.Module, options: LossOptions):
     """The model's forward with the loss from the hidden states when labels are given."""
     original = type(model).forward.__get__(model)
     names = _parameters(original)
-    base = getattr(model, model.base_model_prefix)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
     output_type = _output_type(original)
 
     # The stock forward's signature: the Trainer reads it to choose dataset columns.
@@ -119,10 +121,11 @@ def _fused_forward(model: nn.Module, options: LossOptions):
         if labels is None:
             return original(**kwargs)
         logits_to_keep = kwargs.pop("logits_to_keep", 0)
-        outputs = base(**kwargs)
+        outputs = getattr(self, self.base_model_prefix)(**kwargs)
         hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         head = self.lm_head
         ii = kwargs.get("ignore_index", options.ignore_index)
+        softcap = getattr(self.config, "final_logit_softcapping", None)
         cap = {} if softcap is None else {"softcap": softcap}
         x = hidden.reshape(-1, hidden.shape[-1])
 
@@ -168,7 +171,7 @@ def apply(model: nn.Module, fused_linear: bool = False, **loss_options) -> nn.Mo
     if not hasattr(type(model), "loss_function"):
         raise TypeError(f"apply expects a transformers PreTrainedModel, got {type(model).__name__}")
     if fused_linear:
-        _fused_family(model)
+        _check_fused_family(model)
         model.forward = _fused_forward(model, options)
     else:
         model.__dict__.pop("forward", None)  # a previous fused apply
