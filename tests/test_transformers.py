@@ -33,6 +33,7 @@ FAMILIES = {
     "mistral": ("MistralForCausalLM", "MistralConfig", SMALL),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", SMALL),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", SMALL),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", SMALL),
     # A small cap, so that tanh bends the logits of a tiny model.
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(SMALL, final_logit_softcapping=0.5)),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(SMALL, final_logit_softcapping=0.5)),
