@@ -7,7 +7,6 @@ of every parameter, and for the loss options ``F.cross_entropy`` on its logits.
 """
 
 import copy
-import inspect
 import json
 import subprocess
 import sys
@@ -18,7 +17,6 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-import ce_tvm
 from ce_tvm.integrations import transformers as cehf
 
 VOCAB = 96
@@ -27,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+CAPPED = dict(SMALL, initializer_range=1.0)
 # family -> (model class, config class, config arguments); every one has an lm_head
 FAMILIES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", SMALL),
@@ -34,20 +33,16 @@ FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", SMALL),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", SMALL),
     "gemma": ("GemmaForCausalLM", "GemmaConfig", SMALL),
-    # A small cap, so that tanh bends the logits of a tiny model.
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(SMALL, final_logit_softcapping=0.5)),
-    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(SMALL, final_logit_softcapping=0.5)),
+    # Large weights and a small cap, so that tanh bends the logits of a tiny model.
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(CAPPED, final_logit_softcapping=10.0)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+               dict(CAPPED, final_logit_softcapping=10.0)),
     "gemma2-nocap": ("Gemma2ForCausalLM", "Gemma2Config",
-                     dict(SMALL, final_logit_softcapping=None)),
+                     dict(CAPPED, final_logit_softcapping=None)),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config",
              dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                   embd_pdrop=0.0, attn_pdrop=0.0)),
 }
-SOFTCAP_FAMILIES = ("gemma2", "gemma3")
-HAS_SOFTCAP = "softcap" in inspect.signature(ce_tvm.linear_cross_entropy).parameters
-needs_softcap = pytest.mark.skipif(
-    not HAS_SOFTCAP, reason="needs softcap= on ce_tvm.linear_cross_entropy (issue 14's softcap, "
-                            "branch softcap-acc; not on this branch's main yet)")
 
 
 def build(family: str, seed: int = 0):
@@ -85,11 +80,6 @@ def assert_same_step(stock, patched, **inputs):
     return out
 
 
-def family_param(family):
-    marks = [needs_softcap] if family in SOFTCAP_FAMILIES else []
-    return pytest.param(family, marks=marks, id=family)
-
-
 FUSED = [pytest.param(False, id="loss_function"), pytest.param(True, id="fused_linear")]
 
 
@@ -97,8 +87,6 @@ FUSED = [pytest.param(False, id="loss_function"), pytest.param(True, id="fused_l
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("num_items", [None, 13], ids=["mean", "num_items_in_batch"])
 def test_loss_and_every_gradient_equal_stock(family, fused, num_items):
-    if fused and family in SOFTCAP_FAMILIES and not HAS_SOFTCAP:
-        pytest.skip(needs_softcap.kwargs["reason"])
     stock = build(family)
     patched = cehf.apply(copy.deepcopy(stock), fused_linear=fused)
     ids, labels = batch()
@@ -108,6 +96,17 @@ def test_loss_and_every_gradient_equal_stock(family, fused, num_items):
         assert out.logits is None
     else:
         torch.testing.assert_close(out.logits, stock(input_ids=ids).logits, **TOL)
+
+
+def test_the_cap_of_the_tiny_gemma_matters():
+    """Gemma2's cap of 10 changes the loss (so the softcap cases test it), and
+    the fused loss follows it."""
+    ids, labels = batch()
+    capped, uncapped = build("gemma2"), build("gemma2-nocap")
+    loss = capped(input_ids=ids, labels=labels).loss
+    assert abs(loss - uncapped(input_ids=ids, labels=labels).loss) > 1.0
+    fused = cehf.apply(copy.deepcopy(capped), fused_linear=True)
+    torch.testing.assert_close(fused(input_ids=ids, labels=labels).loss, loss, **TOL)
 
 
 def autograd_nodes(loss) -> list:

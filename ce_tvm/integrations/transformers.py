@@ -125,15 +125,14 @@ def _fused_forward(model: nn.Module, options: LossOptions):
         hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         head = self.lm_head
         ii = kwargs.get("ignore_index", options.ignore_index)
-        softcap = getattr(self.config, "final_logit_softcapping", None)
-        cap = {} if softcap is None else {"softcap": softcap}
+        softcap = getattr(self.config, "final_logit_softcapping", None) or 0.0  # 0: none
         x = hidden.reshape(-1, hidden.shape[-1])
 
         def loss_of(target, reduction):
             return linear_cross_entropy(x, head.weight, target, linear_bias=head.bias,
                                         ignore_index=ii, reduction=reduction,
                                         label_smoothing=options.label_smoothing,
-                                        lse_square_scale=options.zloss_scale, **cap)
+                                        lse_square_scale=options.zloss_scale, softcap=softcap)
 
         loss = _causal_lm_loss(loss_of, labels, kwargs.get("shift_labels"),
                                kwargs.get("num_items_in_batch"), ii, x.device)
