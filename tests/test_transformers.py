@@ -98,6 +98,17 @@ def test_loss_and_every_gradient_equal_stock(family, fused, num_items):
         torch.testing.assert_close(out.logits, stock(input_ids=ids).logits, **TOL)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt2"])  # softcap; tied embedding and head
+def test_fused_in_several_chunks(family, monkeypatch):
+    """The rows go through linear_cross_entropy's sweep 7 at a time (33 rows)."""
+    monkeypatch.setenv("CE_TVM_LINEAR_CHUNK_ROWS", "7")
+    stock = build(family)
+    patched = cehf.apply(copy.deepcopy(stock), fused_linear=True)
+    ids, labels = batch()
+    assert_same_step(stock, patched, input_ids=ids, labels=labels,
+                     num_items_in_batch=torch.tensor(13))
+
+
 def test_the_cap_of_the_tiny_gemma_matters():
     """Gemma2's cap of 10 changes the loss (so the softcap cases test it), and
     the fused loss follows it."""
