@@ -8,7 +8,9 @@ See SPEC.md for the contract. Public surface:
   fused with the loss, rows in chunks (the ``[N, V]`` logits never exist whole);
 - ``cross_entropy_loss`` / ``cross_entropy_loss_grad``: the seed-compatible pair;
 - ``schedule("ascend", profile=...)``: run CPU calls with another schedule;
-- ``use_bundle(DIR)``: run kernels from a bundle (``ce-tvm bundle``), no compiler needed.
+- ``use_bundle(DIR)``: run kernels from a bundle (``ce-tvm bundle``), no compiler needed;
+- ``ce_tvm.integrations.transformers``: Hugging Face causal LMs on the loss
+  (``apply(model)``; the optional extra ``transformers``; imported explicitly).
 
 ``import ce_tvm`` loads nothing else: each name (and ``ce_tvm.distributed``)
 is imported on first use, and TVM's compiler only when a kernel must be built.
