@@ -203,6 +203,11 @@ def test_bad_options_are_clear_errors():
         cehf.compute_loss_func(smoothing=0.1)
     with pytest.raises(TypeError, match="transformers PreTrainedModel"):
         cehf.apply(torch.nn.Linear(2, 2))
+    classifier = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32))
+    with pytest.raises(TypeError, match="causal language model.*BertForSequenceClassification"):
+        cehf.apply(classifier)
 
 
 def test_unsupported_family_is_a_clear_error():

@@ -27,6 +27,7 @@ import types
 
 import torch
 from torch import Tensor, nn
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import can_return_tuple
 
@@ -169,6 +170,11 @@ def apply(model: nn.Module, fused_linear: bool = False, **loss_options) -> nn.Mo
     options = _options(loss_options)
     if not hasattr(type(model), "loss_function"):
         raise TypeError(f"apply expects a transformers PreTrainedModel, got {type(model).__name__}")
+    # transformers' own rule: a model without a known loss_type gets ForCausalLMLoss.
+    loss_type = getattr(model, "loss_type", None)
+    if LOSS_MAPPING.get(loss_type, ForCausalLMLoss) is not ForCausalLMLoss:
+        raise TypeError(f"apply expects a causal language model, got {type(model).__name__} "
+                        f"(its loss is {loss_type!r})")
     if fused_linear:
         _check_fused_family(model)
         model.forward = _fused_forward(model, options)
