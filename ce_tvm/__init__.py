@@ -10,7 +10,9 @@ See SPEC.md for the contract. Public surface:
 - ``TargetOutOfRangeError``: what every entry point raises for a class index
   outside ``[0, C)`` (an ``IndexError`` and a ``ValueError``);
 - ``schedule("ascend", profile=...)``: run CPU calls with another schedule;
-- ``use_bundle(DIR)``: run kernels from a bundle (``ce-tvm bundle``), no compiler needed.
+- ``use_bundle(DIR)``: run kernels from a bundle (``ce-tvm bundle``), no compiler needed;
+- ``ce_tvm.integrations.transformers``: Hugging Face causal LMs on the loss
+  (``apply(model)``; the optional extra ``transformers``; imported explicitly).
 
 ``import ce_tvm`` loads nothing else: each name (and ``ce_tvm.distributed``)
 is imported on first use, and TVM's compiler only when a kernel must be built.

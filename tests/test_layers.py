@@ -31,6 +31,8 @@ LAYERS = [
     ("validation", "functional", "ops", "nn", "distributed", "linear", "__init__"),
     ("peak_memory", "bench", "bench_linear", "demo", "tuning", "bundle"),  # tools, the search
     ("cli",),
+    # training frameworks, on the public surface (each imports its framework)
+    ("integrations", "integrations.transformers"),
 ]
 # Modules that must not depend on torch or on meta_schedule (the search).
 NO_TORCH = ("paths", "kinds", "tvmlib", "spec", "fastmath", "targets", "compute", "options",
@@ -46,18 +48,23 @@ RUNTIME_PATH = ("paths", "kinds", "tvmlib", "targets", "options", "records", "sp
                 "distributed", "__init__", "custom_ops")
 
 
+SUBPACKAGES = {"schedules": ROOT / "schedules", "integrations": ROOT / "ce_tvm" / "integrations"}
+
+
 def module_files() -> dict:
-    """``{name relative to ce_tvm: path}`` for the package's modules."""
+    """``{name relative to ce_tvm: path}`` for the package's modules (a
+    subpackage's ``__init__.py`` under the subpackage's name)."""
     files = {p.stem: p for p in (ROOT / "ce_tvm").glob("*.py")}
-    files.update({f"schedules.{p.stem}": p for p in (ROOT / "schedules").glob("*.py")})
-    files["schedules"] = files.pop("schedules.__init__")
+    for package, directory in SUBPACKAGES.items():
+        files.update({f"{package}.{p.stem}": p for p in directory.glob("*.py")})
+        files[package] = files.pop(f"{package}.__init__")
     return files
 
 
 def package_of(name: str) -> str:
     """The package that the relative imports of module ``name`` start from."""
-    if name == "schedules":  # schedules/__init__.py
-        return "ce_tvm.schedules"
+    if name in SUBPACKAGES:  # the subpackage's __init__.py
+        return f"ce_tvm.{name}"
     parent = name.rpartition(".")[0]
     return f"ce_tvm.{parent}" if parent else "ce_tvm"
 

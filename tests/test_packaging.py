@@ -15,7 +15,8 @@ def test_wheel_installs_and_runs(tmp_path):
     wheel = next((tmp_path / "dist").glob("ce_tvm-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for must in ("ce_tvm/schedules/cpu.py", "ce_tvm/schedules/_common.py",
-                 "ce_tvm/tuning_logs/__init__.py", "ce_tvm/compute.py"):
+                 "ce_tvm/tuning_logs/__init__.py", "ce_tvm/compute.py",
+                 "ce_tvm/integrations/transformers.py"):
         assert must in names, f"{must} missing from {wheel.name}"
     records = {f"ce_tvm/tuning_logs/{p.relative_to(ROOT / 'tuning_logs').as_posix()}"
                for p in (ROOT / "tuning_logs").rglob("*.json")}

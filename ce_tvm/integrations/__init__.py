@@ -1,0 +1,2 @@
+"""ce_tvm inside training frameworks. Each submodule imports its framework, an
+optional dependency: ``ce_tvm.integrations.transformers`` (Hugging Face)."""

@@ -1,0 +1,197 @@
+"""ce_tvm in Hugging Face transformers' causal language models (optional extra
+``transformers``).
+
+- ``apply(model)``: the model's own causal-LM loss (transformers'
+  ``ForCausalLMLoss``: labels shifted by one, ``-100`` ignored, the sum over
+  ``num_items_in_batch`` when the Trainer passes it, ``shift_labels`` when
+  given) runs on ``ce_tvm.cross_entropy``. It goes in through the
+  ``loss_function`` attribute transformers' models expose; torch is not patched.
+- ``apply(model, fused_linear=True)``: when labels are given, the forward
+  computes the loss from the final hidden states with
+  ``ce_tvm.linear_cross_entropy`` (the ``lm_head`` weight and bias, the
+  family's ``final_logit_softcapping`` inside the loss), so the logits never
+  exist whole and ``outputs.logits`` is ``None``. Without labels the model's
+  own forward runs. Families: ``FUSED_FAMILIES``.
+- ``compute_loss_func()``: the same causal-LM loss for
+  ``Trainer(compute_loss_func=...)``, from the logits the model returns.
+
+Loss options (keywords of all three): ``label_smoothing``,
+``lse_square_scale`` (z-loss) and ``ignore_index``, as in ``ce_tvm.cross_entropy``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+
+import torch
+from torch import Tensor, nn
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.utils import can_return_tuple
+
+from ..linear import linear_cross_entropy
+from ..nn import cross_entropy
+from ..options import LossOptions
+
+LOSS_OPTIONS = ("label_smoothing", "lse_square_scale", "ignore_index")
+# Causal-LM classes whose forward is: base model -> last_hidden_state ->
+# slice_logits_to_keep -> lm_head (-> final_logit_softcapping) -> loss_function.
+FUSED_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                  "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+                  "Gemma3ForCausalLM", "GPT2LMHeadModel")
+
+
+def _options(loss_options: dict) -> LossOptions:
+    unknown = sorted(set(loss_options) - set(LOSS_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown loss option(s) {', '.join(unknown)}; "
+                        f"the options are {', '.join(LOSS_OPTIONS)}")
+    return LossOptions(ignore_index=loss_options.get("ignore_index", -100),
+                       label_smoothing=loss_options.get("label_smoothing", 0.0),
+                       zloss_scale=loss_options.get("lse_square_scale", 0.0))
+
+
+def _causal_lm_loss(loss_of, labels: Tensor | None, shift_labels: Tensor | None,
+                    num_items_in_batch, ignore_index: int, device: torch.device) -> Tensor:
+    """transformers' ``ForCausalLMLoss`` around ``loss_of(target [N], reduction)``:
+    the target is ``labels`` shifted left by one (or ``shift_labels``), the loss
+    the mean over non-ignored tokens, or their sum over ``num_items_in_batch``."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(device)
+    if num_items_in_batch is None:
+        return loss_of(target, "mean")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(device)
+    return loss_of(target, "sum") / num_items_in_batch
+
+
+class CausalLMLoss:
+    """A model's ``loss_function``: ``ForCausalLMLoss``'s arguments, the loss
+    from ``ce_tvm.cross_entropy`` with the options given at construction (an
+    ``ignore_index`` the model passes wins). Like ``ForCausalLMLoss`` it casts
+    16-bit logits to float32 first, so the loss is float32 (a no-op for
+    float32 models)."""
+
+    def __init__(self, options: LossOptions):
+        self.options = options
+
+    def __call__(self, logits: Tensor, labels: Tensor | None, vocab_size: int,
+                 num_items_in_batch=None, ignore_index: int | None = None,
+                 shift_labels: Tensor | None = None, **kwargs) -> Tensor:
+        ii = self.options.ignore_index if ignore_index is None else ignore_index
+        logits = logits.float().reshape(-1, vocab_size)
+
+        def loss_of(target, reduction):
+            return cross_entropy(logits, target, ignore_index=ii, reduction=reduction,
+                                 label_smoothing=self.options.label_smoothing,
+                                 lse_square_scale=self.options.zloss_scale)
+
+        return _causal_lm_loss(loss_of, labels, shift_labels, num_items_in_batch, ii,
+                               logits.device)
+
+
+def _check_fused_family(model: nn.Module) -> None:
+    """A ``TypeError`` unless ``model`` is a ``FUSED_FAMILIES`` class (or a
+    subclass that keeps its forward)."""
+    family = next((cls for cls in type(model).__mro__ if cls.__name__ in FUSED_FAMILIES
+                   and cls.__module__.startswith("transformers.")), None)
+    if family is None:
+        raise TypeError(f"apply(fused_linear=True) supports {', '.join(FUSED_FAMILIES)} "
+                        f"(and subclasses), not {type(model).__name__}; "
+                        f"apply(model) without fused_linear works for any causal LM")
+    if type(model).forward is not family.forward:
+        raise TypeError(f"apply(fused_linear=True): {type(model).__name__} overrides "
+                        f"{family.__name__}.forward, which the fused forward would replace")
+
+
+def _fused_forward(model: nn.Module, options: LossOptions):
+    """The model's forward with the loss from the hidden states when labels are given."""
+    original = type(model).forward.__get__(model)
+    names = _parameters(original)
+    output_type = _output_type(original)
+
+    # The stock forward's signature: the Trainer reads it to choose dataset columns.
+    @functools.wraps(type(model).forward)
+    @can_return_tuple
+    def forward(self, *args, **kwargs):
+        kwargs.update(zip(names, args))
+        labels = kwargs.pop("labels", None)
+        if labels is None:
+            return original(**kwargs)
+        logits_to_keep = kwargs.pop("logits_to_keep", 0)
+        outputs = getattr(self, self.base_model_prefix)(**kwargs)
+        hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        head = self.lm_head
+        ii = kwargs.get("ignore_index", options.ignore_index)
+        softcap = getattr(self.config, "final_logit_softcapping", None) or 0.0  # 0: none
+        x = hidden.reshape(-1, hidden.shape[-1])
+
+        def loss_of(target, reduction):
+            return linear_cross_entropy(x, head.weight, target, linear_bias=head.bias,
+                                        ignore_index=ii, reduction=reduction,
+                                        label_smoothing=options.label_smoothing,
+                                        lse_square_scale=options.zloss_scale, softcap=softcap)
+
+        loss = _causal_lm_loss(loss_of, labels, kwargs.get("shift_labels"),
+                               kwargs.get("num_items_in_batch"), ii, x.device)
+        kept = {name: getattr(outputs, name, None) for name in output_type.__dataclass_fields__
+                if name not in ("loss", "logits")}
+        return output_type(loss=loss, logits=None, **kept)
+
+    return types.MethodType(forward, model)
+
+
+def _parameters(forward) -> list[str]:
+    """The names ``forward`` takes positionally, in order (inspect follows the
+    decorators' ``__wrapped__``)."""
+    return [name for name, p in inspect.signature(forward).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _output_type(forward) -> type:
+    """The ``ModelOutput`` class ``forward`` is annotated to return."""
+    return inspect.signature(forward).return_annotation
+
+
+def apply(model: nn.Module, fused_linear: bool = False, **loss_options) -> nn.Module:
+    """Route ``model``'s causal-LM loss through ce_tvm; returns ``model``.
+
+    ``fused_linear=False``: ``model.loss_function`` becomes ``CausalLMLoss``
+    (any transformers model whose forward calls ``self.loss_function`` with
+    ``ForCausalLMLoss``'s arguments). ``fused_linear=True``: the forward of
+    a ``FUSED_FAMILIES`` model computes the loss with
+    ``ce_tvm.linear_cross_entropy`` when labels are given and returns
+    ``logits=None`` then. ``loss_options``: ``LOSS_OPTIONS``. Applying again
+    replaces the previous settings.
+    """
+    options = _options(loss_options)
+    if not hasattr(type(model), "loss_function"):
+        raise TypeError(f"apply expects a transformers PreTrainedModel, got {type(model).__name__}")
+    # transformers' own rule: a model without a known loss_type gets ForCausalLMLoss.
+    loss_type = getattr(model, "loss_type", None)
+    if LOSS_MAPPING.get(loss_type, ForCausalLMLoss) is not ForCausalLMLoss:
+        raise TypeError(f"apply expects a causal language model, got {type(model).__name__} "
+                        f"(its loss is {loss_type!r})")
+    if fused_linear:
+        _check_fused_family(model)
+        model.forward = _fused_forward(model, options)
+    else:
+        model.__dict__.pop("forward", None)  # a previous fused apply
+        model.loss_function = CausalLMLoss(options)
+    return model
+
+
+def compute_loss_func(**loss_options):
+    """``Trainer(compute_loss_func=...)``: the causal-LM loss of the logits the
+    model returns (labels shifted by one, ``num_items_in_batch`` as the
+    Trainer passes it) on ``ce_tvm.cross_entropy``."""
+    loss = CausalLMLoss(_options(loss_options))
+
+    def causal_lm_loss(outputs, labels: Tensor, num_items_in_batch=None) -> Tensor:
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        return loss(logits, labels, logits.shape[-1], num_items_in_batch=num_items_in_batch)
+
+    return causal_lm_loss
