@@ -9,7 +9,7 @@ forward (``forward_func``), per row ``n`` of ``x[N, C]``, the row cut into
 chunks ``k`` of ``chunk`` classes:
 
 =====================  =====================================================
-``ce_chunk_max``       ``max_j x[n, kB + j]``
+``ce_chunk_max``       ``max_j x[n, kB + j]`` (uncapped: the cap is monotone)
 ``ce_chunk_expsum``    ``sum_j exp(x[n, kB + j] - chunk_max[n, k])``
 ``ce_chunk_wxsum``     ``sum_j w[kB + j] x[n, kB + j]``
 ``ce_chunk_wsum``      ``sum_j w[kB + j]``            (weighted only)
@@ -179,7 +179,15 @@ class Logits:
     cap: tuple = ()  # () or (softcap,)
 
     def __call__(self, n, c):
-        value = self.x[n, c].astype(self.acc)
+        return self.capped(self.raw(n, c))
+
+    def raw(self, n, c):
+        """``x[n, c]`` itself, uncapped."""
+        return self.x[n, c].astype(self.acc)
+
+    def capped(self, value):
+        """``value`` (an uncapped logit, or a maximum of some: the cap is
+        monotone, so it commutes with ``max``) as the loss sees it."""
         if not self.cap:
             return value
         t = self.cap[0]
@@ -289,13 +297,16 @@ class ChunkLayout:
 class RowStats:
     """Per-row statistics from ``_row_stats`` (``[N]`` tensors; ``wsum`` is
     ``None`` without a weight), the per-chunk maxima ``[N, n_chunks]``, and the
-    kept ``exp(x - chunk_max)`` ``[N, n_chunks, chunk]`` when asked for."""
+    kept ``exp(x' - chunk_top)`` ``[N, n_chunks, chunk]`` when asked for (``x'``:
+    the logit as the loss sees it, capped or not; ``chunk_top``: the chunk's
+    max of ``x``, capped: the cap is monotone, so no ``tanh`` per element for it)."""
 
     rowmax: te.Tensor
     expsum: te.Tensor
     wxsum: te.Tensor
     wsum: te.Tensor | None
     chunk_max: te.Tensor
+    chunk_top: object  # (n, k) -> the chunk's largest logit as the loss sees it (capped)
     chunk_exp: te.Tensor | None
     layout: ChunkLayout
     beats: te.Tensor | None = None
@@ -347,18 +358,22 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
         return te.compute((n_rows, _int64(layout.n_chunks)), value, name=stage)
 
     zero = tirx.const(0.0, acc)
-    cmax = per_chunk(CHUNK_MAX, te.max, None, lambda n, c, k, j: xf(n, c))
+    cmax = per_chunk(CHUNK_MAX, te.max, None, lambda n, c, k, j: logit.raw(n, c))
+
+    def top(n, k):
+        return logit.capped(cmax[n, k])
+
     if keep_exp:
         kept = te.compute(
             (n_rows, _int64(layout.n_chunks), _int64(chunk)),
-            lambda n, k, j: fastmath.exp(xf(n, layout.start(k) + j) - cmax[n, k],
+            lambda n, k, j: fastmath.exp(xf(n, layout.start(k) + j) - top(n, k),
                                          nonpositive=True, storage=str(x.dtype)),
             name=CHUNK_EXP)
         exp_term = lambda n, c, k, j: kept[n, k, j]  # noqa: E731
     else:
         kept = None
         exp_term = lambda n, c, k, j: fastmath.exp(  # noqa: E731
-            xf(n, c) - cmax[n, k], nonpositive=True, storage=str(x.dtype))
+            xf(n, c) - top(n, k), nonpositive=True, storage=str(x.dtype))
     parts = [
         cmax,
         per_chunk(CHUNK_EXPSUM, te.sum, zero, exp_term),
@@ -380,9 +395,9 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
     k_axis = te.reduce_axis((_int64(0), _int64(layout.n_chunks)), name="k")
     stats = te.compute(
         (n_rows,), lambda n: _softmax_merge(len(parts))(
-            tuple(p[n, k_axis] for p in parts), axis=k_axis), name=ROWSTATS)
+            (top(n, k_axis), *(p[n, k_axis] for p in parts[1:])), axis=k_axis), name=ROWSTATS)
     return RowStats(stats[0], stats[1], stats[2], stats[3] if weight_of is not None else None,
-                    cmax, kept, layout, stats[len(parts) - 1] if target is not None else None)
+                    cmax, top, kept, layout, stats[len(parts) - 1] if target is not None else None)
 
 
 def _row_hits(n_rows, acc, mask, beats):
@@ -766,7 +781,7 @@ def train_func(classes: int, dtype: str, variant: Variant,
     lay, kept = st.layout, st.chunk_exp
     chunk_scale = te.compute(
         (n_rows, _int64(lay.n_chunks)),
-        lambda n, k: fastmath.exp(st.chunk_max[n, k] - lse[n], nonpositive=True) * p_scale[n],
+        lambda n, k: fastmath.exp(st.chunk_top(n, k) - lse[n], nonpositive=True) * p_scale[n],
         name=CHUNK_PSCALE)
     size = _int64(lay.chunk)
 

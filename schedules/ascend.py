@@ -124,7 +124,10 @@ def train(func, target: Target, profile: str = "910b"):
     grad = sch.get_sblock(X_GRAD)
     if fits:
         kept = sch.get_sblock(CHUNK_EXP)
-        staged = [_stage(sch, readers + [kept], sweep.row, p.buffers)]
+        # with softcap the gradient reads the logits too (the tanh's slope): from UB
+        grad_reads_x = "x" in [r.source.name for r in sch.get(grad).reads]
+        staged = [_stage(sch, readers + [kept] + ([grad] if grad_reads_x else []), sweep.row,
+                         p.buffers)]
         sch.set_scope(kept, 0, "local")
     else:
         staged = [_stage(sch, readers, sweep.chunk, p.buffers)]

@@ -180,7 +180,7 @@ def test_seed_pair_has_no_softcap():
 def test_softcap_and_options_are_keyword_only():
     x, y, _ = _inputs(4, torch.float32, False)
     with pytest.raises(TypeError):
-        ce_tvm.cross_entropy(x, y, None, -100, "mean", 0.0, 0.0, False, CAP)
+        ce_tvm.cross_entropy(x, y, None, None, -100, None, "mean", 0.0, CAP)
 
 
 # --- token accuracy ---------------------------------------------------------
