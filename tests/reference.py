@@ -158,11 +158,12 @@ def _smoothed(q, label_smoothing):
     return (1 - label_smoothing) * q + label_smoothing / q.shape[1]
 
 
-def prob_forward(x, q, weight=None, reduction="mean", label_smoothing=0.0, zloss_scale=0.0):
+def prob_forward(x, q, weight=None, reduction="mean", label_smoothing=0.0, zloss_scale=0.0,
+                 softcap=0.0):
     """SPEC section 5: ``(loss, zloss, lse)`` in float64 for probability targets
     ``q`` of ``x``'s shape: ``l = -sum_c w q' logp`` and ``z = s lse^2`` per
-    row; ``mean`` divides both sums by the number of rows."""
-    x = np.asarray(x, dtype=np.float64)
+    row (of the capped logits); ``mean`` divides both sums by the number of rows."""
+    x = capped(x, softcap)
     n, c = x.shape
     lse = _lse(x)
     loss = -(_weights(weight, c)[None, :] * _smoothed(q, label_smoothing)
@@ -175,12 +176,12 @@ def prob_forward(x, q, weight=None, reduction="mean", label_smoothing=0.0, zloss
 
 
 def prob_backward(grad_loss, x, q, weight=None, reduction="mean", label_smoothing=0.0,
-                  zloss_scale=0.0):
+                  zloss_scale=0.0, softcap=0.0):
     """SPEC section 5: ``(x_grad, target_grad)`` in float64, by the chain rule of
     ``prob_forward``: with ``v = w q'`` and ``r`` the row's upstream gradient,
-    ``x_grad = r (sum_c v) p - r v + r 2 s lse p`` and
+    ``x_grad = r (sum_c v) p - r v + r 2 s lse p`` (through the softcap) and
     ``target_grad = -r (1 - eps) w logp``."""
-    x = np.asarray(x, dtype=np.float64)
+    raw, x = x, capped(x, softcap)
     n, c = x.shape
     w = _weights(weight, c)
     lse = _lse(x)
@@ -190,5 +191,6 @@ def prob_backward(grad_loss, x, q, weight=None, reduction="mean", label_smoothin
     g = np.asarray(grad_loss, dtype=np.float64).reshape(-1)
     r = g if reduction == "none" else np.full(n, g[0] / (n if reduction == "mean" else 1))
     x_grad = r[:, None] * (v.sum(axis=1)[:, None] * p - v + 2 * zloss_scale * lse[:, None] * p)
+    x_grad = through_softcap(x_grad, raw, softcap)
     target_grad = -r[:, None] * (1 - label_smoothing) * w[None, :] * logp
     return x_grad, target_grad

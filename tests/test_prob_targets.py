@@ -99,6 +99,36 @@ def test_against_float64_reference(dtype, weighted, eps, reduction, zloss):
     assert torch.equal(xa.detach(), x) and torch.equal(qa.detach(), q)
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_softcap(reduction):
+    """The logits capped inside the kernels, ``t * tanh(x / t)``: against the float64
+    reference and against F.cross_entropy of the capped logits (SPEC section 5)."""
+    gen = torch.Generator().manual_seed(9)
+    n, c, t = 5, 6145, 4.0
+    x = torch.randn(n, c, generator=gen) * 5
+    q = torch.softmax(torch.randn(n, c, generator=gen), 1)
+    w = torch.rand(c, generator=gen) + 0.5
+    opts = dict(reduction=reduction, label_smoothing=0.1)
+    xa, qa = x.clone().requires_grad_(), q.clone().requires_grad_()
+    loss = ce_tvm.cross_entropy(xa, qa, w, softcap=t, lse_square_scale=1e-2, **opts)
+    args = (x.double().numpy(), q.double().numpy(), w.double().numpy(), reduction, 0.1, 1e-2)
+    assert_close(loss.reshape(-1), reference.prob_forward(*args, softcap=t)[0], 1e-5, "loss")
+    g = torch.rand(loss.shape, generator=gen) + 0.5
+    loss.backward(g)
+    x_grad, q_grad = reference.prob_backward(g.double().numpy(), *args, softcap=t)
+    assert_close(xa.grad, x_grad, 1e-5, "x_grad")
+    assert_close(qa.grad, q_grad, 1e-5, "target_grad")
+    xb, qb = x.clone().requires_grad_(), q.clone().requires_grad_()
+    ref = F.cross_entropy(t * torch.tanh(xb / t), qb, w, **opts)
+    ref.backward(g)
+    xc, qc = x.clone().requires_grad_(), q.clone().requires_grad_()
+    ours = ce_tvm.cross_entropy(xc, qc, w, softcap=t, **opts)
+    ours.backward(g)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(xc.grad, xb.grad)
+    torch.testing.assert_close(qc.grad, qb.grad)
+
+
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 def test_gradcheck_float64(reduction):
     gen = torch.Generator().manual_seed(4)
@@ -107,11 +137,12 @@ def test_gradcheck_float64(reduction):
     q.requires_grad_()
     w = torch.rand(7, dtype=torch.float64, generator=gen) + 0.5
 
-    def loss(x, q):
+    def loss(x, q, softcap):
         return ce_tvm.cross_entropy(x, q, w, reduction=reduction, label_smoothing=0.2,
-                                    lse_square_scale=0.05)
+                                    lse_square_scale=0.05, softcap=softcap)
 
-    assert torch.autograd.gradcheck(loss, (x, q))
+    assert torch.autograd.gradcheck(lambda x, q: loss(x, q, 0.0), (x, q))
+    assert torch.autograd.gradcheck(lambda x, q: loss(x, q, 1.5), (x, q))
 
 
 def test_opcheck_of_the_ops():
@@ -120,7 +151,8 @@ def test_opcheck_of_the_ops():
     q = torch.softmax(torch.randn(6, 11, generator=gen), 1)
     w = torch.rand(11, generator=gen) + 0.5
     for reduction in ("none", "mean"):
-        scalars = dict(reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-2)
+        scalars = dict(reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-2,
+                       softcap=0.0 if reduction == "none" else 3.0)
         torch.library.opcheck(cross_entropy_probs, (x, q, w), scalars)
         _, _, lse, mass = cross_entropy_probs(x.detach(), q, w, **scalars)
         g = torch.ones(6 if reduction == "none" else 1)
@@ -177,6 +209,8 @@ def test_empty_batch():
     (dict(weight=torch.ones(6)), ValueError, r"weight must have shape \[C\] = \[5\]"),
     (dict(label_smoothing=1.5), ValueError, r"\[0, 1\)"),
     (dict(input=torch.ones(4, 5, dtype=torch.int64)), TypeError, "input must be float32"),
+    (dict(return_token_accuracy=True), ValueError, "return_token_accuracy needs class-index"),
+    (dict(softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
 ])
 def test_rejects(kw, error, message):
     args = dict(input=torch.randn(4, 5), target=torch.rand(4, 5))
