@@ -99,7 +99,7 @@ def test_bundle_contents(bundle):
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode == (0o700 if path.is_dir() else 0o600), path
     out = run([CLI, "cache", "verify", "--dir", bundle])
-    assert "28 modules" in out and ", 0 bad" in out
+    assert "46 modules" in out and ", 0 bad" in out
 
 
 def test_runs_from_bundle_without_the_compiler(bundle, tmp_path):
