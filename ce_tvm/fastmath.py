@@ -1,4 +1,4 @@
-"""Vectorisable ``exp`` for the compute declarations.
+"""Vectorisable ``exp`` (and ``tanh``, for softcap) for the compute declarations.
 
 ``tvm.te.exp`` on float32 lowers to scalar ``expf`` calls on LLVM, which
 cannot be vectorised and dominate the loss. This is a branchless
