@@ -175,7 +175,7 @@ def _setup_train_context(ctx, inputs, output):
     # Being non-differentiable, it makes no reference cycle with the graph.
     ctx.mark_non_differentiable(output[3], output[4])
     ctx.set_materialize_grads(False)  # no [N, C] of zeros for the unused outputs' gradients
-    ctx.x_grad, ctx.version = output[4], output[4]._version
+    ctx.x_grad = output[4]
 
 
 def _graph_kept() -> bool:
@@ -196,16 +196,8 @@ def _is_exactly_one(g: Tensor) -> bool:
     return bool(g == 1)
 
 
-_REUSED = ("ce_tvm.cross_entropy computed this gradient in the forward pass and it has since "
-           "been modified in place (a gradient accumulated into it between two backward passes "
-           "through the same graph). Set CE_TVM_TRAINING=recompute for such graphs: the "
-           "backward then recomputes the gradient from the logits.")
-
-
 def _train_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_accuracy, grad_x_grad):
     x_grad = ctx.x_grad
-    if x_grad._version != ctx.version:
-        raise RuntimeError(_REUSED)
     if not _graph_kept():  # the graph dies after this pass: let a leaf's .grad take the buffer
         del ctx.x_grad
     none = (None,) * (_OP_ARGS - 1)
@@ -216,9 +208,12 @@ def _train_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_accuracy, grad_x_
 
 def scale_unit_gradient(x_grad: Tensor, grad_loss: Tensor) -> Tensor:
     """The gradient for upstream ``grad_loss`` from the one for a unit upstream
-    gradient: ``x_grad`` itself when ``grad_loss`` is exactly 1, else a
-    scaled copy (from the buffer pool; ``x_grad`` is never modified)."""
-    if _is_exactly_one(grad_loss):
+    gradient: ``x_grad`` itself when ``grad_loss`` is exactly 1 and the graph
+    dies after this pass, else a scaled copy (from the buffer pool; ``x_grad``
+    is never modified). A kept graph needs ``x_grad`` again, and autograd may
+    hand a view of what is returned here to a leaf's ``.grad``, which later
+    passes accumulate into."""
+    if _is_exactly_one(grad_loss) and not _graph_kept():
         return x_grad
     scaled = pool.empty_like(x_grad) if not is_fake(x_grad) else torch.empty_like(x_grad)
     return torch.mul(x_grad, grad_loss.to(x_grad.dtype), out=scaled)
