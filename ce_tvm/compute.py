@@ -66,6 +66,8 @@ section 5) reuse the forward's and backward's stages with the target mass
 counts), plus:
 
 =====================  =====================================================
+``ce_row_ref``         ``r[n]``: the row's first logit (0 if not finite); the
+                       weighted sums are of ``x - r``
 ``ce_row_mass``        ``sum_c v[n, c]`` (output, for the backward)
 ``ce_grad_smooth``     ``r[n]``: the row's upstream gradient, coefficient of ``v``
 ``ce_grad_pscale``     ``r[n] (sum_c v + 2 s lse)``: coefficient of ``p``
@@ -122,12 +124,13 @@ ROW_TARGET_LOGIT = "ce_target_logit"
 CHUNK_BEATS = "ce_chunk_beats"
 ROW_HIT = "ce_row_hit"
 ROW_MASS = "ce_row_mass"
+ROW_REF = "ce_row_ref"
 TARGET_GRAD = "target_grad"
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
-          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD)
+          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF)
 
 
 def matrix_param(func: tirx.PrimFunc):
@@ -318,7 +321,7 @@ def _per_class(w):
 
 
 def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: int | None,
-               keep_exp: bool = False, target=None) -> RowStats:
+               keep_exp: bool = False, target=None, shift=None) -> RowStats:
     """Row statistics of the (capped) logits, reduced chunk by chunk
     (``ChunkLayout``) and merged by ``_softmax_merge``.
 
@@ -326,7 +329,9 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
     weighted sums (``sum v x`` and ``sum v``: ``ce_chunk_wxsum``,
     ``ce_chunk_wsum``); ``w[c]`` for class-index targets (``_per_class``),
     the target mass ``w[c] q'[n, c]`` for probability targets; ``None``: all
-    ones, and no ``sum v`` stage.
+    ones, and no ``sum v`` stage. ``shift(n)``: a per-row value the weighted
+    sum subtracts from every logit (``sum v (x - shift)``), so that a large
+    common offset of the row does not cancel later.
 
     ``keep_exp``: ``exp(x - chunk_max)`` is a stage of its own
     (``ce_chunk_exp``) that the chunk's exp-sum reduces, so a gradient can
@@ -343,6 +348,9 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
     layout = ChunkLayout(classes, chunk)
 
     xf = logit
+
+    def shifted(n, c):
+        return xf(n, c) if shift is None else xf(n, c) - shift(n)
 
     def per_chunk(stage, reducer, pad, body):
         """``pad``: what an overlapped entry counts as; ``None`` for an idempotent
@@ -378,7 +386,7 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
         cmax,
         per_chunk(CHUNK_EXPSUM, te.sum, zero, exp_term),
         per_chunk(CHUNK_WXSUM, te.sum, zero, lambda n, c, k, j: (
-            weight_of(n, c) * xf(n, c)) if weight_of is not None else xf(n, c)),
+            weight_of(n, c) * shifted(n, c)) if weight_of is not None else shifted(n, c)),
     ]
     if weight_of is not None:
         parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: weight_of(n, c)))
@@ -824,9 +832,12 @@ def prob_forward_func(classes: int, dtype: str, variant: Variant,
 
     With the target mass ``v = w q'`` (``_target_mass``) as the per-element
     weight of the row statistics (chunked as in ``forward_func``), a row's
-    loss is ``-sum_c v logp = lse * sum_c v - sum_c v x`` (``ce_row_ce``);
-    its z-loss is ``s * lse^2``. Every row counts: the mean divides both by
-    ``N`` (the ``ce_row_mask`` of this kernel is 1).
+    loss is ``-sum_c v logp = (lse - r) sum_c v - sum_c v (x - r)``
+    (``ce_row_ce``), with ``r`` the row's first logit (0 if not finite): no
+    cancellation of a large common offset, ``lse - r`` taken as
+    ``(rowmax - r) + log(expsum)``. Its z-loss is ``s * lse^2``. Every row
+    counts: the mean divides both by ``N`` (the ``ce_row_mask`` of this
+    kernel is 1).
 
     Arguments, in order: ``x[N, C]``, ``target[N, C]`` (dtype),
     ``weight[C]`` (accumulation dtype, weighted variant only),
@@ -838,13 +849,23 @@ def prob_forward_func(classes: int, dtype: str, variant: Variant,
     """
     acc, n_rows, x, q, w = _logits_inputs(classes, dtype, variant.weighted, probs=True)
     _, eps, s, *cap = _scalars(acc, variant.softcap)
-    st = _row_stats(Logits(x, acc, tuple(cap)), _target_mass(q, w, eps, classes, acc), n_rows,
-                    classes, acc, chunk)
+    logit = Logits(x, acc, tuple(cap))
+
+    def first_logit(n):  # a value near the row's others, read before the row's reductions
+        first = logit(n, _int64(0))
+        return tirx.Select(tirx.isfinite(first), first, tirx.const(0.0, acc))
+
+    # a stage of its own for the chunks (whose schedules stage only their chunk of x)
+    ref = te.compute((n_rows,), first_logit, name=ROW_REF)
+    st = _row_stats(logit, _target_mass(q, w, eps, classes, acc), n_rows, classes, acc, chunk,
+                    shift=lambda n: ref[n])
     lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
     mass = te.compute((n_rows,), lambda n: st.wsum[n], name=ROW_MASS)
     every = te.compute((n_rows,), lambda n: tirx.const(1.0, acc), name=ROW_MASK)
     rows = {
-        "ce": te.compute((n_rows,), lambda n: lse[n] * st.wsum[n] - st.wxsum[n], name=ROW_CE),
+        "ce": te.compute((n_rows,), lambda n: (
+            (st.rowmax[n] - first_logit(n)) + te.log(st.expsum[n])) * st.wsum[n] - st.wxsum[n],
+            name=ROW_CE),
         "z": te.compute((n_rows,), lambda n: s * lse[n] * lse[n], name=ROW_Z),
     }
     if variant.reduction == "mean":

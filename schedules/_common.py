@@ -32,6 +32,7 @@ from ..compute import (
     ROW_HIT,
     ROW_MASK,
     ROW_MASS,
+    ROW_REF,
     ROW_TARGET_LOGIT,
     ROW_WEIGHT,
     ROW_Z,
@@ -61,6 +62,9 @@ ROW_TOTALS = (TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT)
 # statistics; log_prob for the log-prob variant only, the hits for the accuracy
 # variant only, the target mass for probability targets only).
 ROW_FORWARD_REST = (LSE, ROW_MASS, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS, ROW_HIT)
+# Per-row values the chunk reductions read (probability targets only): computed
+# once per row, under the row loop, before its chunks.
+ROW_PRODUCERS = (ROW_REF,)
 # Blocks inlined into their consumers: without a producer under the row loop,
 # reverse_compute_at would recompute them for every row of the batch. Each
 # belongs to some declarations only (the row weight to the mean only).
@@ -126,6 +130,8 @@ def place_row_stages(sch, lanes: int):
     for blk in present_blocks(sch, ROW_FORWARD_REST):
         if is_per_row(sch, blk):
             sch.reverse_compute_at(blk, row)
+    for blk in present_blocks(sch, ROW_PRODUCERS):  # its consumers are under the row now
+        sch.compute_at(blk, row)
     return row, chunk_loop, stages
 
 

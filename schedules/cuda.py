@@ -49,6 +49,7 @@ from ..compute import (
 from ._common import (
     COMBINE_ROWS,
     ROW_GRAD_COEFS,
+    ROW_PRODUCERS,
     ROW_TOTALS,
     SHARD_GATHERS,
     classes_of,
@@ -149,7 +150,7 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
                             consumer_blocks=readers)
     sch.compute_at(staged, chunk_loop)
     per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
-    _keep_on_chip(sch, func, names + [ROWSTATS, ROW_TARGET_LOGIT] + per_row_only)
+    _keep_on_chip(sch, func, names + [ROWSTATS, ROW_TARGET_LOGIT, *ROW_PRODUCERS] + per_row_only)
     sch.bind(row, "blockIdx.x")
     copy = sch.get_loops(staged)[-1]
     _thread_loop(sch, copy, knobs.threads,

@@ -99,6 +99,18 @@ def test_against_float64_reference(dtype, weighted, eps, reduction, zloss):
     assert torch.equal(xa.detach(), x) and torch.equal(qa.detach(), q)
 
 
+def test_large_common_offset_does_not_cancel():
+    """Logits near 1000 (float32 spacing 6e-5): the per-row loss keeps float32's
+    relative precision, as PyTorch's log_softmax does (the sums are of x minus
+    the row's first logit, ``compute.prob_forward_func``)."""
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(16, 4000, generator=gen) * 3 + 1000
+    q = torch.softmax(torch.randn(16, 4000, generator=gen), 1)
+    ours = ce_tvm.cross_entropy(x, q, reduction="none", label_smoothing=0.1)
+    ref = F.cross_entropy(x.double(), q.double(), reduction="none", label_smoothing=0.1)
+    torch.testing.assert_close(ours.double(), ref, rtol=2e-6, atol=0)
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 def test_softcap(reduction):
     """The logits capped inside the kernels, ``t * tanh(x / t)``: against the float64
