@@ -14,6 +14,8 @@ Forward (and the vocabulary-shard statistics):
    plus shared memory), merged over chunks by the compute's online-softmax
    reducer. Accumulation is float32.
 4. ``log_prob`` (seed API) is written from a second, coalesced pass.
+
+Training (``train_func``, loss and gradient in one sweep): see ``train``.
 5. Sums over rows run in one block with a cross-thread reduction: a fixed
    order, so results are deterministic (no atomics).
 
@@ -34,15 +36,22 @@ from tvm import s_tir
 from tvm.target import Target
 
 from ..compute import (
+    CHUNK_EXP,
+    CHUNK_EXPSUM,
+    CHUNK_MAX,
+    CHUNK_PSCALE,
     CHUNK_WSUM,
     DTYPE_BYTES,
     LOG_PROB,
     LOSS,
+    LSE,
+    MEAN_NORMS,
     ROW_CE,
     ROW_TARGET_LOGIT,
     ROW_Z,
     ROWSTATS,
     WSUM,
+    X_GRAD,
     ZLOSS,
     matrix_param,
 )
@@ -58,6 +67,7 @@ from ._common import (
     place_grad_coefficients,
     place_row_stages,
     present_blocks,
+    row_sweep,
 )
 
 VECTOR_BYTES = 16  # one 128-bit load or store per thread
@@ -203,3 +213,88 @@ def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
             _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)
     return sch.mod["main"]
+
+
+train_chunk = forward_chunk
+
+
+def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+    """Schedule ``train_func`` (built with ``train_chunk``): a block per row, one
+    sweep (``row_sweep``).
+
+    The chunk loop is the forward's (chunk staged in shared memory once, its
+    reductions cross-thread, results in registers). ``ce_chunk_exp`` is
+    inlined: a row of an LM vocabulary (256 KB of bfloat16 at C = 128256) fits
+    neither registers nor shared memory, and keeping ``e`` in global memory
+    would cost a float32 write and read per element. So the gradient, after the
+    row's ``lse``, recomputes ``exp(x - chunk_max)`` from the logits read again
+    from global memory (2 reads + 1 write, as the forward and the recompute
+    backward together), chunk by chunk (``_gradient_by_chunk``); when the row
+    is one chunk (``C <= max_chunk``) it reads the staged row from shared
+    memory instead (1 read + 1 write). The chunk maxima and per-chunk scales
+    live in shared memory (``C / chunk`` floats), the other per-row values in
+    registers.
+    """
+    sch = s_tir.Schedule(func)
+    inline_row_helpers(sch)
+    dtype, classes = str(matrix_param(func).dtype), classes_of(func)
+    chunk = int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
+    sch.compute_inline(sch.get_sblock(CHUNK_EXP))
+    sweep = row_sweep(sch, lanes=1)
+    for blk in present_blocks(sch, (ROW_CE, ROW_Z)):
+        sch.reverse_compute_at(blk, sweep.row)
+    names = list(sweep.stages)
+    readers = [sch.get_sblock(n) for n in names if n != CHUNK_WSUM]
+    whole_row = classes == chunk  # the gradient reads the staged row too: one read
+    if whole_row:
+        readers.append(sch.get_sblock(X_GRAD))
+    staged = sch.cache_read(readers[0], _read_index(sch, readers[0], "x"), "shared",
+                            consumer_blocks=readers)
+    sch.compute_at(staged, sweep.row if whole_row else sweep.chunk)
+    _keep_on_chip(sch, func, [n for n in names if n != CHUNK_MAX]
+                  + [ROWSTATS, LSE] + list(ROW_GRAD_COEFS))
+    for name in (CHUNK_MAX, CHUNK_PSCALE):
+        sch.set_scope(sch.get_sblock(name), 0, "shared")
+    in_chunk = [sch.get_sblock(n) for n in (CHUNK_EXPSUM, ROWSTATS)]
+    sch.cache_read(in_chunk[0], _read_index(sch, in_chunk[0], CHUNK_MAX + "_shared"),
+                              "local", consumer_blocks=in_chunk)
+    sch.bind(sweep.row, "blockIdx.x")
+    copy = sch.get_loops(staged)[-1]
+    _thread_loop(sch, copy, knobs.threads,
+                 _vector_width(classes, int(sch.get(copy).extent), dtype))
+    for name in names:
+        _thread_loop(sch, sch.get_loops(sch.get_sblock(name))[-1], knobs.threads)
+    _thread_loop(sch, sch.get_loops(sch.get_sblock(CHUNK_PSCALE))[-1], knobs.threads)
+    _gradient_by_chunk(sch, classes, chunk, dtype, knobs.threads)
+    for blk in present_blocks(sch, (MEAN_NORMS,)):
+        bx, tx = sch.split(sch.get_loops(blk)[0], [None, 1])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+    _bind_single_block_reductions(sch, knobs.threads)
+    return sch.mod["main"]
+
+
+def _gradient_by_chunk(sch, classes: int, chunk: int, dtype: str, threads: int) -> None:
+    """``x_grad``'s columns chunk by chunk, the last chunk (which overlaps the one
+    before when ``chunk`` does not divide C) in a loop of its own, so that the
+    logits' index is plain in the loop; each chunk's max and scale are read
+    from shared memory into registers once per chunk."""
+    grad = sch.get_sblock(X_GRAD)
+    n_chunks = -(-classes // chunk)
+    lanes = _vector_width(classes, chunk, dtype, True)
+    outer, _ = sch.split(sch.get_loops(grad)[-1], [n_chunks, chunk])
+    if classes % chunk:
+        sch.loop_partition(outer, [n_chunks - 1])
+    for blk in _blocks_writing(sch, X_GRAD):
+        _thread_loop(sch, sch.get_loops(blk)[-1], threads, lanes)
+
+
+def _blocks_writing(sch, buffer: str) -> list:
+    """Every block that writes ``buffer`` (``loop_partition`` copies a block per part)."""
+    found, todo = [], [sch.get_sblock("root")]
+    while todo:
+        children = sch.get_child_blocks(todo.pop())
+        found += [b for b in children
+                  if [w.source.name for w in sch.get(b).writes] == [buffer]]
+        todo += children
+    return found
