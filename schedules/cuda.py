@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import s_tir
+import tvm_ffi
+from tvm import s_tir, tirx
 from tvm.target import Target
 
 from ..compute import (
@@ -43,7 +44,6 @@ from ..compute import (
     CHUNK_WSUM,
     DTYPE_BYTES,
     LOG_PROB,
-    LOSS,
     LSE,
     MEAN_NORMS,
     ROW_CE,
@@ -52,9 +52,9 @@ from ..compute import (
     ROWSTATS,
     WSUM,
     X_GRAD,
-    ZLOSS,
     matrix_param,
 )
+from ..kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES
 from ._common import (
     COMBINE_ROWS,
     ROW_GRAD_COEFS,
@@ -133,18 +133,42 @@ def _bind_rows(sch, loop, threads: int) -> None:
 
 
 def _bind_single_block_reductions(sch, threads: int) -> None:
-    """Sums over rows (and ``ce_wsum`` over classes) in one block, cross-thread."""
-    for block in present_blocks(sch, ROW_TOTALS + (WSUM,)):
-        spatial, reduce = sch.get_loops(block)
-        sch.bind(spatial, "blockIdx.x")
-        _, tx = sch.split(reduce, [None, threads])
-        sch.bind(tx, "threadIdx.x")
-    for block in present_blocks(sch, (LOSS, ZLOSS)):
-        loop = sch.get_loops(block)[0]
-        if not is_per_row(sch, block):
-            bx, tx = sch.split(loop, [None, 1])
-            sch.bind(bx, "blockIdx.x")
+    """The stages that are not per row (sums over rows, ``ce_wsum`` over classes,
+    the loss finalisers, the mean's norms) run in one block, each reduction
+    cross-thread; consecutive ones (in program order) are fused into one kernel
+    (``merge``), and a sum read only inside its kernel stays in registers."""
+    groups, run = [], []
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        if is_per_row(sch, block) and sch.get(block).name_hint != MEAN_NORMS:
+            if run:
+                groups.append(run)
+            run = []
+        else:
+            run.append(block)
+    if run:
+        groups.append(run)
+    for group in groups:
+        names = [sch.get(b).name_hint for b in group]
+        loops = []
+        for block in group:
+            loop = sch.get_loops(block)[0]
+            if int(sch.get(loop).extent) != 1:  # the mean's norms: both in one thread
+                loop, _ = sch.split(loop, [1, None])
+            loops.append(loop)
+        outer = sch.merge(*loops) if len(loops) > 1 else loops[0]
+        sch.bind(outer, "blockIdx.x")
+        for block in group:
+            if sch.get(block).name_hint in ROW_TOTALS + (WSUM,):
+                _, tx = sch.split(sch.get_loops(block)[-1], [None, threads])
+                sch.bind(tx, "threadIdx.x")
+        if not any(sch.get(block).name_hint in ROW_TOTALS + (WSUM,) for block in group):
+            _, tx = sch.split(outer, [None, 1])
             sch.bind(tx, "threadIdx.x")
+        for block in group:
+            consumers = [sch.get(c).name_hint for c in sch.get_consumers(block)]
+            if sch.get(block).name_hint in ROW_TOTALS + (WSUM,) and consumers and all(
+                    c in names for c in consumers):
+                sch.set_scope(block, 0, "local")
 
 
 def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
@@ -173,7 +197,7 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     for blk in present_blocks(sch, SHARD_GATHERS):
         _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)
-    return sch.mod["main"]
+    return scratch_as_params(sch.mod["main"])
 
 
 def _keep_on_chip(sch, func, names) -> None:
@@ -201,7 +225,7 @@ def backward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     classes = classes_of(func)
     _thread_loop(sch, col, knobs.threads, _vector_width(classes, classes, dtype, True))
     _bind_single_block_reductions(sch, knobs.threads)
-    return sch.mod["main"]
+    return scratch_as_params(sch.mod["main"])
 
 
 def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
@@ -212,7 +236,7 @@ def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
         if is_per_row(sch, blk):
             _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)
-    return sch.mod["main"]
+    return scratch_as_params(sch.mod["main"])
 
 
 train_chunk = forward_chunk
@@ -266,12 +290,8 @@ def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
         _thread_loop(sch, sch.get_loops(sch.get_sblock(name))[-1], knobs.threads)
     _thread_loop(sch, sch.get_loops(sch.get_sblock(CHUNK_PSCALE))[-1], knobs.threads)
     _gradient_by_chunk(sch, classes, chunk, dtype, knobs.threads)
-    for blk in present_blocks(sch, (MEAN_NORMS,)):
-        bx, tx = sch.split(sch.get_loops(blk)[0], [None, 1])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
     _bind_single_block_reductions(sch, knobs.threads)
-    return sch.mod["main"]
+    return scratch_as_params(sch.mod["main"])
 
 
 def _gradient_by_chunk(sch, classes: int, chunk: int, dtype: str, threads: int) -> None:
@@ -298,3 +318,41 @@ def _blocks_writing(sch, buffer: str) -> list:
                   if [w.source.name for w in sch.get(b).writes] == [buffer]]
         todo += children
     return found
+
+
+def scratch_as_params(func):
+    """``func`` with its global intermediate buffers (what TVM would take from its
+    workspace pool) turned into trailing parameters: ``CUDA_SCRATCH_ROWS``
+    ``[N]`` slots, then ``CUDA_SCRATCH_SINGLES`` ``[1]`` slots (``ce_tvm.kinds``),
+    the unused ones left unused, all in the accumulation dtype."""
+    realize = func.body
+    root = realize.block
+    lifted = [b for b in root.alloc_buffers if b.scope() == "global"]
+    rows = [b for b in lifted if len(b.shape) == 1 and not isinstance(b.shape[0], tirx.IntImm)]
+    singles = [b for b in lifted if [int(d) for d in b.shape if isinstance(d, tirx.IntImm)] == [1]
+               and len(b.shape) == 1]
+    acc = "float64" if any(str(p.dtype) == "float64" for p in _buffer_params(func)) else "float32"
+    odd = [b.name for b in lifted if str(b.dtype) != acc
+           or not any(b.same_as(s) for s in rows + singles)]
+    if odd or len(rows) > CUDA_SCRATCH_ROWS or len(singles) > CUDA_SCRATCH_SINGLES:
+        raise ValueError(f"scratch does not fit the CUDA scratch slots: {[b.name for b in lifted]}")
+    n_rows = next(p.shape[0] for p in _buffer_params(func)
+                  if not isinstance(p.shape[0], tirx.IntImm))
+    slots = {b: tirx.decl_buffer(b.shape, b.dtype, name=b.name) for b in lifted}
+    params = ([slots[b] for b in rows]
+              + [tirx.decl_buffer((n_rows,), acc, name=f"scratch_row{i}")
+                 for i in range(len(rows), CUDA_SCRATCH_ROWS)]
+              + [slots[b] for b in singles]
+              + [tirx.decl_buffer((1,), acc, name=f"scratch_single{i}")
+                 for i in range(len(singles), CUDA_SCRATCH_SINGLES)])
+    body = tvm_ffi.structural_map(realize, [(tirx.Buffer, lambda b: slots.get(b, b))])
+    block = body.block
+    kept = [b for b in block.alloc_buffers if not any(b.same_as(s) for s in slots.values())]
+    block = s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, block.body,
+                         block.init, kept, block.match_buffers, block.annotations)
+    body = s_tir.SBlockRealize(body.iter_values, body.predicate, block)
+    return tirx.PrimFunc(list(func.params) + params, body, func.ret_type, func.attrs)
+
+
+def _buffer_params(func) -> list:
+    return [p for p in func.params if hasattr(p, "shape")]
