@@ -95,6 +95,7 @@ class Loop:
 class Kernel:
     name: str
     instructions: int = 0  # static SASS instructions of the whole kernel
+    sweeps_rows: bool = False  # takes the [N, C] matrix (x or log_prob)
     registers: int = 0
     smem: int = 0
     spill_bytes: int = 0
@@ -321,13 +322,23 @@ def analyse(op: str, dtype: str, classes: int, arch: str = "sm_90", weighted: bo
     for name, (count, loops) in parse_sass(sass, DTYPE_BYTES[dtype]).items():
         kernel = kernels.setdefault(name, Kernel(name))
         kernel.instructions, kernel.loops = count, loops
+        kernel.sweeps_rows = name in _row_sweepers(source)
     return kernels
 
 
+def _row_sweepers(source: str) -> set:
+    """Kernels of TVM's CUDA source that take the ``[N, C]`` matrix (``x`` or
+    ``log_prob``) as a parameter: the row kernels."""
+    return {m.group(1) for m in re.finditer(r"__global__ void (?:__launch_bounds__\(\d+\) )?"
+                                            r"(\w+)\(([^)]*)\)", source)
+            if re.search(r"\b(x|log_prob)_ptr\b", m.group(2))}
+
+
 def row_kernel(kernels: dict) -> Kernel:
-    """The kernel that sweeps the ``[N, C]`` rows: the largest one (the row totals
-    and finalisers are a few dozen instructions)."""
-    return max(kernels.values(), key=lambda k: k.instructions)
+    """The kernel that sweeps the ``[N, C]`` rows: the largest of those that take
+    the matrix (the fused sums over rows can be as large, and have loops too)."""
+    rows = [k for k in kernels.values() if k.sweeps_rows] or list(kernels.values())
+    return max(rows, key=lambda k: k.instructions)
 
 
 @dataclass
