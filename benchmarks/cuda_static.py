@@ -37,9 +37,9 @@ Method (how element loops are found and counted):
    should hold.
 3. Elements per iteration: for each streaming kind (LDG, STG, LDS, STS) the
    bytes it moves per iteration divided by the storage dtype's size; the
-   smallest of the global kinds when the loop has any (a per-chunk scalar
-   read from shared memory at the chunk's index is not a stream), else of
-   the shared ones. Shared stores count only when they store a value loaded
+   smallest of the global kinds and the staging stores when the loop has
+   any (a per-chunk scalar read from shared memory at the chunk's index is
+   not a stream), else of the shared loads. Shared stores count only when they store a value loaded
    in the loop (staging a chunk), not a computed one (reduction scratch).
    Other traffic (float32 weights next to 16-bit logits, partial sums read
    back from shared memory) only adds bytes to a kind, so the minimum is at
@@ -256,11 +256,12 @@ def _loop(kernel: str, body: list, dtype_bytes: int) -> Loop | None:
             broadcast += not per_thread
         if varying or (kind in ("LDS", "STS") and per_thread):
             moved[kind] += _width(op)
-    # Elements per iteration from the global streams when there are any: a
-    # per-chunk scalar read from shared memory at a loop-varying address (the
-    # chunk index) would otherwise count as a stream of its own.
-    global_streams = [moved[k] / dtype_bytes for k in ("LDG", "STG") if moved[k]]
-    streams = global_streams or [b / dtype_bytes for b in moved.values() if b]
+    # Elements per iteration from the global streams and the staging stores
+    # when there are any: a per-chunk scalar read from shared memory at a
+    # loop-varying address (the chunk index) would otherwise count as a
+    # stream of its own.
+    main = [moved[k] / dtype_bytes for k in ("LDG", "STG", "STS") if moved[k]]
+    streams = main or [b / dtype_bytes for b in moved.values() if b]
     if not streams:
         return None
     return Loop(kernel, len(body), min(streams), lds, broadcast, moved)
