@@ -13,7 +13,9 @@ Forward (and the vocabulary-shard statistics):
    (``threadIdx.x`` on the reduction loop: TVM lowers them to warp shuffles
    plus shared memory), merged over chunks by the compute's online-softmax
    reducer. Accumulation is float32.
-4. ``log_prob`` (seed API) is written from a second, coalesced pass.
+4. ``log_prob`` (seed API) is written from a second, coalesced pass, which
+   reads the staged row when the row is one chunk (else the logits again:
+   the chunk staged last is not the row).
 
 Training (``train_func``, loss and gradient in one sweep): see ``train``.
 5. Sums over rows run in one block with a cross-thread reduction: a fixed
@@ -84,10 +86,15 @@ EXP_NAN_TEST = True
 @dataclass(frozen=True)
 class CUDAKnobs:
     """``threads`` per row block (a multiple of the 32-thread warp); ``max_chunk``:
-    classes staged in shared memory at once (16 KiB of float32 at 4096)."""
+    classes staged in shared memory at once (16 KiB of float32 at 4096);
+    ``unroll``: sweeps of the block per iteration of a streaming element loop
+    (gradient, ``log_prob``): 4 keeps 4 loads per thread in flight (32 bytes
+    of 16-bit logits, one 8-byte vector each), where one left the bf16 backward
+    short of bytes in flight (review item 8)."""
 
     threads: int = 256
     max_chunk: int = 4096
+    unroll: int = 4
 
 
 def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = CUDAKnobs()) -> int:
@@ -115,14 +122,17 @@ def _vector_width(classes: int, extent: int, dtype: str, computes: bool = False)
     return lanes if aligned and extent % lanes == 0 else 1
 
 
-def _thread_loop(sch, loop, threads: int, lanes: int = 1) -> None:
-    """Spread ``loop`` over ``threadIdx.x`` (coalesced), vectorising ``lanes`` per thread."""
+def _thread_loop(sch, loop, threads: int, lanes: int = 1, unroll: int = 1) -> None:
+    """Spread ``loop`` over ``threadIdx.x`` (coalesced), vectorising ``lanes`` per
+    thread; ``unroll`` consecutive sweeps of the block per iteration (their
+    loads independent, so in flight together)."""
+    factors = [None] + ([unroll] if unroll > 1 else []) + [threads] + ([lanes] if lanes > 1 else [])
+    loops = sch.split(loop, factors)
     if lanes > 1:
-        _, tx, vec = sch.split(loop, [None, threads, lanes])
-        sch.vectorize(vec)
-    else:
-        _, tx = sch.split(loop, [None, threads])
-    sch.bind(tx, "threadIdx.x")
+        sch.vectorize(loops[-1])
+    if unroll > 1:
+        sch.unroll(loops[1])
+    sch.bind(loops[-2] if lanes > 1 else loops[-1], "threadIdx.x")
 
 
 def _bind_rows(sch, loop, threads: int) -> None:
@@ -176,12 +186,15 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
+    whole_row = _chunk(sch) == classes  # log_prob reads the staged row too: one read
     row, chunk_loop, stages = place_row_stages(sch, lanes=1)
     names = list(stages)
     readers = [sch.get_sblock(n) for n in names if n != CHUNK_WSUM]
+    if whole_row:
+        readers += present_blocks(sch, (LOG_PROB,))
     staged = sch.cache_read(readers[0], _read_index(sch, readers[0], "x"), "shared",
                             consumer_blocks=readers)
-    sch.compute_at(staged, chunk_loop)
+    sch.compute_at(staged, row if whole_row else chunk_loop)
     per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
     _keep_on_chip(sch, func, names + [ROWSTATS, ROW_TARGET_LOGIT] + per_row_only)
     sch.bind(row, "blockIdx.x")
@@ -193,11 +206,17 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     if has_stage(sch, LOG_PROB):
         lp = sch.get_sblock(LOG_PROB)
         inner = sch.get_loops(lp)[-1]
-        _thread_loop(sch, inner, knobs.threads, _vector_width(classes, classes, dtype, True))
+        _thread_loop(sch, inner, knobs.threads, _vector_width(classes, classes, dtype, True),
+                     knobs.unroll)
     for blk in present_blocks(sch, SHARD_GATHERS):
         _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)
     return scratch_as_params(sch.mod["main"])
+
+
+def _chunk(sch) -> int:
+    """The chunk the compute reduces a row in (the extent of the chunk max's reduction)."""
+    return int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
 
 
 def _keep_on_chip(sch, func, names) -> None:
@@ -223,7 +242,8 @@ def backward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     sch.bind(row, "blockIdx.x")
     dtype = str(sch.get(grad).writes[0].source.dtype)
     classes = classes_of(func)
-    _thread_loop(sch, col, knobs.threads, _vector_width(classes, classes, dtype, True))
+    _thread_loop(sch, col, knobs.threads, _vector_width(classes, classes, dtype, True),
+                 knobs.unroll)
     _bind_single_block_reductions(sch, knobs.threads)
     return scratch_as_params(sch.mod["main"])
 
@@ -262,7 +282,7 @@ def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
-    chunk = int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
+    chunk = _chunk(sch)
     sch.compute_inline(sch.get_sblock(CHUNK_EXP))
     sweep = row_sweep(sch, lanes=1)
     for blk in present_blocks(sch, (ROW_CE, ROW_Z)):
@@ -289,12 +309,13 @@ def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     for name in names:
         _thread_loop(sch, sch.get_loops(sch.get_sblock(name))[-1], knobs.threads)
     _thread_loop(sch, sch.get_loops(sch.get_sblock(CHUNK_PSCALE))[-1], knobs.threads)
-    _gradient_by_chunk(sch, classes, chunk, dtype, knobs.threads)
+    _gradient_by_chunk(sch, classes, chunk, dtype, knobs.threads, knobs.unroll)
     _bind_single_block_reductions(sch, knobs.threads)
     return scratch_as_params(sch.mod["main"])
 
 
-def _gradient_by_chunk(sch, classes: int, chunk: int, dtype: str, threads: int) -> None:
+def _gradient_by_chunk(sch, classes: int, chunk: int, dtype: str, threads: int,
+                       unroll: int) -> None:
     """``x_grad``'s columns chunk by chunk, the last chunk (which overlaps the one
     before when ``chunk`` does not divide C) in a loop of its own, so that the
     logits' index is plain in the loop; each chunk's max and scale are read
@@ -306,7 +327,7 @@ def _gradient_by_chunk(sch, classes: int, chunk: int, dtype: str, threads: int) 
     if classes % chunk:
         sch.loop_partition(outer, [n_chunks - 1])
     for blk in _blocks_writing(sch, X_GRAD):
-        _thread_loop(sch, sch.get_loops(blk)[-1], threads, lanes)
+        _thread_loop(sch, sch.get_loops(blk)[-1], threads, lanes, unroll)
 
 
 def _blocks_writing(sch, buffer: str) -> list:

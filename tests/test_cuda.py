@@ -160,10 +160,10 @@ def test_training_kernel_matches_reference_on_gpu(dtype, classes, reduction, wei
     """The CUDA one-pass kernel (``launch.train``, not yet the default path for
     CUDA tensors: ``nn.TRAINING_KERNEL_DEVICES``) against the float64 reference."""
     import numpy as np
-    import reference
-    from checks import TOL, assert_close
 
+    import reference
     from ce_tvm.options import LossOptions
+    from checks import TOL, assert_close
 
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(33, classes, generator=gen) * 3).to(dtype)
