@@ -86,7 +86,7 @@ def test_machine_code_within_budget(op, dtype, classes):
 
 
 @needs_tools
-@pytest.mark.parametrize("op", ["forward", "backward"])
+@pytest.mark.parametrize("op", ["forward", "backward", "train"])
 def test_nan_test_is_in_the_cuda_source(op):
     """CUDA's ``fmaxf`` drops NaN, so ``fastmath.exp``'s explicit test must be in
     the generated code (0x7F800000, the exponent mask, compared on the bits)."""
