@@ -18,7 +18,7 @@ DTYPES = tuple(DTYPE_BYTES)
 # not safe under CUDA-graph replay): after its documented arguments every CUDA
 # kernel takes CUDA_SCRATCH_ROWS ``[N]`` and then CUDA_SCRATCH_SINGLES ``[1]``
 # buffers in the accumulation dtype, of which it uses what it needs.
-CUDA_SCRATCH_ROWS = 2
+CUDA_SCRATCH_ROWS = 3
 CUDA_SCRATCH_SINGLES = 4
 
 

@@ -218,6 +218,10 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     return scratch_as_params(sch.mod["main"])
 
 
+def _under(sch, block, loop) -> bool:
+    return any(sch.get(outer).same_as(sch.get(loop)) for outer in sch.get_loops(block))
+
+
 def _chunk(sch) -> int:
     """The chunk the compute reduces a row in (the extent of the chunk max's reduction)."""
     return int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
@@ -289,8 +293,11 @@ def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     chunk = _chunk(sch)
     sch.compute_inline(sch.get_sblock(CHUNK_EXP))
     sweep = row_sweep(sch, lanes=1)
-    for blk in present_blocks(sch, (ROW_CE, ROW_Z)):
-        sch.reverse_compute_at(blk, sweep.row)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    after = [sch.get(b).name_hint for b in blocks].index(X_GRAD) + 1
+    for blk in blocks[after:]:  # the per-row terms after the gradient (loss, z-loss, hits)
+        if is_per_row(sch, blk) and not _under(sch, blk, sweep.row):
+            sch.reverse_compute_at(blk, sweep.row)
     names = list(sweep.stages)
     readers = [sch.get_sblock(n) for n in names if n != CHUNK_WSUM]
     whole_row = classes == chunk  # the gradient reads the staged row too: one read

@@ -115,7 +115,11 @@ SCRATCH_VARIANTS = [
     ("train", Variant("mean", True, False)), ("train", Variant("sum", False, False)),
     ("backward", Variant("mean", True, grad_source="logits")),
     ("backward", Variant("mean", True, grad_source="shard")),
-    ("shard_stats", Variant(weighted=True)), ("shard_combine", Variant("mean"))]
+    ("shard_stats", Variant(weighted=True)), ("shard_combine", Variant("mean")),
+    ("forward", Variant("mean", True, False, softcap=True, accuracy=True)),
+    ("train", Variant("mean", True, False, softcap=True, accuracy=True)),
+    ("prob_forward", Variant("mean", True, False)), ("prob_backward", Variant("mean", True, False)),
+    ("prob_target_grad", Variant("sum", True, False))]
 
 
 @pytest.mark.parametrize("op,variant", SCRATCH_VARIANTS)
