@@ -16,14 +16,21 @@ Forward (and the vocabulary-shard statistics):
 4. ``log_prob`` (seed API) is written from a second, coalesced pass, which
    reads the staged row when the row is one chunk (else the logits again:
    the chunk staged last is not the row).
-
-Training (``train_func``, loss and gradient in one sweep): see ``train``.
 5. Sums over rows run in one block with a cross-thread reduction: a fixed
-   order, so results are deterministic (no atomics).
+   order, so results are deterministic (no atomics). Consecutive
+   single-block stages (the sums, the loss finalisers) are one kernel, so a
+   ``mean`` forward is 2 launches.
 
 Backward: one block per row; per-row coefficients once per thread, then the
 gradient with coalesced (128-bit where the row is 16-byte aligned) loads and
-stores. Indices are int64 throughout (``N`` is an int64 variable).
+stores, ``CUDAKnobs.unroll`` block sweeps per iteration. Indices are int64
+throughout (``N`` is an int64 variable).
+
+Training (``train_func``, loss and gradient in one sweep): see ``train``.
+
+Every kernel: ``exp`` is ``exp2f`` (``exp_scaling``); intermediate buffers
+passed between launches are parameters filled by the caller's torch
+allocation (``scratch_as_params``), never TVM's workspace pool.
 
 ``dlight.gpu.GeneralReduction`` schedules the same compute too (it is the
 baseline ``benchmarks/gpu_check.py`` compares with): it re-reads the row from
