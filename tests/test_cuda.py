@@ -13,7 +13,10 @@ from ce_tvm.kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES
 from ce_tvm.spec import KernelSpec
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def needs_gpu(test):
+    """Marked ``gpu`` (``benchmarks/gpu_check.sh`` runs ``-m gpu``), skipped without a device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="no CUDA device")(test))
 
 # C = 1001 is not a multiple of any vector width; 256000 needs many shared-memory chunks.
 BUILD_GRID = list(itertools.product(("sm_80", "sm_90"), ("float32", "float16", "bfloat16"),
