@@ -20,8 +20,10 @@ Method (how element loops are found and counted):
    ptxas fully unrolls TVM's short per-thread loops, so a chunk loop's own
    body holds the staging copy, the max and the chunk's reductions, and an
    inner loop the exp-sum. Every element passes once through each element
-   loop of its kernel, so a kernel's instructions per element are the sum over
-   its element loops (the ``total`` line).
+   loop of its kernel that does not store to global memory, and through one
+   of those that do (an element is stored once; ``loop_partition`` splits a
+   store loop into parts): a kernel's instructions per element are the sum
+   over the first and the costliest of the second.
 2. A global access (``LDG``/``STG``) is *streaming* when
    a register in its address (``R``/``UR``) varies between iterations: it is
    written in the loop from a loaded or loop-carried value (a fixed point over
@@ -35,7 +37,9 @@ Method (how element loops are found and counted):
    should hold.
 3. Elements per iteration: for each streaming kind (LDG, STG, LDS, STS) the
    bytes it moves per iteration divided by the storage dtype's size; the
-   smallest of these. Shared stores count only when they store a value loaded
+   smallest of the global kinds and the staging stores when the loop has
+   any (a per-chunk scalar read from shared memory at the chunk's index is
+   not a stream), else of the shared loads. Shared stores count only when they store a value loaded
    in the loop (staging a chunk), not a computed one (reduction scratch).
    Other traffic (float32 weights next to 16-bit logits, partial sums read
    back from shared memory) only adds bytes to a kind, so the minimum is at
@@ -49,7 +53,7 @@ Method (how element loops are found and counted):
    broadcasts).
 
 Usage: ``python benchmarks/cuda_static.py --op forward --dtype bfloat16 --classes 128256``
-(``--op`` forward | forward-lp | backward; ``--weighted``; ``--arch sm_90``).
+(``--op`` forward | forward-lp | backward | train; ``--weighted``; ``--arch sm_90``).
 """
 
 from __future__ import annotations
@@ -91,20 +95,29 @@ class Loop:
 class Kernel:
     name: str
     instructions: int = 0  # static SASS instructions of the whole kernel
+    sweeps_rows: bool = False  # takes the [N, C] matrix (x or log_prob)
     registers: int = 0
     smem: int = 0
     spill_bytes: int = 0
     loops: list = field(default_factory=list)
 
+    def _visited(self) -> list:
+        """The loops one element passes through: every loop that does not store to
+        global memory, and the costliest of those that do (each element is stored
+        once, by one of them: ``loop_partition`` splits a row's store loop)."""
+        stores = [loop for loop in self.loops if loop.moved.get("STG")]
+        rest = [loop for loop in self.loops if not loop.moved.get("STG")]
+        return rest + ([max(stores, key=lambda loop: loop.per_element)] if stores else [])
+
     def per_element(self) -> float:
-        """SASS instructions per element over all element loops (each element visits each)."""
-        return sum(loop.per_element for loop in self.loops)
+        """SASS instructions per element over the element loops an element visits."""
+        return sum(loop.per_element for loop in self._visited())
 
     def lds_per_element(self) -> float:
-        return sum(loop.lds / loop.elements for loop in self.loops)
+        return sum(loop.lds / loop.elements for loop in self._visited())
 
     def broadcast_per_element(self) -> float:
-        return sum(loop.broadcast_lds / loop.elements for loop in self.loops)
+        return sum(loop.broadcast_lds / loop.elements for loop in self._visited())
 
 
 def disassembler() -> list | None:
@@ -243,7 +256,12 @@ def _loop(kernel: str, body: list, dtype_bytes: int) -> Loop | None:
             broadcast += not per_thread
         if varying or (kind in ("LDS", "STS") and per_thread):
             moved[kind] += _width(op)
-    streams = [b / dtype_bytes for b in moved.values() if b]
+    # Elements per iteration from the global streams and the staging stores
+    # when there are any: a per-chunk scalar read from shared memory at a
+    # loop-varying address (the chunk index) would otherwise count as a
+    # stream of its own.
+    main = [moved[k] / dtype_bytes for k in ("LDG", "STG", "STS") if moved[k]]
+    streams = main or [b / dtype_bytes for b in moved.values() if b]
     if not streams:
         return None
     return Loop(kernel, len(body), min(streams), lds, broadcast, moved)
@@ -270,6 +288,7 @@ OPS = {  # tool op -> (KernelSpec op, variant keywords)
     "forward": ("forward", {"log_prob": False}),
     "forward-lp": ("forward", {"log_prob": True}),
     "backward": ("backward", {"grad_source": "logits"}),
+    "train": ("train", {"log_prob": False}),
 }
 
 
@@ -304,13 +323,23 @@ def analyse(op: str, dtype: str, classes: int, arch: str = "sm_90", weighted: bo
     for name, (count, loops) in parse_sass(sass, DTYPE_BYTES[dtype]).items():
         kernel = kernels.setdefault(name, Kernel(name))
         kernel.instructions, kernel.loops = count, loops
+        kernel.sweeps_rows = name in _row_sweepers(source)
     return kernels
 
 
+def _row_sweepers(source: str) -> set:
+    """Kernels of TVM's CUDA source that take the ``[N, C]`` matrix (``x`` or
+    ``log_prob``) as a parameter: the row kernels."""
+    return {m.group(1) for m in re.finditer(r"__global__ void (?:__launch_bounds__\(\d+\) )?"
+                                            r"(\w+)\(([^)]*)\)", source)
+            if re.search(r"\b(x|log_prob)_ptr\b", m.group(2))}
+
+
 def row_kernel(kernels: dict) -> Kernel:
-    """The kernel that sweeps the ``[N, C]`` rows: the largest one (the row totals
-    and finalisers are a few dozen instructions)."""
-    return max(kernels.values(), key=lambda k: k.instructions)
+    """The kernel that sweeps the ``[N, C]`` rows: the largest of those that take
+    the matrix (the fused sums over rows can be as large, and have loops too)."""
+    rows = [k for k in kernels.values() if k.sweeps_rows] or list(kernels.values())
+    return max(rows, key=lambda k: k.instructions)
 
 
 @dataclass

@@ -1,11 +1,14 @@
 """One prepared GPU check (under five minutes on one GPU): correctness of the
 CUDA kernels against torch.nn.functional.cross_entropy on a grid of shapes and
-dtypes, then forward and forward+backward timings against PyTorch eager,
+dtypes (the one-pass training kernel too, which CUDA tensors do not use by
+default yet), then forward and forward+backward timings against PyTorch eager,
 torch.compile, dlight's GeneralReduction schedule of the same compute, and
 Liger Kernel / flash-attn's cross entropy when importable, with achieved
 bandwidth as a share of the device's measured copy bandwidth; an empty batch
-and offset views timed. ``--sanitize`` runs only a small grid (with N = 0 and
-offset views), for compute-sanitizer.
+and offset views timed, and the training step through the one-pass kernel
+against the recompute path (forward + backward) with the copy floor.
+``--sanitize`` runs only a small grid (with N = 0, offset views and the
+training kernel), for compute-sanitizer.
 
     python benchmarks/gpu_check.py [--json gpu_check.json] [--quick] [--sanitize] [--bundle DIR]
 
@@ -26,6 +29,9 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
+from ce_tvm import launch
+from ce_tvm.ops import scale_unit_gradient
+from ce_tvm.options import LossOptions
 
 GRID = [(64, 17), (256, 1001), (512, 32000), (128, 128256), (64, 256000)]
 TIMED = [(8192, 128256, torch.bfloat16), (4096, 32000, torch.float32),
@@ -54,6 +60,72 @@ def check_correctness(grid) -> list[dict]:
                          grad_rel_err=grad_err, ok=ok))
         print(f"  {'ok ' if ok else 'BAD'} {n}x{c} {dtype}: "
               f"loss {loss_err:.1e} grad {grad_err:.1e}")
+    return rows
+
+
+def _train_kernel(x, y, w, reduction="mean"):
+    """``(loss, grad)`` of the one-pass training kernel (``launch.train``)."""
+    out, grad = launch.train(x, y, w, LossOptions(reduction=reduction, label_smoothing=0.1))
+    return out.loss, grad
+
+
+def check_training_kernel(grid) -> list[dict]:
+    """The one-pass training kernel against F.cross_entropy (loss and autograd grad)."""
+    rows = []
+    for (n, c), dtype in grid:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = (torch.randn(n, c, device="cuda", generator=gen) * 3).to(dtype)
+        y = torch.randint(0, c, (n,), device="cuda", generator=gen)
+        y[::7] = -100
+        w = torch.rand(c, device="cuda", generator=gen) + 0.5
+        loss, grad = _train_kernel(x, y, w)
+        xr = x.float().requires_grad_()
+        ref = F.cross_entropy(xr, y, w, label_smoothing=0.1)
+        ref.backward()
+        loss_err = abs(loss.float().item() - ref.item()) / abs(ref.item())
+        grad_err = ((grad.float() - xr.grad).abs().max() / xr.grad.abs().max()).item()
+        ok = loss_err <= TOL[dtype] and grad_err <= 2 * TOL[dtype]
+        rows.append(dict(n=n, c=c, dtype=str(dtype), loss_rel_err=loss_err,
+                         grad_rel_err=grad_err, ok=ok))
+        print(f"  {'ok ' if ok else 'BAD'} train kernel {n}x{c} {dtype}: "
+              f"loss {loss_err:.1e} grad {grad_err:.1e}")
+    return rows
+
+
+def time_training(shapes) -> list[dict]:
+    """A training step (loss + logits gradient, mean, smoothing 0.1, every 17th row
+    ignored): the one-pass kernel alone and with the scaled copy its autograd
+    backward makes on CUDA (``ops.scale_unit_gradient``: the upstream gradient
+    cannot be read there without a host sync), the recompute path (forward,
+    then the backward from the logits), and the copy floor (one read + one
+    write)."""
+    rows = []
+    options = LossOptions(reduction="mean", label_smoothing=0.1)
+    for n, c, dtype in shapes:
+        x = torch.randn(n, c, device="cuda").to(dtype)
+        y = torch.randint(0, c, (n,), device="cuda")
+        y[::17] = -100
+        one = torch.ones(1, device="cuda")
+        dst = torch.empty_like(x)
+
+        def recompute():
+            out = launch.forward(x, y, None, options, log_prob=False)
+            return launch.backward(one, torch.zeros_like(one), x, out.lse, y, None, options,
+                                   source_kind="logits")
+
+        def one_pass_scaled():
+            return scale_unit_gradient(launch.train(x, y, None, options)[1], one)
+
+        row = dict(n=n, c=c, dtype=str(dtype),
+                   one_pass_ms=cuda_ms(lambda: launch.train(x, y, None, options)),
+                   one_pass_scaled_ms=cuda_ms(one_pass_scaled),
+                   recompute_ms=cuda_ms(recompute), copy_ms=cuda_ms(lambda: dst.copy_(x)))
+        rows.append(row)
+        print(f"  train {n}x{c} {dtype}: one pass {row['one_pass_ms']:.3f} ms "
+              f"(+ scaled copy {row['one_pass_scaled_ms']:.3f} ms), recompute "
+              f"{row['recompute_ms']:.3f} ms, copy {row['copy_ms']:.3f} ms "
+              f"({row['one_pass_ms'] / row['copy_ms']:.2f}x / "
+              f"{row['recompute_ms'] / row['copy_ms']:.2f}x the copy)")
     return rows
 
 
@@ -183,12 +255,15 @@ def sanitize_grid() -> int:
         y = torch.randint(0, c, (n,), device="cuda", generator=gen)
         w = torch.rand(c, device="cuda", generator=gen) + 0.5
         for xs, ys, ws in [(x, y, w), (_misaligned(x), _misaligned(y), _misaligned(w))]:
-            loss, grad = _step(xs, ys, ws)
             ref = F.cross_entropy(xs.float(), ys, ws, label_smoothing=0.1)
-            ok = (torch.isnan(loss) and torch.isnan(ref)) if n == 0 else bool(
-                torch.allclose(loss.float(), ref, rtol=TOL[dtype] * 10, atol=TOL[dtype] * 10))
-            failures += not ok
-            print(f"sanitize n={n} c={c} {dtype} aligned={ys is y}: {'ok' if ok else 'FAIL'}")
+            for path, run in [("autograd", _step), ("train kernel", _train_kernel)]:
+                loss, grad = run(xs, ys, ws)
+                ok = (torch.isnan(loss) and torch.isnan(ref)) if n == 0 else bool(
+                    torch.allclose(loss.float(), ref, rtol=TOL[dtype] * 10,
+                                   atol=TOL[dtype] * 10))
+                failures += not ok
+                print(f"sanitize {path} n={n} c={c} {dtype} aligned={ys is y}: "
+                      f"{'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()
     return failures
 
@@ -202,9 +277,12 @@ def time_edge_cases() -> list[dict]:
     empty = (x[:0], y[:0], None)
     xm, ym = _misaligned(x), _misaligned(y)
     rows = [{"case": "N=0 fwd+bwd", "ms": cuda_ms(lambda: _step(*empty))},
+            {"case": "N=0 train kernel", "ms": cuda_ms(lambda: _train_kernel(*empty))},
             {"case": f"{n}x{c} bf16 aligned fwd+bwd", "ms": cuda_ms(lambda: _step(x, y, None))},
             {"case": f"{n}x{c} bf16 offset views fwd+bwd",
-             "ms": cuda_ms(lambda: _step(xm, ym, None))}]
+             "ms": cuda_ms(lambda: _step(xm, ym, None))},
+            {"case": f"{n}x{c} bf16 offset views train kernel",
+             "ms": cuda_ms(lambda: _train_kernel(xm, ym, None))}]
     for r in rows:
         print(f"{r['case']:40} {r['ms']:8.3f} ms")
     return rows
@@ -237,16 +315,20 @@ def main(argv=None) -> int:
         print(f"bundle {args.bundle}: {bundle['dtype']}, C in {bundle['classes']}")
     print("correctness against F.cross_entropy (weight, ignore_index, smoothing 0.1):")
     correctness = check_correctness(grid)
+    print("one-pass training kernel against F.cross_entropy (weight, ignore_index, 0.1):")
+    training = check_training_kernel(grid)
     peak = copy_bandwidth_gbs()
     print(f"device copy bandwidth: {peak:.0f} GB/s")
     timings = time_shapes(peak, timed[:1] if args.quick else timed)
+    train_timings = time_training(timed[:1] if args.quick else timed)
     edge = time_edge_cases()
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": peak,
-                   "correctness": correctness, "timings": timings, "edge_cases": edge},
+                   "correctness": correctness, "training_kernel": training,
+                   "timings": timings, "training": train_timings, "edge_cases": edge},
                   f, indent=1)
     print(f"wrote {args.json}")
-    return 0 if all(r["ok"] for r in correctness) else 1
+    return 0 if all(r["ok"] for r in correctness + training) else 1
 
 
 if __name__ == "__main__":

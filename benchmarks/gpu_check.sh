@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The prepared GPU check: run benchmarks/gpu_check.py, then its small grid under
-# compute-sanitizer (memcheck, racecheck).
+# The prepared GPU check: run benchmarks/gpu_check.py, the GPU-marked tests, then
+# its small grid under compute-sanitizer (memcheck, racecheck).
 #   benchmarks/gpu_check.sh [--json F] [--quick] [--bundle DIR]
 # Without --bundle, TVM (apache-tvm) compiles the kernels on this host, through
 # NVRTC (pip install cuda-bindings) or nvcc (TVM_CUDA_COMPILE_MODE=nvcc, nvcc on
@@ -11,10 +11,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export TVM_CUDA_COMPILE_MODE="${TVM_CUDA_COMPILE_MODE:-nvcc}"
 python benchmarks/gpu_check.py "$@"
+status=0
 bundle=()
 for ((i = 1; i <= $#; i++)); do
   if [ "${!i}" = "--bundle" ]; then j=$((i + 1)); bundle=(--bundle "${!j}"); fi
 done
+# The GPU-marked tests (the training kernel against the float64 reference, NaN
+# rows, CUDA-graph replay and side streams, N = 0 and offset views), where the
+# compiler and the tests are here (not with --bundle).
+if [ ${#bundle[@]} -eq 0 ] && [ -d tests ] && python -c "import pytest" 2>/dev/null; then
+  python -m pytest -q -m gpu tests/ || status=1
+fi
 # Memory errors (out-of-bounds, misaligned) and shared-memory races on a small
 # grid, where compute-sanitizer is installed (CUDA toolkit, or next to nvcc).
 sanitizer="$(command -v compute-sanitizer || true)"
@@ -31,3 +38,4 @@ if [ -n "$sanitizer" ]; then
 else
   echo "compute-sanitizer not found: memcheck/racecheck skipped"
 fi
+exit $status

@@ -20,7 +20,12 @@ How ``2**k`` is applied is the one target-dependent choice, made by the
 schedule around the declaration (``scaling``): ``"bits"`` builds ``2**k``
 from its exponent bits and multiplies (portable; results below ~1.2e-38
 flush to 0); ``"ldexp"`` calls ``tirx.ldexp``, which a target lowers to its
-scaling instruction (AVX-512 ``vscalefps``: one instruction instead of four).
+scaling instruction (AVX-512 ``vscalefps``: one instruction instead of four);
+``"exp2"`` is the whole ``exp`` as the target's ``2**y`` of ``x log2(e)``
+(CUDA's ``exp2f``: the special-function unit's ``ex2`` plus a denormal
+fix-up, about 2 ulp; the rounding of ``x log2(e)`` and of ``log2(e)`` add up
+to ``|x| 2**-23`` relative, under 1e-5 for ``|x| < 80``: the terms that
+large an argument leaves are below 1e-34), which propagates NaN by itself.
 
 float64 keeps the exact ``exp`` (``gradcheck`` needs it).
 """
@@ -51,7 +56,7 @@ _POLY = {
 _LOW = {"bits": -127 * _LN2, "ldexp": -160 * _LN2}
 _HIGH = 128 * _LN2
 
-SCALINGS = ("bits", "ldexp")
+SCALINGS = ("bits", "ldexp", "exp2")
 _SCALING = contextvars.ContextVar("ce_tvm_exp_scaling", default=("bits", False))
 
 
@@ -87,6 +92,8 @@ def exp(x, nonpositive: bool = False, storage: str = "float32"):
         return tirx.const(v, "float32")
 
     how, nan_test = _SCALING.get()
+    if how == "exp2":  # the target's own 2**y (CUDA: exp2f, MUFU.EX2); keeps NaN, exp2(-inf) = 0
+        return tirx.exp2(x * f32(_LOG2E))
     # Plain subexpressions, no ``Let``: TVM 0.27's BF16ComputeLegalize rewrites
     # a Let-bound cast of a bfloat16 load into its raw bits. CSE (TIR's and
     # LLVM's) folds the repeats. ``max(low, x)`` is one ``maxps(low, x)``,

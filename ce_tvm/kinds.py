@@ -12,6 +12,16 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 DTYPES = tuple(DTYPE_BYTES)
 
 
+# A CUDA kernel's scratch (per-row terms and sums over rows, passed between its
+# launches) comes from the caller, allocated by torch on the caller's stream,
+# never from TVM's per-thread workspace pool (not ordered with torch's streams,
+# not safe under CUDA-graph replay): after its documented arguments every CUDA
+# kernel takes CUDA_SCRATCH_ROWS ``[N]`` and then CUDA_SCRATCH_SINGLES ``[1]``
+# buffers in the accumulation dtype, of which it uses what it needs.
+CUDA_SCRATCH_ROWS = 3
+CUDA_SCRATCH_SINGLES = 4
+
+
 def accum_dtype(dtype: str) -> str:
     """Arithmetic dtype for a storage dtype: float64 stays, all others use float32."""
     return "float64" if dtype == "float64" else "float32"

@@ -16,12 +16,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import pool
-from .kinds import Variant
+from .kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES, Variant
 from .options import LossOptions
 from .runtime import call
 from .spec import KernelSpec, tuned_spec
 from .tensors import (
     KERNEL_ALIGNMENT,
+    TORCH_DTYPES,
+    accum_dtype,
     accum_torch_dtype,
     aligned,
     dtype_name,
@@ -49,6 +51,30 @@ def _spec(op, x, variant) -> KernelSpec:
     target, options = kernel_target(x)
     spec = KernelSpec(op, dtype_name(x.dtype), x.shape[1], variant, target, options)
     return tuned_spec(spec, x.shape[0]) if target == "llvm" else spec
+
+
+def _run(spec: KernelSpec, rows: int, *args) -> None:
+    """``call`` the kernel; a CUDA kernel also gets its scratch (``_cuda_scratch``)."""
+    if spec.target == "cuda":
+        args += tuple(_cuda_scratch(rows, TORCH_DTYPES[accum_dtype(spec.dtype)], args[0].device))
+    call(spec, *args)
+
+
+_SLOT = KERNEL_ALIGNMENT // 4  # float32 elements per aligned slot (float64 slots are wider)
+
+
+def _cuda_scratch(rows: int, dtype: torch.dtype, device) -> list:
+    """The scratch slots every CUDA kernel takes (``kinds.CUDA_SCRATCH_ROWS``
+    ``[rows]`` and ``CUDA_SCRATCH_SINGLES`` ``[1]``): views of one torch
+    allocation, so on the caller's current stream (ordered with its work,
+    capturable in a CUDA graph), each starting ``KERNEL_ALIGNMENT``-aligned."""
+    span = -(-max(rows, 1) // _SLOT) * _SLOT
+    flat = torch.empty(CUDA_SCRATCH_ROWS * span + CUDA_SCRATCH_SINGLES * _SLOT, dtype=dtype,
+                       device=device)
+    slots = [flat[i * span:i * span + rows] for i in range(CUDA_SCRATCH_ROWS)]
+    base = CUDA_SCRATCH_ROWS * span
+    return slots + [flat[base + i * _SLOT:base + i * _SLOT + 1]
+                    for i in range(CUDA_SCRATCH_SINGLES)]
 
 
 def _scalars(options: LossOptions) -> tuple:
@@ -131,7 +157,7 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = F
         return out
     variant = Variant(options.reduction, w is not None, log_prob=log_prob,
                       softcap=_capped(options), accuracy=accuracy)
-    call(_spec("forward", x, variant), x, y, *_weight(w), *_scalars(options), out.loss,
+    _run(_spec("forward", x, variant), n, x, y, *_weight(w), *_scalars(options), out.loss,
          out.zloss, out.lse, *([out.log_prob] if log_prob else []),
          *([out.hit] if accuracy else []))
     return out
@@ -156,7 +182,7 @@ def train(x, y, w, options: LossOptions, *,
     norms = [x.new_empty(2, dtype=acc)] if options.reduction == "mean" else []
     variant = Variant(options.reduction, w is not None, log_prob=False,
                       softcap=_capped(options), accuracy=accuracy)
-    call(_spec("train", x, variant), x, y, *_weight(w), *_scalars(options), *norms, x_grad,
+    _run(_spec("train", x, variant), n, x, y, *_weight(w), *_scalars(options), *norms, x_grad,
          out.lse, out.loss, out.zloss, *([out.hit] if accuracy else []))
     return out, x_grad
 
@@ -173,7 +199,7 @@ def backward(grad_loss, grad_zloss, source, lse, y, w, options: LossOptions, *,
         return x_grad
     variant = Variant(options.reduction, w is not None, grad_source=source_kind,
                       softcap=_capped(options))
-    call(_spec("backward", source, variant), grad_loss, grad_zloss, source, lse, y,
+    _run(_spec("backward", source, variant), source.shape[0], grad_loss, grad_zloss, source, lse, y,
          *_weight(w), *_scalars(options), x_grad)
     return x_grad
 
@@ -187,7 +213,7 @@ def shard_stats(x, y, w, offset: int, softcap: float = 0.0):
     if _rows_to_run(x) == 0:
         return outs
     spec = _spec("shard_stats", x, Variant(weighted=w is not None, softcap=softcap != 0.0))
-    call(spec, x, y, *_weight(w), offset, *((softcap,) if softcap else ()), *outs)
+    _run(spec, x.shape[0], x, y, *_weight(w), offset, *((softcap,) if softcap else ()), *outs)
     return outs
 
 
@@ -204,7 +230,7 @@ def shard_combine(lse, target_logit, target_weight, wxsum, y, *, weight_sum: flo
     spec = KernelSpec("shard_combine", dtype_name(dtype), classes, Variant(options.reduction),
                       *kernel_target(lse))
     # the statistics are of the capped logits already: this kernel has no softcap
-    call(spec, lse, target_logit, target_weight, wxsum, y, weight_sum,
+    _run(spec, lse.shape[0], lse, target_logit, target_weight, wxsum, y, weight_sum,
          *_scalars(replace(options, softcap=0.0)), loss, zloss)
     return loss, zloss
 
@@ -219,8 +245,8 @@ def shard_backward(grad_loss, x, lse, y, w, target_weight, *, offset: int, weigh
         return x_grad
     variant = Variant(options.reduction, w is not None, grad_source="shard",
                       softcap=_capped(options))
-    call(_spec("backward", x, variant), grad_loss, torch.zeros_like(grad_loss), x, lse, y,
-         *_weight(w), target_weight, offset, weight_sum, float(global_classes),
+    _run(_spec("backward", x, variant), x.shape[0], grad_loss, torch.zeros_like(grad_loss), x,
+         lse, y, *_weight(w), target_weight, offset, weight_sum, float(global_classes),
          *_scalars(options), x_grad)
     return x_grad
 
@@ -240,7 +266,7 @@ def prob_forward(x, q, w, options: LossOptions) -> tuple[ForwardOutputs, torch.T
         return out, mass
     spec = _spec("prob_forward", x, Variant(options.reduction, w is not None, log_prob=False,
                                             softcap=_capped(options)))
-    call(spec, x, q, *_weight(w), *_prob_scalars(options), out.loss, out.zloss, out.lse, mass)
+    _run(spec, n, x, q, *_weight(w), *_prob_scalars(options), out.loss, out.zloss, out.lse, mass)
     return out, mass
 
 
@@ -253,7 +279,7 @@ def prob_backward(grad_loss, x, q, lse, mass, w, options: LossOptions) -> torch.
         return x_grad
     spec = _spec("prob_backward", x, Variant(options.reduction, w is not None, log_prob=False,
                                              softcap=_capped(options)))
-    call(spec, grad_loss, x, q, lse, mass, *_weight(w), *_prob_scalars(options), x_grad)
+    _run(spec, x.shape[0], grad_loss, x, q, lse, mass, *_weight(w), *_prob_scalars(options), x_grad)
     return x_grad
 
 
@@ -266,5 +292,6 @@ def prob_target_grad(grad_loss, x, lse, w, options: LossOptions) -> torch.Tensor
     spec = _spec("prob_target_grad", x, Variant(options.reduction, w is not None, log_prob=False,
                                                 softcap=_capped(options)))
     softcap = (options.softcap,) if _capped(options) else ()
-    call(spec, grad_loss, x, lse, *_weight(w), options.label_smoothing, *softcap, target_grad)
+    _run(spec, x.shape[0], grad_loss, x, lse, *_weight(w), options.label_smoothing, *softcap,
+         target_grad)
     return target_grad

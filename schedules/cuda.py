@@ -13,13 +13,24 @@ Forward (and the vocabulary-shard statistics):
    (``threadIdx.x`` on the reduction loop: TVM lowers them to warp shuffles
    plus shared memory), merged over chunks by the compute's online-softmax
    reducer. Accumulation is float32.
-4. ``log_prob`` (seed API) is written from a second, coalesced pass.
+4. ``log_prob`` (seed API) is written from a second, coalesced pass, which
+   reads the staged row when the row is one chunk (else the logits again:
+   the chunk staged last is not the row).
 5. Sums over rows run in one block with a cross-thread reduction: a fixed
-   order, so results are deterministic (no atomics).
+   order, so results are deterministic (no atomics). Consecutive
+   single-block stages (the sums, the loss finalisers) are one kernel, so a
+   ``mean`` forward is 2 launches.
 
 Backward: one block per row; per-row coefficients once per thread, then the
 gradient with coalesced (128-bit where the row is 16-byte aligned) loads and
-stores. Indices are int64 throughout (``N`` is an int64 variable).
+stores, ``CUDAKnobs.unroll`` block sweeps per iteration. Indices are int64
+throughout (``N`` is an int64 variable).
+
+Training (``train_func``, loss and gradient in one sweep): see ``train``.
+
+Every kernel: ``exp`` is ``exp2f`` (``exp_scaling``); intermediate buffers
+passed between launches are parameters filled by the caller's torch
+allocation (``scratch_as_params``), never TVM's workspace pool.
 
 ``dlight.gpu.GeneralReduction`` schedules the same compute too (it is the
 baseline ``benchmarks/gpu_check.py`` compares with): it re-reads the row from
@@ -30,22 +41,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import s_tir
+import tvm_ffi
+from tvm import s_tir, tirx
 from tvm.target import Target
 
 from ..compute import (
+    CHUNK_EXP,
+    CHUNK_EXPSUM,
+    CHUNK_MAX,
+    CHUNK_PSCALE,
     CHUNK_WSUM,
     DTYPE_BYTES,
     LOG_PROB,
-    LOSS,
+    LSE,
+    MEAN_NORMS,
     ROW_CE,
     ROW_TARGET_LOGIT,
     ROW_Z,
     ROWSTATS,
     WSUM,
-    ZLOSS,
+    X_GRAD,
     matrix_param,
 )
+from ..kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES
 from ._common import (
     COMBINE_ROWS,
     ROW_GRAD_COEFS,
@@ -59,6 +77,7 @@ from ._common import (
     place_grad_coefficients,
     place_row_stages,
     present_blocks,
+    row_sweep,
 )
 
 VECTOR_BYTES = 16  # one 128-bit load or store per thread
@@ -68,17 +87,26 @@ VECTOR_BYTES = 16  # one 128-bit load or store per thread
 # merge (10 per element in the exp-sum loop). Without it the result is copied
 # into a register once per reduction (``benchmarks/cuda_static.py``: bcast_lds/el).
 PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
-# ``max`` is ``fmaxf`` here, which drops NaN: ``fastmath.exp`` tests for it explicitly.
-EXP_NAN_TEST = True
+
+
+def exp_scaling(target: Target) -> str:
+    """``fastmath.exp`` as ``exp2f`` (special-function unit): 5 instructions per
+    element where the polynomial took about 19 (``benchmarks/cuda_static.py``)."""
+    return "exp2"
 
 
 @dataclass(frozen=True)
 class CUDAKnobs:
     """``threads`` per row block (a multiple of the 32-thread warp); ``max_chunk``:
-    classes staged in shared memory at once (16 KiB of float32 at 4096)."""
+    classes staged in shared memory at once (16 KiB of float32 at 4096);
+    ``unroll``: sweeps of the block per iteration of a streaming element loop
+    (gradient, ``log_prob``): 4 keeps 4 loads per thread in flight (32 bytes
+    of 16-bit logits, one 8-byte vector each), where one left the bf16 backward
+    short of bytes in flight (review item 8)."""
 
     threads: int = 256
     max_chunk: int = 4096
+    unroll: int = 4
 
 
 def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = CUDAKnobs()) -> int:
@@ -106,14 +134,17 @@ def _vector_width(classes: int, extent: int, dtype: str, computes: bool = False)
     return lanes if aligned and extent % lanes == 0 else 1
 
 
-def _thread_loop(sch, loop, threads: int, lanes: int = 1) -> None:
-    """Spread ``loop`` over ``threadIdx.x`` (coalesced), vectorising ``lanes`` per thread."""
+def _thread_loop(sch, loop, threads: int, lanes: int = 1, unroll: int = 1) -> None:
+    """Spread ``loop`` over ``threadIdx.x`` (coalesced), vectorising ``lanes`` per
+    thread; ``unroll`` consecutive sweeps of the block per iteration (their
+    loads independent, so in flight together)."""
+    factors = [None] + ([unroll] if unroll > 1 else []) + [threads] + ([lanes] if lanes > 1 else [])
+    loops = sch.split(loop, factors)
     if lanes > 1:
-        _, tx, vec = sch.split(loop, [None, threads, lanes])
-        sch.vectorize(vec)
-    else:
-        _, tx = sch.split(loop, [None, threads])
-    sch.bind(tx, "threadIdx.x")
+        sch.vectorize(loops[-1])
+    if unroll > 1:
+        sch.unroll(loops[1])
+    sch.bind(loops[-2] if lanes > 1 else loops[-1], "threadIdx.x")
 
 
 def _bind_rows(sch, loop, threads: int) -> None:
@@ -124,18 +155,42 @@ def _bind_rows(sch, loop, threads: int) -> None:
 
 
 def _bind_single_block_reductions(sch, threads: int) -> None:
-    """Sums over rows (and ``ce_wsum`` over classes) in one block, cross-thread."""
-    for block in present_blocks(sch, ROW_TOTALS + (WSUM,)):
-        spatial, reduce = sch.get_loops(block)
-        sch.bind(spatial, "blockIdx.x")
-        _, tx = sch.split(reduce, [None, threads])
-        sch.bind(tx, "threadIdx.x")
-    for block in present_blocks(sch, (LOSS, ZLOSS)):
-        loop = sch.get_loops(block)[0]
-        if not is_per_row(sch, block):
-            bx, tx = sch.split(loop, [None, 1])
-            sch.bind(bx, "blockIdx.x")
+    """The stages that are not per row (sums over rows, ``ce_wsum`` over classes,
+    the loss finalisers, the mean's norms) run in one block, each reduction
+    cross-thread; consecutive ones (in program order) are fused into one kernel
+    (``merge``), and a sum read only inside its kernel stays in registers."""
+    groups, run = [], []
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        if is_per_row(sch, block) and sch.get(block).name_hint != MEAN_NORMS:
+            if run:
+                groups.append(run)
+            run = []
+        else:
+            run.append(block)
+    if run:
+        groups.append(run)
+    for group in groups:
+        names = [sch.get(b).name_hint for b in group]
+        loops = []
+        for block in group:
+            loop = sch.get_loops(block)[0]
+            if int(sch.get(loop).extent) != 1:  # the mean's norms: both in one thread
+                loop, _ = sch.split(loop, [1, None])
+            loops.append(loop)
+        outer = sch.merge(*loops) if len(loops) > 1 else loops[0]
+        sch.bind(outer, "blockIdx.x")
+        for block in group:
+            if sch.get(block).name_hint in ROW_TOTALS + (WSUM,):
+                _, tx = sch.split(sch.get_loops(block)[-1], [None, threads])
+                sch.bind(tx, "threadIdx.x")
+        if not any(sch.get(block).name_hint in ROW_TOTALS + (WSUM,) for block in group):
+            _, tx = sch.split(outer, [None, 1])
             sch.bind(tx, "threadIdx.x")
+        for block in group:
+            consumers = [sch.get(c).name_hint for c in sch.get_consumers(block)]
+            if sch.get(block).name_hint in ROW_TOTALS + (WSUM,) and consumers and all(
+                    c in names for c in consumers):
+                sch.set_scope(block, 0, "local")
 
 
 def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
@@ -143,12 +198,15 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
+    whole_row = _chunk(sch) == classes  # log_prob reads the staged row too: one read
     row, chunk_loop, stages = place_row_stages(sch, lanes=1)
     names = list(stages)
     readers = [sch.get_sblock(n) for n in names if n != CHUNK_WSUM]
+    if whole_row:
+        readers += present_blocks(sch, (LOG_PROB,))
     staged = sch.cache_read(readers[0], _read_index(sch, readers[0], "x"), "shared",
                             consumer_blocks=readers)
-    sch.compute_at(staged, chunk_loop)
+    sch.compute_at(staged, row if whole_row else chunk_loop)
     per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
     _keep_on_chip(sch, func, names + [ROWSTATS, ROW_TARGET_LOGIT, *ROW_PRODUCERS] + per_row_only)
     sch.bind(row, "blockIdx.x")
@@ -160,11 +218,21 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     if has_stage(sch, LOG_PROB):
         lp = sch.get_sblock(LOG_PROB)
         inner = sch.get_loops(lp)[-1]
-        _thread_loop(sch, inner, knobs.threads, _vector_width(classes, classes, dtype, True))
+        _thread_loop(sch, inner, knobs.threads, _vector_width(classes, classes, dtype, True),
+                     knobs.unroll)
     for blk in present_blocks(sch, SHARD_GATHERS):
         _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)
-    return sch.mod["main"]
+    return scratch_as_params(sch.mod["main"])
+
+
+def _under(sch, block, loop) -> bool:
+    return any(sch.get(outer).same_as(sch.get(loop)) for outer in sch.get_loops(block))
+
+
+def _chunk(sch) -> int:
+    """The chunk the compute reduces a row in (the extent of the chunk max's reduction)."""
+    return int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
 
 
 def _keep_on_chip(sch, func, names) -> None:
@@ -190,9 +258,10 @@ def backward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     sch.bind(row, "blockIdx.x")
     dtype = str(sch.get(grad).writes[0].source.dtype)
     classes = classes_of(func)
-    _thread_loop(sch, col, knobs.threads, _vector_width(classes, classes, dtype, True))
+    _thread_loop(sch, col, knobs.threads, _vector_width(classes, classes, dtype, True),
+                 knobs.unroll)
     _bind_single_block_reductions(sch, knobs.threads)
-    return sch.mod["main"]
+    return scratch_as_params(sch.mod["main"])
 
 
 def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
@@ -203,4 +272,127 @@ def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
         if is_per_row(sch, blk):
             _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)
-    return sch.mod["main"]
+    return scratch_as_params(sch.mod["main"])
+
+
+train_chunk = forward_chunk
+
+
+def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+    """Schedule ``train_func`` (built with ``train_chunk``): a block per row, one
+    sweep (``row_sweep``).
+
+    The chunk loop is the forward's (chunk staged in shared memory once, its
+    reductions cross-thread, results in registers). ``ce_chunk_exp`` is
+    inlined: a row of an LM vocabulary (256 KB of bfloat16 at C = 128256) fits
+    neither registers nor shared memory, and keeping ``e`` in global memory
+    would cost a float32 write and read per element. So the gradient, after the
+    row's ``lse``, recomputes ``exp(x - chunk_max)`` from the logits read again
+    from global memory (2 reads + 1 write, as the forward and the recompute
+    backward together), chunk by chunk (``_gradient_by_chunk``); when the row
+    is one chunk (``C <= max_chunk``) it reads the staged row from shared
+    memory instead (1 read + 1 write). The chunk maxima and per-chunk scales
+    live in shared memory (``C / chunk`` floats), the other per-row values in
+    registers.
+    """
+    sch = s_tir.Schedule(func)
+    inline_row_helpers(sch)
+    dtype, classes = str(matrix_param(func).dtype), classes_of(func)
+    chunk = _chunk(sch)
+    sch.compute_inline(sch.get_sblock(CHUNK_EXP))
+    sweep = row_sweep(sch, lanes=1)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    after = [sch.get(b).name_hint for b in blocks].index(X_GRAD) + 1
+    for blk in blocks[after:]:  # the per-row terms after the gradient (loss, z-loss, hits)
+        if is_per_row(sch, blk) and not _under(sch, blk, sweep.row):
+            sch.reverse_compute_at(blk, sweep.row)
+    names = list(sweep.stages)
+    readers = [sch.get_sblock(n) for n in names if n != CHUNK_WSUM]
+    whole_row = classes == chunk  # the gradient reads the staged row too: one read
+    if whole_row:
+        readers.append(sch.get_sblock(X_GRAD))
+    staged = sch.cache_read(readers[0], _read_index(sch, readers[0], "x"), "shared",
+                            consumer_blocks=readers)
+    sch.compute_at(staged, sweep.row if whole_row else sweep.chunk)
+    _keep_on_chip(sch, func, [n for n in names if n != CHUNK_MAX]
+                  + [ROWSTATS, LSE] + list(ROW_GRAD_COEFS))
+    for name in (CHUNK_MAX, CHUNK_PSCALE):
+        sch.set_scope(sch.get_sblock(name), 0, "shared")
+    in_chunk = [sch.get_sblock(n) for n in (CHUNK_EXPSUM, ROWSTATS)]
+    sch.cache_read(in_chunk[0], _read_index(sch, in_chunk[0], CHUNK_MAX + "_shared"),
+                              "local", consumer_blocks=in_chunk)
+    sch.bind(sweep.row, "blockIdx.x")
+    copy = sch.get_loops(staged)[-1]
+    _thread_loop(sch, copy, knobs.threads,
+                 _vector_width(classes, int(sch.get(copy).extent), dtype))
+    for name in names:
+        _thread_loop(sch, sch.get_loops(sch.get_sblock(name))[-1], knobs.threads)
+    _thread_loop(sch, sch.get_loops(sch.get_sblock(CHUNK_PSCALE))[-1], knobs.threads)
+    _gradient_by_chunk(sch, classes, chunk, dtype, knobs.threads, knobs.unroll)
+    _bind_single_block_reductions(sch, knobs.threads)
+    return scratch_as_params(sch.mod["main"])
+
+
+def _gradient_by_chunk(sch, classes: int, chunk: int, dtype: str, threads: int,
+                       unroll: int) -> None:
+    """``x_grad``'s columns chunk by chunk, the last chunk (which overlaps the one
+    before when ``chunk`` does not divide C) in a loop of its own, so that the
+    logits' index is plain in the loop; each chunk's max and scale are read
+    from shared memory into registers once per chunk."""
+    grad = sch.get_sblock(X_GRAD)
+    n_chunks = -(-classes // chunk)
+    lanes = _vector_width(classes, chunk, dtype, True)
+    outer, _ = sch.split(sch.get_loops(grad)[-1], [n_chunks, chunk])
+    if classes % chunk:
+        sch.loop_partition(outer, [n_chunks - 1])
+    for blk in _blocks_writing(sch, X_GRAD):
+        _thread_loop(sch, sch.get_loops(blk)[-1], threads, lanes, unroll)
+
+
+def _blocks_writing(sch, buffer: str) -> list:
+    """Every block that writes ``buffer`` (``loop_partition`` copies a block per part)."""
+    found, todo = [], [sch.get_sblock("root")]
+    while todo:
+        children = sch.get_child_blocks(todo.pop())
+        found += [b for b in children
+                  if [w.source.name for w in sch.get(b).writes] == [buffer]]
+        todo += children
+    return found
+
+
+def scratch_as_params(func):
+    """``func`` with its global intermediate buffers (what TVM would take from its
+    workspace pool) turned into trailing parameters: ``CUDA_SCRATCH_ROWS``
+    ``[N]`` slots, then ``CUDA_SCRATCH_SINGLES`` ``[1]`` slots (``ce_tvm.kinds``),
+    the unused ones left unused, all in the accumulation dtype."""
+    realize = func.body
+    root = realize.block
+    lifted = [b for b in root.alloc_buffers if b.scope() == "global"]
+    rows = [b for b in lifted if len(b.shape) == 1 and not isinstance(b.shape[0], tirx.IntImm)]
+    singles = [b for b in lifted if [int(d) for d in b.shape if isinstance(d, tirx.IntImm)] == [1]
+               and len(b.shape) == 1]
+    acc = "float64" if any(str(p.dtype) == "float64" for p in _buffer_params(func)) else "float32"
+    odd = [b.name for b in lifted if str(b.dtype) != acc
+           or not any(b.same_as(s) for s in rows + singles)]
+    if odd or len(rows) > CUDA_SCRATCH_ROWS or len(singles) > CUDA_SCRATCH_SINGLES:
+        raise ValueError(f"scratch does not fit the CUDA scratch slots: {[b.name for b in lifted]}")
+    n_rows = next(p.shape[0] for p in _buffer_params(func)
+                  if not isinstance(p.shape[0], tirx.IntImm))
+    slots = {b: tirx.decl_buffer(b.shape, b.dtype, name=b.name) for b in lifted}
+    params = ([slots[b] for b in rows]
+              + [tirx.decl_buffer((n_rows,), acc, name=f"scratch_row{i}")
+                 for i in range(len(rows), CUDA_SCRATCH_ROWS)]
+              + [slots[b] for b in singles]
+              + [tirx.decl_buffer((1,), acc, name=f"scratch_single{i}")
+                 for i in range(len(singles), CUDA_SCRATCH_SINGLES)])
+    body = tvm_ffi.structural_map(realize, [(tirx.Buffer, lambda b: slots.get(b, b))])
+    block = body.block
+    kept = [b for b in block.alloc_buffers if not any(b.same_as(s) for s in slots.values())]
+    block = s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, block.body,
+                         block.init, kept, block.match_buffers, block.annotations)
+    body = s_tir.SBlockRealize(body.iter_values, body.predicate, block)
+    return tirx.PrimFunc(list(func.params) + params, body, func.ret_type, func.attrs)
+
+
+def _buffer_params(func) -> list:
+    return [p for p in func.params if hasattr(p, "shape")]

@@ -6,12 +6,17 @@ import shutil
 import pytest
 import torch
 
-from ce_tvm.build import compile_spec, cuda_binary
+from ce_tvm import launch
+from ce_tvm.build import compile_spec, cuda_binary, lower_and_compile, scheduled_func
 from ce_tvm.compute import Variant
+from ce_tvm.kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES
 from ce_tvm.spec import KernelSpec
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def needs_gpu(test):
+    """Marked ``gpu`` (``benchmarks/gpu_check.sh`` runs ``-m gpu``), skipped without a device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="no CUDA device")(test))
 
 # C = 1001 is not a multiple of any vector width; 256000 needs many shared-memory chunks.
 BUILD_GRID = list(itertools.product(("sm_80", "sm_90"), ("float32", "float16", "bfloat16"),
@@ -96,6 +101,93 @@ def test_probability_targets_match_torch_on_gpu(dtype, classes):
         torch.testing.assert_close(ours.double().cpu(), theirs, rtol=tol, atol=tol * scale)
 
 
+# The one-pass training kernel: a row of one chunk (the staged row feeds the
+# gradient) and one of 13 chunks whose last overlaps the one before.
+@needs_nvcc
+@pytest.mark.parametrize("arch,dtype,classes", list(itertools.product(
+    ("sm_80", "sm_90"), ("float32", "float16", "bfloat16"), (1001, 50257))))
+def test_training_kernel_compiles_with_nvcc(arch, dtype, classes):
+    spec = KernelSpec("train", dtype, classes, Variant("mean", True, False), "cuda",
+                      (("arch", arch),))
+    source, cubin = cuda_binary(compile_spec(spec), spec)
+    assert "x_grad" in source and cubin[:4] == b"\x7fELF"
+
+
+SCRATCH_VARIANTS = [
+    ("forward", Variant("mean", True, True)), ("forward", Variant("none", False, False)),
+    ("train", Variant("mean", True, False)), ("train", Variant("sum", False, False)),
+    ("backward", Variant("mean", True, grad_source="logits")),
+    ("backward", Variant("mean", True, grad_source="shard")),
+    ("shard_stats", Variant(weighted=True)), ("shard_combine", Variant("mean")),
+    ("forward", Variant("mean", True, False, softcap=True, accuracy=True)),
+    ("train", Variant("mean", True, False, softcap=True, accuracy=True)),
+    ("prob_forward", Variant("mean", True, False)), ("prob_backward", Variant("mean", True, False)),
+    ("prob_target_grad", Variant("sum", True, False))]
+
+
+@pytest.mark.parametrize("op,variant", SCRATCH_VARIANTS)
+def test_cuda_kernels_take_their_scratch_from_the_caller(op, variant):
+    """No TVM workspace (not ordered with torch's streams, unsafe under graph
+    replay): the host code allocates nothing, and the kernel ends with the
+    scratch slots launch passes (``CUDA_SCRATCH_ROWS`` [N], ``_SINGLES`` [1])."""
+    spec = KernelSpec(op, "bfloat16", 5003, variant, "cuda", (("arch", "sm_90"),))
+    assert "TVMBackendAllocWorkspace" not in lower_and_compile(spec).mod.inspect_source("ll")
+    slots = [p for p in scheduled_func(spec).params][-(CUDA_SCRATCH_ROWS + CUDA_SCRATCH_SINGLES):]
+    shapes = [tuple(str(d) for d in p.shape) for p in slots]
+    assert shapes == [("N",)] * CUDA_SCRATCH_ROWS + [("1",)] * CUDA_SCRATCH_SINGLES
+    assert {str(p.dtype) for p in slots} == {"float32"}
+
+
+def test_fewer_launches():
+    """Sums over rows and the finalisers run fused: a mean forward is one row
+    kernel and one single-block kernel (7 launches before issue 19)."""
+    spec = KernelSpec("forward", "bfloat16", 5003, Variant("mean", True, False), "cuda",
+                      (("arch", "sm_90"),))
+    source = lower_and_compile(spec).mod.imports[0].inspect_source()
+    assert source.count("__global__") == 2 * 2  # declaration + definition each
+
+
+@pytest.mark.parametrize("rows", [1, 17, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_cuda_scratch_slots_are_aligned_views_of_one_buffer(rows, dtype):
+    slots = launch._cuda_scratch(rows, dtype, "cpu")
+    assert [tuple(t.shape) for t in slots] == (
+        [(rows,)] * CUDA_SCRATCH_ROWS + [(1,)] * CUDA_SCRATCH_SINGLES)
+    assert all(t.dtype == dtype and t.data_ptr() % 64 == 0 for t in slots)
+    assert len({t.untyped_storage().data_ptr() for t in slots}) == 1
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in slots)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("classes", [17, 1001, 50257])
+@pytest.mark.parametrize("reduction,weighted", [("mean", True), ("sum", False)])
+def test_training_kernel_matches_reference_on_gpu(dtype, classes, reduction, weighted):
+    """The CUDA one-pass kernel (``launch.train``, not yet the default path for
+    CUDA tensors: ``nn.TRAINING_KERNEL_DEVICES``) against the float64 reference."""
+    import numpy as np
+
+    import reference
+    from ce_tvm.options import LossOptions
+    from checks import TOL, assert_close
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(33, classes, generator=gen) * 3).to(dtype)
+    y = torch.randint(0, classes, (33,), generator=gen)
+    y[::5] = -100
+    w = torch.rand(classes, generator=gen) + 0.5 if weighted else None
+    options = LossOptions(reduction=reduction, label_smoothing=0.1, zloss_scale=1e-3)
+    out, grad = launch.train(x.cuda(), y.cuda(), None if w is None else w.cuda(), options)
+    wn = None if w is None else w.double().numpy()
+    ref_loss, log_prob, _, lse = reference.forward(
+        x.double().numpy(), y.numpy(), wn, reduction, -100, 0.1, 1e-3)
+    ref_grad = reference.backward(np.array([1.0]), log_prob, y.numpy(), wn, None, lse,
+                                  reduction, -100, 0.1, 1e-3)
+    assert_close(out.loss.cpu().reshape(1), ref_loss, TOL[dtype], "loss")
+    assert_close(grad.cpu(), ref_grad, TOL[dtype], "x grad")
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("classes", [17, 1001, 32000, 128256])
@@ -167,3 +259,51 @@ def test_softcap_and_accuracy_on_gpu(dtype, classes):
     kept = y != -100
     expected = ((capped.detach().argmax(1) == y) & kept).sum() / kept.sum()
     assert accuracy.item() == pytest.approx(expected.item())
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("classes", [1001, 50257])
+def test_training_kernel_isolates_nan_rows_on_gpu(dtype, classes):
+    from ce_tvm.options import LossOptions
+
+    x = torch.randn(4, classes, device="cuda").to(dtype)
+    x[2, 7] = float("nan")
+    y = torch.randint(0, classes, (4,), device="cuda")
+    out, grad = launch.train(x, y, None, LossOptions(reduction="sum"))
+    assert torch.isnan(out.loss).all()
+    assert torch.isnan(grad[2]).any() and torch.isfinite(grad[[0, 1, 3]]).all()
+
+
+@needs_gpu
+def test_scratch_is_safe_under_cuda_graph_replay_and_side_streams():
+    """The kernels' scratch comes from torch on the current stream: a captured
+    forward replays correctly after a larger call, and two streams run the
+    kernels concurrently without sharing scratch."""
+    import ce_tvm
+
+    def inputs(n, seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        return (torch.randn(n, 1001, device="cuda", generator=gen),
+                torch.randint(0, 1001, (n,), device="cuda", generator=gen))
+
+    x, y = inputs(64, 0)
+    ref = torch.nn.functional.cross_entropy(x, y)
+    ce_tvm.cross_entropy(x, y)  # load the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ce_tvm.cross_entropy(x, y)
+    big_x, big_y = inputs(4096, 1)
+    ce_tvm.cross_entropy(big_x, big_y)
+    graph.replay()
+    torch.testing.assert_close(captured, ref, rtol=1e-5, atol=1e-5)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    cases = [inputs(2048, 2 + i) for i in range(2)]
+    losses = []
+    for stream, (xs, ys) in zip(streams, cases):
+        with torch.cuda.stream(stream):
+            losses.append(ce_tvm.cross_entropy(xs, ys))
+    torch.cuda.synchronize()
+    for loss, (xs, ys) in zip(losses, cases):
+        torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(xs, ys),
+                                   rtol=1e-5, atol=1e-5)

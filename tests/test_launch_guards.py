@@ -13,8 +13,8 @@ from ce_tvm import launch
 from ce_tvm.options import LossOptions
 from ce_tvm.tensors import KERNEL_ALIGNMENT, is_aligned
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device")])]
 C = 1003  # odd: no row after the first starts aligned
 
 

@@ -18,7 +18,8 @@ from ce_tvm.runtime import canonical_strides
 from checks import TOL
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+needs_gpu = [pytest.mark.gpu,
+             pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_gpu)]
 C = 65
 
