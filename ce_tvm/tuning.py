@@ -172,13 +172,22 @@ def search(cands: Candidates, start: dict, trials: int, seed: int = 0) -> dict:
     return best
 
 
-def _write_record(out: Path, cands: Candidates, knobs: dict, ms_time: float) -> None:
-    """The winning trace in meta_schedule's JSON database format (``records``)."""
-    func, trace = cands.traces[_key(knobs)]
-    db = ms.database.JSONDatabase(work_dir=str(out))
-    workload = db.commit_workload(tvm.IRModule({"main": func}))
-    db.commit_tuning_record(ms.database.TuningRecord(
-        trace, workload, [ms_time / 1e3], cands.spec.tvm_target()))
+def save(out: Path, cands: Candidates, summary: dict) -> None:
+    """Write the record: ``summary`` and the trace of its ``knobs`` (built by
+    ``cands``) in meta_schedule's JSON database format (``records``)."""
+    func, trace = cands.traces[_key(summary["knobs"])]
+    with tempfile.TemporaryDirectory() as tmp:
+        db = ms.database.JSONDatabase(work_dir=tmp)
+        workload = db.commit_workload(tvm.IRModule({"main": func}))
+        db.commit_tuning_record(ms.database.TuningRecord(
+            trace, workload, [summary["best_ms"] / 1e3], cands.spec.tvm_target()))
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        for name in ("database_workload.json", "database_tuning_record.json"):
+            shutil.copy(Path(tmp) / name, out / name)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    records.forget()
 
 
 def _replay(cands: Candidates, knobs: dict) -> None:
@@ -235,13 +244,5 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
             summary.update(applied=False, replay_error=str(err).splitlines()[-1][:300])
     echo(f"  {spec.name()}: hand {hand_ms:.3f} ms, best {best_ms:.3f} ms ({_show(knobs)}): "
          f"{'applied' if summary['applied'] else 'not applied (hand schedule kept)'}")
-    with tempfile.TemporaryDirectory() as tmp:
-        _write_record(Path(tmp), cands, knobs, best_ms)
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        for name in ("database_workload.json", "database_tuning_record.json"):
-            shutil.copy(Path(tmp) / name, out / name)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    records.forget()
+    save(out, cands, summary)
     return summary
