@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from . import bench, cache, records
@@ -91,10 +92,12 @@ def _tuned_specs(args) -> list[KernelSpec]:
 def cmd_tune(args) -> int:
     if args.list:
         return _list_records(args)
-    if args.classes is None or args.rows is None:
+    if args.classes is None or (args.rows is None and args.target == "llvm"):
         raise SystemExit("ce-tvm tune: --classes and --rows are required (or --list)")
     from . import tuning
 
+    if args.target == "cuda":
+        return _check_cuda_grid(args, tuning)
     log_root = Path(args.log_dir) if args.log_dir else records.default_log_dir()
     rows = [tuning.tune(spec, args.rows, args.trials, log_root, args.retune, args.exhaustive)
             for spec in _tuned_specs(args)]
@@ -109,11 +112,31 @@ def cmd_tune(args) -> int:
     print(f"records in {log_root}")
     if args.json:
         fields = ("name", "kind", "rows", "hand_ms", "tuned_ms", "exhaustive_best_ms",
-                  "best_ms", "space_size", "knobs", "search_knobs", "applied")
+                  "best_ms", "space_size", "knobs", "tuned_knobs", "exhaustive_best_knobs",
+                  "applied")
         kernels = [{k: v for k, v in {**r, "name": r["kernel"]}.items() if k in fields}
                    for r in rows]
         Path(args.json).write_text(json.dumps({"kernels": kernels}, indent=1))
         print(f"wrote {args.json}")
+    return 0
+
+
+def _check_cuda_grid(args, tuning) -> int:
+    """Without a GPU: build every candidate of the CUDA knob grid and compile it with nvcc."""
+    from .build import cuda_binary
+
+    for spec in _tuned_specs(args):
+        if spec.op == "train":  # no CUDA training kernel
+            continue
+        spec = replace(spec, options=(("arch", args.arch),))
+        t0 = time.perf_counter()
+        points, executable = tuning.compile_grid(spec)
+        built = cuda_binary(executable, spec)
+        verdict = ("compiled with nvcc" if built else
+                   "built by TVM (no nvcc on PATH, or a GPU here: measuring needs one)")
+        print(f"  {spec.name()} {args.arch}: {len(points)} candidates ({', '.join(points[0])})"
+              f" {verdict} in {time.perf_counter() - t0:.1f} s")
+    print("CUDA candidates are measured only on a GPU; nothing was recorded")
     return 0
 
 
@@ -201,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="autotune the forward, training and backward kernels at "
                        "one shape over their schedules' knobs; or --list the records")
-    t.add_argument("--target", choices=["llvm"], default="llvm")
+    t.add_argument("--target", choices=["llvm", "cuda"], default="llvm",
+                   help="cuda: build-check the knob grid with nvcc (no GPU needed)")
+    t.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
     t.add_argument("--dtype", choices=TRAINING_DTYPES, default="float32")
     t.add_argument("--classes", type=int)
     t.add_argument("--rows", type=int)

@@ -53,14 +53,16 @@ def _random_args(func, spec: KernelSpec):
     return args
 
 
-def compile_scheduled(scheduled, spec: KernelSpec):
-    """The ``main`` function of a scheduled PrimFunc of ``spec``, built as ``build`` builds
-    (the schedule module's pipeline and pass options)."""
+def compile_scheduled(scheduled, spec: KernelSpec, entry: str | None = "main"):
+    """Function ``entry`` of a scheduled PrimFunc (or IRModule) of ``spec``, built
+    as ``build`` builds (the schedule module's pipeline and pass options); the
+    Executable when ``entry`` is ``None``."""
     schedule = schedule_module(spec.target)
     pipeline = getattr(schedule, "TIR_PIPELINE", None)
     with tvm.transform.PassContext(opt_level=3, config=getattr(schedule, "PASS_CONFIG", {})):
-        return tvm.compile(scheduled, target=spec.tvm_target(),
-                           **({"tir_pipeline": pipeline} if pipeline else {}))["main"]
+        ex = tvm.compile(scheduled, target=spec.tvm_target(),
+                         **({"tir_pipeline": pipeline} if pipeline else {}))
+    return ex if entry is None else ex[entry]
 
 
 def time_ms(fns: list, args, runs: int = 5) -> list[float]:
@@ -91,7 +93,7 @@ class Candidates:
     """Builds and measures the candidates of one kernel at one row count."""
 
     spec: KernelSpec
-    rows: int
+    rows: int | None  # None: the symbolic-N kernel (built, not measured)
     space: dict
     echo: object = print
     measured: dict = field(default_factory=dict)  # _key(knobs) -> ms
@@ -100,8 +102,10 @@ class Candidates:
     args: list = None
 
     def fixed(self, chunk: int | None):
+        """The compute declared with ``chunk``, N bound to ``rows`` (unless ``None``)."""
         if chunk not in self._fixed:
-            self._fixed[chunk] = records.fixed_rows(declared_func(self.spec, chunk), self.rows)
+            func = declared_func(self.spec, chunk)
+            self._fixed[chunk] = func if self.rows is None else records.fixed_rows(func, self.rows)
         return self._fixed[chunk]
 
     def hand(self):
@@ -110,20 +114,29 @@ class Candidates:
         schedule = getattr(schedule_module(self.spec.target), SCHEDULE_OF_OP[self.spec.op])
         return compile_scheduled(schedule(func, self.spec.tvm_target()), self.spec)
 
-    def build(self, knobs: dict):
-        """The candidate ``knobs``, compiled; its trace is kept for the record."""
-        func = self.fixed(knobs.get("chunk"))
+    def chunk(self, knobs: dict) -> int | None:
+        spec = self.spec
+        return schedule_module(spec.target).knob_chunk(
+            spec.op, spec.classes, spec.dtype, spec.tvm_target(), knobs)
+
+    def schedule(self, knobs: dict):
+        """The candidate ``knobs``, scheduled (its trace is kept for the record)."""
+        func = self.fixed(self.chunk(knobs))
         sch = s_tir.Schedule(func)
         schedule_module(self.spec.target).schedule_knobs(
             sch, self.spec.op, self.spec.tvm_target(), self.space, knobs)
         self.traces[_key(knobs)] = (func, sch.trace)
-        return compile_scheduled(sch.mod["main"], self.spec)
+        return sch.mod["main"]
+
+    def build(self, knobs: dict):
+        """The candidate ``knobs``, compiled."""
+        return compile_scheduled(self.schedule(knobs), self.spec)
 
     def measure(self, knobs: dict, label: str) -> float:
         key = _key(knobs)
         if key not in self.measured:
             if self.args is None:
-                self.args = _random_args(self.fixed(knobs.get("chunk")), self.spec)
+                self.args = _random_args(self.fixed(self.chunk(knobs)), self.spec)
             self.measured[key] = time_ms([self.build(knobs)], self.args)[0]
             best = min(self.measured.values())
             self.echo(f"    {label} {_show(knobs)}: {self.measured[key]:.3f} ms"
@@ -190,13 +203,29 @@ def save(out: Path, cands: Candidates, summary: dict) -> None:
     records.forget()
 
 
+def compile_grid(spec: KernelSpec, rows: int | None = None) -> tuple[list[dict], object]:
+    """Every candidate of ``spec``'s knob grid (symbolic N, or at ``rows``), scheduled and
+    compiled into one module (function ``<op>_<i>`` for candidate ``i``);
+    returns ``(candidates, Executable)``. For CUDA without a GPU the module
+    keeps its source (``build.cuda_binary`` compiles it with nvcc)."""
+    space = schedule_module(spec.target).knob_space(
+        spec.op, spec.classes, spec.dtype, spec.tvm_target())
+    cands = Candidates(spec, rows, space)
+    points = grid(space)
+    funcs = {f"{spec.op}_{i}": cands.schedule(knobs).with_attr("global_symbol", f"{spec.op}_{i}")
+             for i, knobs in enumerate(points)}
+    return points, compile_scheduled(tvm.IRModule(funcs), spec, entry=None)
+
+
 def _replay(cands: Candidates, knobs: dict) -> None:
     """Replay the trace of ``knobs`` on the symbolic-N kernel and compile it."""
-    sch = s_tir.Schedule(declared_func(cands.spec, knobs.get("chunk")))
+    sch = s_tir.Schedule(declared_func(cands.spec, cands.chunk(knobs)))
     cands.traces[_key(knobs)][1].apply_to_schedule(sch, remove_postproc=False)
     compile_scheduled(sch.mod["main"], cands.spec)
 
 
+# Runs of the final, interleaved measurement of the hand schedule and the winners.
+FINAL_RUNS = 10
 # What a kernel computes, for reports: the backward is a gradient kernel.
 KIND_OF_OP = {"forward": "forward", "backward": "gradient", "train": "forward+gradient"}
 
@@ -204,9 +233,11 @@ KIND_OF_OP = {"forward": "forward", "backward": "gradient", "train": "forward+gr
 def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool = False,
          exhaustive: bool = False, echo=print) -> dict:
     """Tune ``spec`` at ``rows`` rows and store the record; returns its summary:
-    ``hand_ms``, ``tuned_ms`` (the search's pick), ``exhaustive_best_ms`` (with
-    ``exhaustive``), ``best_ms`` and ``knobs`` (the record's: the fastest
-    measured), ``space_size``, ``applied``, and every candidate measured."""
+    ``hand_ms``, ``tuned_ms`` (the search's pick), ``exhaustive_best_ms`` (the
+    grid's best, with ``exhaustive``), measured again together, interleaved;
+    ``best_ms`` and ``knobs`` (the record's: the faster of the two), ``space_size``,
+    ``applied`` (``best_ms`` beat the hand schedule) and every candidate's first
+    measurement (``measured``)."""
     rid = spec.record_id(rows)
     out = log_root / rid
     if (out / "summary.json").exists() and not retune:
@@ -222,21 +253,27 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
          f"({' x '.join(f'{k} {list(v)}' for k, v in space.items())})")
     hand = {k: v[0] for k, v in space.items()}  # the hand schedule's knobs come first
     picked = search(cands, hand, trials)
-    tuned_ms = cands.measured[_key(picked)]
-    summary = {"kernel": spec.name(), "kind": KIND_OF_OP[spec.op], "rows": rows, "trials": trials,
-               "space": {k: list(v) for k, v in space.items()}, "space_size": size,
-               "search_knobs": picked, "tuned_ms": tuned_ms}
+    contenders = {"tuned": picked}
     if exhaustive:
         for i, knobs in enumerate(grid(space)):
             cands.measure(knobs, f"[grid {i + 1}/{size}]")
-        summary["exhaustive_best_ms"] = min(cands.measured.values())
-    best = dict(min(cands.measured, key=cands.measured.get))
-    knobs = {k: best[k] for k in space}
-    # The decision: the hand schedule and the best candidate, interleaved.
-    hand_ms, best_ms = time_ms([cands.hand(), cands.build(knobs)], cands.args, runs=10)
-    summary.update(knobs=knobs, hand_ms=hand_ms, best_ms=best_ms, speedup=hand_ms / best_ms,
-                   applied=hand_ms >= records.MIN_SPEEDUP * best_ms,
-                   measured=[{"knobs": dict(k), "ms": v} for k, v in cands.measured.items()])
+        contenders["exhaustive_best"] = dict(min(cands.measured, key=cands.measured.get))
+    # The verdict: the hand schedule, the search's pick and the grid's best,
+    # measured again in one run, interleaved (one noisy moment hits all alike).
+    final = time_ms([cands.hand()] + [cands.build(k) for k in contenders.values()],
+                    cands.args, runs=FINAL_RUNS)
+    times = dict(zip(contenders, final[1:]))
+    winner = min(times, key=times.get)
+    knobs = {k: contenders[winner][k] for k in space}
+    hand_ms, best_ms = final[0], times[winner]
+    summary = {"kernel": spec.name(), "kind": KIND_OF_OP[spec.op], "rows": rows,
+               "trials": trials, "space": {k: list(v) for k, v in space.items()},
+               "space_size": size, "hand_ms": hand_ms,
+               **{f"{name}_ms": t for name, t in times.items()},
+               **{f"{name}_knobs": contenders[name] for name in contenders},
+               "knobs": knobs, "best_ms": best_ms, "speedup": hand_ms / best_ms,
+               "applied": hand_ms >= records.MIN_SPEEDUP * best_ms,
+               "measured": [{"knobs": dict(k), "ms": v} for k, v in cands.measured.items()]}
     if summary["applied"]:
         try:  # a trace that does not replay on the symbolic-N kernel is never applied
             _replay(cands, knobs)

@@ -123,6 +123,11 @@ def knob_space(op: str, classes: int, dtype: str, target: Target) -> dict:
     raise ValueError(f"no tunable schedule for {op!r}")
 
 
+def knob_chunk(op: str, classes: int, dtype: str, target: Target, knobs: dict) -> int | None:
+    """The chunk the compute of ``op`` is declared with for ``knobs`` (``None``: no chunk)."""
+    return knobs.get("chunk")
+
+
 def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | None = None):
     """Schedule ``op`` with knobs drawn from ``space`` by sampling instructions (the
     tuning search's space; ``decisions`` fixes them). The ``chunk`` drawn must be
