@@ -92,23 +92,28 @@ def _tuned_specs(args) -> list[KernelSpec]:
 def cmd_tune(args) -> int:
     if args.list:
         return _list_records(args)
-    if args.classes is None or (args.rows is None and args.target == "llvm"):
+    if args.classes is None or (args.rows is None and args.target != "cuda"):
         raise SystemExit("ce-tvm tune: --classes and --rows are required (or --list)")
     from . import tuning
 
     if args.target == "cuda":
         return _check_cuda_grid(args, tuning)
     log_root = Path(args.log_dir) if args.log_dir else records.default_log_dir()
-    rows = [tuning.tune(spec, args.rows, args.trials, log_root, args.retune, args.exhaustive)
-            for spec in _tuned_specs(args)]
+    if args.target == "ascend":
+        rows = [tuning.tune_ascend_plan(replace(spec, options=(("profile", args.profile),)),
+                                        args.rows, log_root) for spec in _tuned_specs(args)]
+    else:
+        rows = [tuning.tune(spec, args.rows, args.trials, log_root, args.retune,
+                            args.exhaustive) for spec in _tuned_specs(args)]
     print(f"\n{'kernel':<46} {'kind':<16} {'N':>6} {'space':>5} {'hand ms':>9} "
           f"{'tuned ms':>9} {'grid ms':>9} {'speedup':>8}  knobs (applied?)")
     for r in rows:
         grid = f"{r['exhaustive_best_ms']:>9.3f}" if "exhaustive_best_ms" in r else f"{'-':>9}"
+        applied = "yes" if r["applied"] else "no: hand schedule"
         knobs = " ".join(f"{k}={v}" for k, v in r["knobs"].items())
         print(f"{r['kernel']:<46} {r['kind']:<16} {r['rows']:>6} {r['space_size']:>5} "
               f"{r['hand_ms']:>9.3f} {r['tuned_ms']:>9.3f} {grid} {r['speedup']:>7.2f}x  "
-              f"{knobs} ({'yes' if r['applied'] else 'no: hand schedule'})")
+              f"{knobs} ({applied})")
     print(f"records in {log_root}")
     if args.json:
         fields = ("name", "kind", "rows", "hand_ms", "tuned_ms", "exhaustive_best_ms",
@@ -224,9 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="autotune the forward, training and backward kernels at "
                        "one shape over their schedules' knobs; or --list the records")
-    t.add_argument("--target", choices=["llvm", "cuda"], default="llvm",
-                   help="cuda: build-check the knob grid with nvcc (no GPU needed)")
+    t.add_argument("--target", choices=["llvm", "cuda", "ascend"], default="llvm",
+                   help="cuda: build-check the knob grid with nvcc (no GPU needed); ascend: "
+                   "search the tiling plan against the cost model")
     t.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
+    t.add_argument("--profile", default="910b", help="Ascend profile (--target ascend)")
     t.add_argument("--dtype", choices=TRAINING_DTYPES, default="float32")
     t.add_argument("--classes", type=int)
     t.add_argument("--rows", type=int)

@@ -283,3 +283,30 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
          f"{'applied' if summary['applied'] else 'not applied (hand schedule kept)'}")
     save(out, cands, summary)
     return summary
+
+
+def tune_ascend_plan(spec: KernelSpec, rows: int, log_root: Path, echo=print) -> dict:
+    """Search the Ascend tiling plan of ``spec`` (tile size x buffer count) against
+    the cost model (``ascend_plan.search_plan``: no hardware, the model is the
+    measure) and record the best plan; the summary has ``tune``'s fields, times
+    being the model's (``hand_ms``: ``ascend_plan.plan``'s fixed plan)."""
+    from .schedules import ascend_plan
+
+    profile = dict(spec.options)["profile"]
+    args = (profile, rows, spec.classes, spec.dtype, spec.op)
+    fixed, best = ascend_plan.plan(*args), ascend_plan.search_plan(*args)
+    hand_ms, best_ms = (ascend_plan.cost(p)["ce_tvm"]["time_us"] / 1e3 for p in (fixed, best))
+    summary = {"kernel": spec.name(), "kind": KIND_OF_OP[spec.op], "rows": rows,
+               "measure": "ascend_plan.cost (model)",
+               "space_size": len(ascend_plan.candidate_plans(*args)), "hand_ms": hand_ms,
+               "tuned_ms": best_ms, "exhaustive_best_ms": best_ms, "best_ms": best_ms,
+               "knobs": {"chunk": best.chunk, "buffers": best.buffers},
+               "hand_knobs": {"chunk": fixed.chunk, "buffers": fixed.buffers},
+               "speedup": hand_ms / best_ms, "applied": best != fixed, "plan": best.as_dict()}
+    out = log_root / f"ascend-{profile}" / f"{spec.name()}-N{rows}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    echo(f"  {spec.name()} N={rows}: {summary['space_size']} plans; fixed plan "
+         f"{fixed.chunk} x {fixed.buffers} buffers {hand_ms * 1e3:.1f} us, best {best.chunk} x "
+         f"{best.buffers} buffers {best_ms * 1e3:.1f} us")
+    return summary
