@@ -154,6 +154,8 @@ def test_every_knob_value_replays_and_matches_torch(ops, tmp_path, monkeypatch):
 
 
 def test_train_record_keeps_the_prefetch_marker():
+    """The prefetch distance is an annotation in the trace: replayed on the
+    symbolic-N kernel it marks the function, and the build emits prefetches."""
     spec = KernelSpec("train", "float32", 4099, TRAIN.variant)
     space = CPU.knob_space("train", 4099, "float32", spec.tvm_target())
     for prefetch in (0, 2):
@@ -166,6 +168,9 @@ def test_train_record_keeps_the_prefetch_marker():
         marked = CPU.mark_prefetch(tuning.tvm.IRModule({"main": sch.mod["main"]}))["main"]
         assert (marked.attrs or {}).get(CPU.PREFETCH_ATTR) == (
             knobs["chunk"] * prefetch if prefetch else None)
+        llvm_ir = tuning.compile_scheduled(sch.mod["main"], spec, entry=None).mod.inspect_source(
+            "ll")
+        assert ("@llvm.prefetch" in llvm_ir) == bool(prefetch)
 
 
 def test_tuning_run_reports_every_kernel_and_its_json(tuned_logs):
