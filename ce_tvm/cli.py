@@ -1,6 +1,6 @@
 """The ``ce-tvm`` command line: ``compile`` kernels ahead of time, ``bundle``
 them with the TVM runtime (to run without the compiler), inspect the module
-``cache``, ``bench`` against PyTorch, ``tune`` kernels (meta_schedule), show an
+``cache``, ``bench`` against PyTorch, ``tune`` kernels over their knobs, show an
 Ascend tiling ``plan``, and ``demo`` the loss."""
 
 from __future__ import annotations

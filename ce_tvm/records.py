@@ -37,7 +37,7 @@ from .paths import cache_dir
 # A tie within timing noise keeps the hand schedule.
 MIN_SPEEDUP = 1.02
 PACKAGE_LOGS = Path(str(importlib.resources.files("ce_tvm.tuning_logs")))
-# Scalar arguments bound while tuning (meta_schedule's runner passes tensors
+# Scalar arguments bound while tuning (the search times a kernel on tensors
 # only); non-zero, so no branch of the compute folds away.
 TUNING_SCALARS = {"ignore_index": -100, "label_smoothing": 0.1, "zloss_scale": 1e-4,
                   "shard_offset": 0, "weight_sum": 1000.0, "global_classes": 1000.0}

@@ -184,7 +184,7 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 
 
 def schedule_forward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
-    """``forward`` on a given schedule (meta_schedule's search space calls it)."""
+    """``forward`` on a given schedule (the tuning search's ``schedule_knobs`` calls it)."""
     inline_row_helpers(sch)
     chunk = _chunk(sch)
     lanes = row_lanes(chunk, vector_lanes(target) * knobs.accumulators)
@@ -205,7 +205,7 @@ def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 
 
 def schedule_backward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
-    """``backward`` on a given schedule (meta_schedule's search space calls it)."""
+    """``backward`` on a given schedule (the tuning search's ``schedule_knobs`` calls it)."""
     inline_row_helpers(sch)
     grad, row = place_grad_coefficients(sch)
     parallel_rows(sch, row, knobs.row_grain)
