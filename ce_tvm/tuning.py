@@ -225,7 +225,7 @@ def _replay(cands: Candidates, knobs: dict) -> None:
 
 
 # Runs of the final, interleaved measurement of the hand schedule and the winners.
-FINAL_RUNS = 10
+FINAL_RUNS = 15
 # What a kernel computes, for reports: the backward is a gradient kernel.
 KIND_OF_OP = {"forward": "forward", "backward": "gradient", "train": "forward+gradient"}
 
@@ -260,9 +260,13 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
         contenders["exhaustive_best"] = dict(min(cands.measured, key=cands.measured.get))
     # The verdict: the hand schedule, the search's pick and the grid's best,
     # measured again in one run, interleaved (one noisy moment hits all alike).
-    final = time_ms([cands.hand()] + [cands.build(k) for k in contenders.values()],
-                    cands.args, runs=FINAL_RUNS)
-    times = dict(zip(contenders, final[1:]))
+    # Equal knobs are one candidate, measured once; the hand schedule's knobs are
+    # the hand schedule (a record of them gains nothing and is not applied).
+    unique = list({_key(k): k for k in contenders.values()}.values())
+    final = time_ms([cands.hand()] + [cands.build(k) for k in unique], cands.args,
+                    runs=FINAL_RUNS)
+    by_key = {_key(k): t for k, t in zip(unique, final[1:])}
+    times = {name: by_key[_key(k)] for name, k in contenders.items()}
     winner = min(times, key=times.get)
     knobs = {k: contenders[winner][k] for k in space}
     hand_ms, best_ms = final[0], times[winner]
@@ -272,7 +276,7 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
                **{f"{name}_ms": t for name, t in times.items()},
                **{f"{name}_knobs": contenders[name] for name in contenders},
                "knobs": knobs, "best_ms": best_ms, "speedup": hand_ms / best_ms,
-               "applied": hand_ms >= records.MIN_SPEEDUP * best_ms,
+               "applied": knobs != hand and hand_ms >= records.MIN_SPEEDUP * best_ms,
                "measured": [{"knobs": dict(k), "ms": v} for k, v in cands.measured.items()]}
     if summary["applied"]:
         try:  # a trace that does not replay on the symbolic-N kernel is never applied
