@@ -137,7 +137,7 @@ class Candidates:
         if key not in self.measured:
             if self.args is None:
                 self.args = _random_args(self.fixed(self.chunk(knobs)), self.spec)
-            self.measured[key] = time_ms([self.build(knobs)], self.args)[0]
+            self.measured[key] = time_ms([self.build(knobs)], self.args, runs=CANDIDATE_RUNS)[0]
             best = min(self.measured.values())
             self.echo(f"    {label} {_show(knobs)}: {self.measured[key]:.3f} ms"
                       f"{'  (best so far)' if self.measured[key] == best else ''}")
@@ -224,6 +224,8 @@ def _replay(cands: Candidates, knobs: dict) -> None:
     compile_scheduled(sch.mod["main"], cands.spec)
 
 
+# Runs of one candidate's measurement (its best time counts).
+CANDIDATE_RUNS = 8
 # Runs of the final, interleaved measurement of the hand schedule and the winners.
 FINAL_RUNS = 15
 # What a kernel computes, for reports: the backward is a gradient kernel.
@@ -261,11 +263,11 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
     # The verdict: the hand schedule, the search's pick and the grid's best,
     # measured again in one run, interleaved (one noisy moment hits all alike).
     # Equal knobs are one candidate, measured once; the hand schedule's knobs are
-    # the hand schedule (a record of them gains nothing and is not applied).
-    unique = list({_key(k): k for k in contenders.values()}.values())
+    # the hand schedule (the same code: a record of them is not applied).
+    unique = [k for k in {_key(k): k for k in contenders.values()}.values() if k != hand]
     final = time_ms([cands.hand()] + [cands.build(k) for k in unique], cands.args,
                     runs=FINAL_RUNS)
-    by_key = {_key(k): t for k, t in zip(unique, final[1:])}
+    by_key = {_key(hand): final[0], **{_key(k): t for k, t in zip(unique, final[1:])}}
     times = {name: by_key[_key(k)] for name, k in contenders.items()}
     winner = min(times, key=times.get)
     knobs = {k: contenders[winner][k] for k in space}

@@ -4,6 +4,7 @@ order, ``tune --list``, and never-slower builds."""
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -72,6 +73,23 @@ def test_knobs_are_recorded_by_sampling_instructions():
     other = tuning.s_tir.Schedule(cands.fixed(space["chunk"][0]))
     with pytest.raises(ValueError, match="chunk"):  # the drawn chunk must be the declared one
         CPU.schedule_knobs(other, "train", target, space, knobs)
+
+
+@pytest.mark.parametrize("op", ["forward", "train", "backward"])
+def test_hand_knobs_build_the_hand_schedule(op):
+    """The first choice of every knob is the hand schedule: the same machine code."""
+    spec = {"forward": FORWARD, "train": TRAIN, "backward": BACKWARD}[op]
+    spec = KernelSpec(op, "float32", 4099, spec.variant)
+    space = CPU.knob_space(op, 4099, "float32", spec.tvm_target())
+    cands = tuning.Candidates(spec, None, space)
+    knobs = {k: v[0] for k, v in space.items()}
+    hand = getattr(CPU, tuning.SCHEDULE_OF_OP[op])(cands.fixed(None), spec.tvm_target())
+
+    def llvm_ir(func):  # type-based alias metadata is named by addresses
+        ir = tuning.compile_scheduled(func, spec, entry=None).mod.inspect_source("ll")
+        return re.sub(r"0x[0-9a-f]+", "", ir)
+
+    assert llvm_ir(cands.schedule(knobs)) == llvm_ir(hand)
 
 
 class Synthetic(tuning.Candidates):
