@@ -120,9 +120,11 @@ def summaries(key: str, kernel_name: str = "", dirs=None) -> list[tuple[Path, di
 
 
 def applies(summary: dict) -> bool:
-    """Whether a record is used: its best candidate (``best_ms``) beat the hand
-    schedule by ``MIN_SPEEDUP`` when both were measured, interleaved."""
-    return bool(summary["applied"]) and summary["hand_ms"] >= MIN_SPEEDUP * summary["best_ms"]
+    """Whether a record is used: its best candidate (``best_ms``; ``tuned_ms`` in
+    records written before the knob search) beat the hand schedule by
+    ``MIN_SPEEDUP`` when both were measured."""
+    best = summary.get("best_ms", summary["tuned_ms"])
+    return bool(summary["applied"]) and summary["hand_ms"] >= MIN_SPEEDUP * best
 
 
 @functools.cache
