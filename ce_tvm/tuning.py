@@ -12,10 +12,17 @@ replays the trace) and measures ``trials`` candidates: coordinate descent
 from the hand schedule's knobs (each knob's other values in turn, moving to
 any faster candidate), and once no single change helps, a random unmeasured
 candidate, from which the descent goes on if it is faster. ``exhaustive``
-then measures every candidate of the grid too. The best one is measured
-against the hand schedule once more, interleaved; the record stores both
-times and applies only when it is faster (``records.MIN_SPEEDUP``). Reading
-and replaying records is ``ce_tvm.records``; only the CLI imports this module.
+then measures every candidate of the grid too. The search's pick and the
+grid's best are measured against the hand schedule once more, interleaved;
+the record keeps the faster and applies only when it beat the hand schedule
+(``records.MIN_SPEEDUP``). meta_schedule provides the sampling instructions,
+traces and the record format; its search is not used (its mutators do not
+change categorical decisions, so on this space it would sample at random).
+
+CUDA candidates are compiled (``compile_grid``), not measured, without a
+GPU; the Ascend plan is searched against its cost model (``tune_ascend_plan``).
+Reading and replaying records is ``ce_tvm.records``; only the CLI imports
+this module.
 """
 
 from __future__ import annotations
