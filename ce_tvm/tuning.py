@@ -127,13 +127,14 @@ class Candidates:
             spec.op, spec.classes, spec.dtype, spec.tvm_target(), knobs)
 
     def schedule(self, knobs: dict):
-        """The candidate ``knobs``, scheduled (its trace is kept for the record)."""
+        """The candidate ``knobs``, scheduled (its trace is kept for the record) and
+        finished as the target's schedules finish a kernel (``finish``, if any)."""
         func = self.fixed(self.chunk(knobs))
         sch = s_tir.Schedule(func)
-        schedule_module(self.spec.target).schedule_knobs(
-            sch, self.spec.op, self.spec.tvm_target(), self.space, knobs)
+        module = schedule_module(self.spec.target)
+        module.schedule_knobs(sch, self.spec.op, self.spec.tvm_target(), self.space, knobs)
         self.traces[_key(knobs)] = (func, sch.trace)
-        return sch.mod["main"]
+        return getattr(module, "finish", lambda f: f)(sch.mod["main"])
 
     def build(self, knobs: dict):
         """The candidate ``knobs``, compiled."""
