@@ -44,22 +44,27 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> lis
     return fwd + train + bwd + probs
 
 
-def declared_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
+def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFunc:
     """The compute of ``spec``, unscheduled (forward rows chunked, and ``exp``
-    scaled and NaN-tested, as the schedule asks: ``exp_scaling``, ``EXP_NAN_TEST``)."""
+    scaled and NaN-tested, as the schedule asks: ``exp_scaling``, ``EXP_NAN_TEST``).
+    The row chunk is ``chunk`` if given, else the tuning record's, else the schedule's."""
     schedule = schedule_module(spec.target)
     scaling = getattr(schedule, "exp_scaling", lambda target: "bits")(spec.tvm_target())
+    if chunk is None and spec.tuned:
+        chunk = records.record_knobs(spec.tuned).get("chunk")
     with fastmath.scaling(scaling, nan_test=getattr(schedule, "EXP_NAN_TEST", False)):
-        return _declare(spec, schedule)
+        return _declare(spec, schedule, chunk)
 
 
-def _declare(spec: KernelSpec, schedule) -> tvm.tirx.PrimFunc:
+def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc:
     args = (spec.classes, spec.dtype, spec.variant)
     chunked = {"forward": compute.forward_func, "train": compute.train_func,
                "shard_stats": compute.shard_stats_func, "prob_forward": compute.prob_forward_func}
     if spec.op in chunked:
         chunk_of = getattr(schedule, f"{spec.op}_chunk", schedule.forward_chunk)
-        chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(), **spec.schedule_options())
+        if chunk is None:
+            chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(),
+                             **spec.schedule_options())
         return chunked[spec.op](*args, chunk)
     whole = {"shard_combine": compute.shard_combine_func, "backward": compute.backward_func,
              "prob_backward": compute.prob_backward_func,

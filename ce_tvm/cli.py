@@ -1,6 +1,6 @@
 """The ``ce-tvm`` command line: ``compile`` kernels ahead of time, ``bundle``
 them with the TVM runtime (to run without the compiler), inspect the module
-``cache``, ``bench`` against PyTorch, ``tune`` kernels (meta_schedule), show an
+``cache``, ``bench`` against PyTorch, ``tune`` kernels over their knobs, show an
 Ascend tiling ``plan``, and ``demo`` the loss."""
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from . import bench, cache, records
 from .build import all_specs
 from .bundle import make_bundle
-from .kinds import DTYPES, REDUCTIONS, Variant
+from .kinds import DTYPES, Variant
 from .spec import KernelSpec
 from .targets import TARGETS, write_host_descriptor
 
@@ -78,22 +79,92 @@ def cmd_cache(args) -> int:
     return 1 if bad else 0
 
 
+TUNED_VARIANTS = {"forward": lambda r: Variant(r, False, False),
+                  "backward": lambda r: Variant(r, False, grad_source="logits"),
+                  "train": lambda r: Variant(r, False, False)}
+
+
+def _tuned_specs(args) -> list[KernelSpec]:
+    return [KernelSpec(op, args.dtype, args.classes, TUNED_VARIANTS[op](args.reduction),
+                       args.target) for op in args.ops.split(",")]
+
+
 def cmd_tune(args) -> int:
+    if args.list:
+        return _list_records(args)
+    if args.classes is None or (args.rows is None and args.target != "cuda"):
+        raise SystemExit("ce-tvm tune: --classes and --rows are required (or --list)")
     from . import tuning
 
-    log_root = Path(args.log_dir) if args.log_dir else records.PACKAGE_LOGS
-    variants = {"forward": Variant(args.reduction, False, False),
-                "backward": Variant(args.reduction, False, grad_source="logits")}
-    rows = []
-    for op in args.ops.split(","):
-        spec = KernelSpec(op, args.dtype, args.classes, variants[op], args.target)
-        rows.append(tuning.tune(spec, args.rows, args.trials, log_root, args.retune,
-                                args.spaces.split(",")))
-    print(f"\n{'kernel':<48} {'N':>6} {'hand ms':>9} {'tuned ms':>9} {'speedup':>8}  applied")
+    if args.target == "cuda":
+        return _check_cuda_grid(args, tuning)
+    log_root = Path(args.log_dir) if args.log_dir else records.default_log_dir()
+    if args.target == "ascend":
+        rows = [tuning.tune_ascend_plan(replace(spec, options=(("profile", args.profile),)),
+                                        args.rows, log_root) for spec in _tuned_specs(args)]
+    else:
+        rows = [tuning.tune(spec, args.rows, args.trials, log_root, args.retune,
+                            args.exhaustive) for spec in _tuned_specs(args)]
+    print(f"\n{'kernel':<46} {'kind':<16} {'N':>6} {'space':>5} {'hand ms':>9} "
+          f"{'tuned ms':>9} {'grid ms':>9} {'speedup':>8}  knobs (applied?)")
     for r in rows:
-        print(f"{r['kernel']:<48} {r['rows']:>6} {r['hand_ms']:>9.3f} {r['tuned_ms']:>9.3f} "
-              f"{r['speedup']:>7.2f}x  {'yes (' + r['space'] + ')' if r['applied'] else 'no'}")
+        grid = f"{r['exhaustive_best_ms']:>9.3f}" if "exhaustive_best_ms" in r else f"{'-':>9}"
+        applied = "yes" if r["applied"] else "no: hand schedule"
+        knobs = " ".join(f"{k}={v}" for k, v in r["knobs"].items())
+        print(f"{r['kernel']:<46} {r['kind']:<16} {r['rows']:>6} {r['space_size']:>5} "
+              f"{r['hand_ms']:>9.3f} {r['tuned_ms']:>9.3f} {grid} {r['speedup']:>7.2f}x  "
+              f"{knobs} ({applied})")
     print(f"records in {log_root}")
+    if args.json:
+        fields = ("name", "kind", "rows", "hand_ms", "tuned_ms", "exhaustive_best_ms",
+                  "best_ms", "space_size", "knobs", "tuned_knobs", "exhaustive_best_knobs",
+                  "applied")
+        kernels = [{k: v for k, v in {**r, "name": r["kernel"]}.items() if k in fields}
+                   for r in rows]
+        Path(args.json).write_text(json.dumps({"kernels": kernels}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _check_cuda_grid(args, tuning) -> int:
+    """Without a GPU: build every candidate of the CUDA knob grid and compile it with nvcc."""
+    from .build import cuda_binary
+
+    for spec in _tuned_specs(args):
+        if spec.op == "train":  # no CUDA training kernel
+            continue
+        spec = replace(spec, options=(("arch", args.arch),))
+        t0 = time.perf_counter()
+        points, executable = tuning.compile_grid(spec)
+        built = cuda_binary(executable, spec)
+        verdict = ("compiled with nvcc" if built else
+                   "built by TVM (no nvcc on PATH, or a GPU here: measuring needs one)")
+        print(f"  {spec.name()} {args.arch}: {len(points)} candidates ({', '.join(points[0])})"
+              f" {verdict} in {time.perf_counter() - t0:.1f} s")
+    print("CUDA candidates are measured only on a GPU; nothing was recorded")
+    return 0
+
+
+def _list_records(args) -> int:
+    """Every record for ``--target`` (this machine's kind) and where it lies; with
+    ``--classes`` and ``--rows``, which record each kernel of that shape would use."""
+    key = records.target_key(KernelSpec("forward", "float32", 1, target=args.target)
+                             .target_description())
+    print(f"tuning records for {key}, looked up in this order:")
+    for d in records.tuning_dirs():
+        print(f"  {d}")
+    found = records.summaries(key)
+    for path, s in found:
+        used = "applies" if records.applies(s) else "not used (hand schedule kept)"
+        knobs = " ".join(f"{k}={v}" for k, v in s.get("knobs", {}).items())
+        print(f"  {path.name:<56} hand {s['hand_ms']:8.3f} ms  best "
+              f"{s.get('best_ms', s['tuned_ms']):8.3f} ms  {used}  {knobs}\n    in {path.parent}")
+    print(f"{len(found)} records")
+    if args.classes is not None and args.rows is not None:
+        print(f"a call with N={args.rows}, C={args.classes}, {args.dtype} would use:")
+        for spec in _tuned_specs(args):
+            hit = records.nearest_record(spec.target_description(), spec.name(), args.rows)
+            print(f"  {spec.op:<9} {hit[0] if hit else 'the hand schedule (no record applies)'}")
     return 0
 
 
@@ -156,18 +227,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_parser(sub)
 
-    t = sub.add_parser("tune", help="autotune forward and backward at one shape (meta_schedule)")
-    t.add_argument("--target", choices=["llvm"], default="llvm")
+    t = sub.add_parser("tune", help="autotune the forward, training and backward kernels at "
+                       "one shape over their schedules' knobs; or --list the records")
+    t.add_argument("--target", choices=["llvm", "cuda", "ascend"], default="llvm",
+                   help="cuda: build-check the knob grid with nvcc (no GPU needed); ascend: "
+                   "search the tiling plan against the cost model")
+    t.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
+    t.add_argument("--profile", default="910b", help="Ascend profile (--target ascend)")
     t.add_argument("--dtype", choices=TRAINING_DTYPES, default="float32")
-    t.add_argument("--classes", type=int, required=True)
-    t.add_argument("--rows", type=int, required=True)
-    t.add_argument("--trials", type=int, default=16, help="trials per search space")
-    t.add_argument("--ops", default="forward,backward")
-    t.add_argument("--reduction", choices=list(REDUCTIONS), default="mean")
-    t.add_argument("--spaces", default="ce_tvm,generic",
-                   help="search spaces: ce_tvm (the hand schedule's knobs), generic")
-    t.add_argument("--log-dir", help="where records go (default: the package's tuning_logs)")
+    t.add_argument("--classes", type=int)
+    t.add_argument("--rows", type=int)
+    t.add_argument("--trials", type=int, default=16, help="candidates the search measures "
+                   "per kernel")
+    t.add_argument("--ops", default="forward,train,backward")
+    t.add_argument("--reduction", choices=["sum", "mean"], default="mean")
+    t.add_argument("--exhaustive", action="store_true",
+                   help="also measure every candidate of the knob grid")
+    t.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    t.add_argument("--log-dir", help="where records go (default: $CE_TVM_TUNING_LOGS, else "
+                   "tuning_logs in the module cache directory)")
     t.add_argument("--retune", action="store_true", help="search again where a record exists")
+    t.add_argument("--list", action="store_true", help="list the records and, with --classes "
+                   "and --rows, which one each kernel of that shape would use")
     t.set_defaults(func=cmd_tune)
 
     pl = sub.add_parser("plan", help="Ascend tiling plan and cost model")

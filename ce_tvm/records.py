@@ -5,15 +5,21 @@ written by ``ce_tvm.tuning`` (``ce-tvm tune``). Finding a record needs no TVM
 replaying one imports the compiler.
 
 Layout: ``<logs>/<target key>/<kernel name>-N<rows>/`` holds ``summary.json``
-and the winning search space's database in meta_schedule's JSON format:
-``database_workload.json`` (one line per tuned function: its structural hash
-and the function) and ``database_tuning_record.json`` (one line per measured
-trace: the workload's line number, then the trace and its run times).
-Records are looked up in ``$CE_TVM_TUNING_LOGS`` (``os.pathsep``-separated)
-and the package's ``tuning_logs``. A record is used only when it beat the
-hand schedule by ``MIN_SPEEDUP`` when both were measured (tuning never makes
-anything slower); for a call with N rows the record with the nearest N (in
-log2) is used.
+(times, the winning ``knobs``, every candidate measured) and the winning
+trace in meta_schedule's JSON database format: ``database_workload.json``
+(one line per tuned function: its structural hash and the function) and
+``database_tuning_record.json`` (one line per trace: the workload's line
+number, then the trace and its run times). The trace draws every knob with a
+sampling instruction; a knob of the compute (the CPU's ``chunk``) is also in
+``knobs``, and the kernel is declared with it before the trace replays.
+
+Records are looked up, first match wins, in ``$CE_TVM_TUNING_LOGS``
+(``os.pathsep``-separated), the per-user directory ``user_logs_dir()`` (where
+``ce-tvm tune`` writes by default) and the package's read-only
+``tuning_logs``. A record is used only when it beat the hand schedule by
+``MIN_SPEEDUP`` when both were measured (tuning never makes anything
+slower); for a call with N rows the record with the nearest N (in log2) is
+used.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import math
 import os
 from pathlib import Path
 
+from .paths import cache_dir
+
 # A tie within timing noise keeps the hand schedule.
 MIN_SPEEDUP = 1.02
 PACKAGE_LOGS = Path(str(importlib.resources.files("ce_tvm.tuning_logs")))
-# Scalar arguments bound while tuning (meta_schedule's runner passes tensors
+# Scalar arguments bound while tuning (the search times a kernel on tensors
 # only); non-zero, so no branch of the compute folds away.
 TUNING_SCALARS = {"ignore_index": -100, "label_smoothing": 0.1, "zloss_scale": 1e-4,
                   "shard_offset": 0, "weight_sum": 1000.0, "global_classes": 1000.0}
@@ -44,9 +52,23 @@ def target_key(target: dict) -> str:
     return f"{target['kind']}-{cpu}{cores}"
 
 
+def user_logs_dir() -> Path:
+    """This user's records: ``tuning_logs`` in the module cache directory
+    (``ce_tvm.paths.cache_dir``; ``ce-tvm cache clear`` leaves it)."""
+    return cache_dir() / "tuning_logs"
+
+
 def tuning_dirs() -> list[Path]:
+    """Where records are looked up, first match wins: ``$CE_TVM_TUNING_LOGS``,
+    ``user_logs_dir()``, the package's records."""
     env = os.environ.get("CE_TVM_TUNING_LOGS", "")
-    return [Path(p) for p in env.split(os.pathsep) if p] + [PACKAGE_LOGS]
+    return [Path(p) for p in env.split(os.pathsep) if p] + [user_logs_dir(), PACKAGE_LOGS]
+
+
+def default_log_dir() -> Path:
+    """Where ``ce-tvm tune`` writes: the first ``$CE_TVM_TUNING_LOGS`` entry, else
+    ``user_logs_dir()`` (never the installed package)."""
+    return tuning_dirs()[0]
 
 
 def record_id(target, kernel_name: str, rows: int) -> str:
@@ -84,17 +106,32 @@ def fixed_rows(func, rows: int):
     return func.specialize(binds).with_attr("global_symbol", "main")
 
 
+def summaries(key: str, kernel_name: str = "", dirs=None) -> list[tuple[Path, dict]]:
+    """``(record directory, summary)`` of every record of target key ``key``
+    (of ``kernel_name`` only, if given) in ``dirs`` (``tuning_dirs()``); a
+    record id found in several directories is the first one's."""
+    seen, out = set(), []
+    for root in tuning_dirs() if dirs is None else dirs:
+        for summary in sorted((root / key).glob(f"{kernel_name or '*'}-N*/summary.json")):
+            if summary.parent.name not in seen:
+                seen.add(summary.parent.name)
+                out.append((summary.parent, json.loads(summary.read_text())))
+    return out
+
+
+def applies(summary: dict) -> bool:
+    """Whether a record is used: its best candidate (``best_ms``; ``tuned_ms`` in
+    records written before the knob search) beat the hand schedule by
+    ``MIN_SPEEDUP`` when both were measured."""
+    best = summary.get("best_ms", summary["tuned_ms"])
+    return bool(summary["applied"]) and summary["hand_ms"] >= MIN_SPEEDUP * best
+
+
 @functools.cache
 def _applicable(key: str, kernel_name: str, dirs: tuple) -> tuple:
     """``(rows, record id, digest)`` of the records in ``dirs`` that beat the hand schedule."""
-    found = []
-    for root in dirs:
-        for summary in sorted((root / key).glob(f"{kernel_name}-N*/summary.json")):
-            data = json.loads(summary.read_text())
-            if data["applied"] and data["hand_ms"] >= MIN_SPEEDUP * data["tuned_ms"]:
-                rid = f"{key}/{summary.parent.name}"
-                found.append((int(data["rows"]), rid, record_digest(rid)))
-    return tuple(found)
+    return tuple((int(data["rows"]), f"{key}/{path.name}", record_digest(f"{key}/{path.name}"))
+                 for path, data in summaries(key, kernel_name, dirs) if applies(data))
 
 
 def applicable(target: dict, kernel_name: str) -> tuple:
@@ -109,6 +146,11 @@ def nearest_record(target: dict, kernel_name: str, rows: int) -> tuple[str, str]
         return None
     _, rid, digest = min(found, key=lambda r: abs(math.log2(r[0]) - math.log2(max(rows, 1))))
     return rid, digest
+
+
+def record_knobs(rid: str) -> dict:
+    """The winning knobs of record ``rid`` (``{}`` for a record without them)."""
+    return json.loads((record_dir(rid) / "summary.json").read_text()).get("knobs", {})
 
 
 def forget() -> None:

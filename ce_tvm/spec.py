@@ -28,7 +28,7 @@ from .tvmlib import tvm_version
 __version__ = importlib.metadata.version("ce-tvm")
 OPS = ("forward", "train", "backward", "shard_stats", "shard_combine", "prob_forward",
        "prob_backward", "prob_target_grad")
-TUNED_OPS = ("forward", "backward")  # the kernels tuning records exist for
+TUNED_OPS = ("forward", "train", "backward")  # the kernels tuning records exist for
 log = logging.getLogger("ce_tvm")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import tvm_ffi
 from tvm import tirx
 from tvm.s_tir import ScheduleError
 
@@ -77,6 +78,20 @@ COMBINE_ROWS = (ROW_CE, ROW_Z, LOSS, ZLOSS)
 GRAD_OUTPUTS = (X_GRAD, TARGET_GRAD)
 # Per-row coefficients of the backward (probability targets have no one-hot term).
 ROW_GRAD_COEFS = (GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE)
+
+
+def sample_knobs(sch, space: dict, decisions: dict | None = None) -> dict:
+    """Draw every knob of ``space`` (``{name: choices}``) with ``sample_categorical``,
+    uniformly, so that the schedule's trace records each value; ``decisions``
+    (``{name: value}``) fixes the values instead (a grid point of the search).
+    Returns ``{name: value}``."""
+    drawn = {}
+    for name, choices in space.items():
+        decision = None if decisions is None else list(choices).index(decisions[name])
+        value = sch.sample_categorical([int(c) for c in choices],
+                                       [1.0 / len(choices)] * len(choices), decision=decision)
+        drawn[name] = int(sch.get(value))
+    return drawn
 
 
 def present_blocks(sch, names) -> list:
@@ -185,25 +200,42 @@ def split_reduction(sch, name, lanes):
     return [sch.rfactor(ci, 0), block]
 
 
-def vector_accumulators(sch, stages: dict, outer: int) -> None:
+def vector_accumulators(sch, stages: dict, outer: int, unroll: int = 1) -> None:
     """``vector_accumulator`` for every split reduction of ``place_row_stages``."""
     for blocks in stages.values():
         if len(blocks) == 2:
-            vector_accumulator(sch, blocks[0], outer)
+            vector_accumulator(sch, blocks[0], outer, unroll)
 
 
-def vector_accumulator(sch, rf, outer: int):
-    """Make the lanes loop of a placed rfactor block innermost and vectorised.
+def vector_accumulator(sch, rf, outer: int, unroll: int = 1):
+    """Make the lanes loop of a placed rfactor block innermost and vectorised,
+    ``unroll`` vector steps per iteration of the loop around it.
 
     ``compute_at`` regenerates the loops under the ``outer`` enclosing ones in
     block-iter order (lanes, then the vector-step loop, which is absent when
-    the reduction is one vector long).
+    the reduction is one vector long). An ``unroll`` that does not divide the
+    vector steps leaves a guarded last iteration (the guard does not depend
+    on the lanes, so the vector body stays whole).
     """
     loops = sch.get_loops(rf)[outer:]
     if len(loops) == 2:
         sch.reorder(loops[1], loops[0])
+        steps = sch.get(loops[1]).extent
+        if unroll > 1 and isinstance(steps, tirx.IntImm) and steps.value > unroll:
+            sch.unroll(sch.split(loops[1], [None, unroll])[1])
     sch.vectorize(sch.get_loops(rf)[-1])
     sch.decompose_reduction(rf, sch.get_loops(rf)[outer])
+
+
+def parallel_rows(sch, row, grain: int = 1) -> int:
+    """Run the row loop in parallel, ``grain`` consecutive rows per task (before
+    any ``decompose_reduction`` under it); returns how many loops the rows
+    now take (1, or 2 when split)."""
+    if grain == 1:
+        sch.parallel(row)
+        return 1
+    sch.parallel(sch.split(row, [None, grain])[0])
+    return 2
 
 
 def vectorize_inner(sch, block, lanes: int) -> None:
@@ -264,8 +296,9 @@ def row_sweep(sch, lanes: int) -> Sweep:
     stages = {name: split_reduction(sch, name, lanes) for name in names}
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     upto = [sch.get(b).name_hint for b in blocks].index(X_GRAD) + 1
+    n_rows = matrix_param(sch.mod["main"]).shape[0]  # a variable, or bound while tuning
     rows = [b for b in blocks[:upto]
-            if not isinstance(sch.get(sch.get_loops(b)[0]).extent, tirx.IntImm)
+            if tvm_ffi.structural_equal(sch.get(sch.get_loops(b)[0]).extent, n_rows)
             and sch.get(b).name_hint not in ROW_TOTALS]
     row = sch.merge(*[sch.get_loops(b)[0] for b in rows])
     chunk_blocks = [blk for name in names for blk in stages[name]]

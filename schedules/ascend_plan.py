@@ -31,6 +31,11 @@ class Profile:
     launch_us: float = 3.0    # fixed cost of one kernel launch
     repeat_bytes: int = 256   # bytes one vector instruction processes per repeat
     repeat_ns: float = 0.55   # one repeat per cycle at ~1.8 GHz
+    # Assumed, not measured: a tile's DMA latency (exposed once per tile when
+    # single-buffered, once per kernel when double-buffered) and its fixed
+    # scalar work per tile (issue, sync), never hidden.
+    dma_us: float = 1.0
+    tile_us: float = 0.1
     note: str = ""
 
 
@@ -109,17 +114,20 @@ def split_rows(rows: int, cores: int) -> list:
     return [base + (i < extra) for i in range(block_dim)]
 
 
-def plan(profile, rows: int, classes: int, dtype: str, op: str = "forward") -> Plan:
-    """The tiling plan: whole rows in UB when they fit (one pass), else the
-    largest aligned tile that fits, double-buffered when two fit."""
-    prof = get_profile(profile) if isinstance(profile, str) else profile
+def _check(prof, rows: int, classes: int, dtype: str, op: str) -> None:
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {dtype!r}")
     if classes < 1 or rows < 0:
         raise ValueError(f"need C >= 1 and N >= 0, got C={classes}, N={rows}")
-    per_core = split_rows(rows, prof.vector_cores)
+
+
+def plan(profile, rows: int, classes: int, dtype: str, op: str = "forward") -> Plan:
+    """The tiling plan: whole rows in UB when they fit (one pass), else the
+    largest aligned tile that fits, double-buffered when two fit."""
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    _check(prof, rows, classes, dtype, op)
     chunk, buffers = None, 2
     for buffers in (2, 1):
         if ub_bytes(prof, classes, dtype, op, buffers) <= prof.ub_bytes:
@@ -128,13 +136,29 @@ def plan(profile, rows: int, classes: int, dtype: str, op: str = "forward") -> P
     if chunk is None:
         quantum = _tile_quantum(prof, dtype)
         for buffers in (2, 1):
-            one, two = (ub_bytes(prof, q * quantum, dtype, op, buffers) for q in (1, 2))
-            per_elem, fixed = (two - one) / quantum, 2 * one - two
-            chunk = int((prof.ub_bytes - fixed) / per_elem) // quantum * quantum
-            while chunk and ub_bytes(prof, chunk, dtype, op, buffers) > prof.ub_bytes:
-                chunk -= quantum
+            chunk = _largest_tile(prof, dtype, op, buffers)
             if chunk >= quantum * 2 or buffers == 1:
                 break
+    return tiled(prof, rows, classes, dtype, op, chunk, buffers)
+
+
+def _largest_tile(prof: Profile, dtype: str, op: str, buffers: int) -> int:
+    """The largest multiple of the tile quantum whose buffers fit the UB (0 if none)."""
+    quantum = _tile_quantum(prof, dtype)
+    one, two = (ub_bytes(prof, q * quantum, dtype, op, buffers) for q in (1, 2))
+    per_elem, fixed = (two - one) / quantum, 2 * one - two
+    chunk = int((prof.ub_bytes - fixed) / per_elem) // quantum * quantum
+    while chunk and ub_bytes(prof, chunk, dtype, op, buffers) > prof.ub_bytes:
+        chunk -= quantum
+    return chunk
+
+
+def tiled(profile, rows: int, classes: int, dtype: str, op: str, chunk: int,
+          buffers: int) -> Plan:
+    """The plan with tiles of ``chunk`` elements (``C`` at most) and ``buffers`` buffers."""
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    per_core = split_rows(rows, prof.vector_cores)
+    chunk = min(chunk, classes)
     tiles = -(-classes // chunk)
     # One read of the logits when the row's tiles fit the UB (the training
     # kernel keeps exp(x - max) there); else a second read (log_prob, or the
@@ -144,12 +168,43 @@ def plan(profile, rows: int, classes: int, dtype: str, op: str = "forward") -> P
                 ub_bytes(prof, chunk, dtype, op, buffers), buffers, passes)
 
 
+def candidate_plans(profile, rows: int, classes: int, dtype: str, op: str = "forward") -> list:
+    """Every plan that fits the UB: tiles of each multiple of the tile quantum
+    below ``C`` (and the whole row), single- or double-buffered; the search
+    space of ``search_plan``."""
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    _check(prof, rows, classes, dtype, op)
+    quantum = _tile_quantum(prof, dtype)
+    out = []
+    for buffers in (2, 1):
+        largest = _largest_tile(prof, dtype, op, buffers)
+        chunks = list(range(quantum, min(largest, classes - 1) + 1, quantum))
+        if ub_bytes(prof, classes, dtype, op, buffers) <= prof.ub_bytes:
+            chunks.append(classes)
+        out += [tiled(prof, rows, classes, dtype, op, c, buffers) for c in chunks]
+    return out
+
+
+def search_plan(profile, rows: int, classes: int, dtype: str, op: str = "forward") -> Plan:
+    """The plan of ``candidate_plans`` that the cost model (``cost``) finds fastest;
+    ``plan``'s on a tie (it is one of the candidates, so never costlier)."""
+    fixed = plan(profile, rows, classes, dtype, op)
+    best = min(candidate_plans(profile, rows, classes, dtype, op),
+               key=lambda p: cost(p)["ce_tvm"]["time_us"])
+    return best if cost(best)["ce_tvm"]["time_us"] < cost(fixed)["ce_tvm"]["time_us"] else fixed
+
+
 def cost(p: Plan) -> dict:
     """Estimated time of ``p`` and of the vendor's 3-read + 1-write tiling.
 
     Time = launch + global-memory bytes / HBM bandwidth + vector repeats of
-    the busiest core x ``repeat_ns``, with the memory and vector terms added
-    (no overlap assumed, for both kernels alike).
+    the busiest core x ``repeat_ns``, the memory and vector terms added (no
+    overlap assumed, for both kernels alike), plus, for ``p``, its tiles: the
+    busiest core's tile steps (rows x tiles x passes) each cost ``tile_us``
+    and, single-buffered, ``dma_us`` of exposed latency; double-buffered,
+    the memory and vector work of one step overlap the next's, so the sum of
+    the two terms shrinks to their maximum plus one step's share of the
+    minimum (filling the pipeline) and ``dma_us`` is paid once.
     """
     prof = PROFILES[p.profile]
     esize = DTYPE_BYTES[p.dtype]
@@ -167,9 +222,21 @@ def cost(p: Plan) -> dict:
                 "memory_us": mem_us, "vector_us": vector_us,
                 "time_us": prof.launch_us + mem_us + vector_us}
 
+    def tiled_estimate(reads: int, writes: int) -> dict:
+        e = estimate(reads, writes)
+        steps = max(max(p.rows_per_core), 1) * p.tiles * p.passes
+        mem, vec = e["memory_us"], e["vector_us"]
+        if p.buffers == 2:
+            body, exposed = max(mem, vec) + min(mem, vec) / steps, prof.dma_us
+        else:
+            body, exposed = mem + vec, steps * prof.dma_us
+        e.update(tile_steps=steps, tiles_us=steps * prof.tile_us + exposed,
+                 time_us=prof.launch_us + body + steps * prof.tile_us + exposed)
+        return e
+
     if p.op == "backward":
-        return {"ce_tvm": estimate(1, 1), "vendor": estimate(1, 1)}
+        return {"ce_tvm": tiled_estimate(1, 1), "vendor": estimate(1, 1)}
     if p.op == "train":  # the vendor's training step: its forward, then its backward
-        return {"ce_tvm": estimate(p.passes, 1), "vendor": estimate(4, 2)}
-    return {"ce_tvm": estimate(p.passes, 1), "vendor": estimate(3, 1)}
+        return {"ce_tvm": tiled_estimate(p.passes, 1), "vendor": estimate(4, 2)}
+    return {"ce_tvm": tiled_estimate(p.passes, 1), "vendor": estimate(3, 1)}
 

@@ -61,11 +61,13 @@ from ._common import (
     init_row_totals,
     inline_row_helpers,
     is_per_row,
+    parallel_rows,
     place_grad_coefficients,
     place_row_stages,
     present_blocks,
     row_lanes,
     row_sweep,
+    sample_knobs,
     sweep_accumulators,
     vector_accumulators,
     vectorize_gradient_by_chunk,
@@ -76,27 +78,67 @@ from ._common import (
 # float32 (half the 48 KB L1d of Zen 4/5), at least 8 vectors of accumulators.
 MAX_CHUNK = 6144
 MIN_CHUNK_VECTORS = 8
+# Chunks are multiples of this many native vectors (whatever the accumulators).
+CHUNK_VECTORS = 2
 
 
 @dataclass(frozen=True)
 class CPUKnobs:
-    """Tunable constants of the CPU schedule.
+    """Tunable constants of the CPU schedule (the defaults are the hand schedule).
 
-    ``accumulators``: vector accumulators per row reduction; 2 hides the
-    4-cycle FP add latency behind a second chain (measured on znver4/5).
+    ``accumulators``: vector accumulators per row reduction, and native
+    vectors per step of the element-wise loops; 2 hides the 4-cycle FP add
+    latency behind a second chain (measured on znver4/5). ``unroll``: vector
+    steps per iteration of the forward's chunk reductions. ``row_grain``: rows
+    per parallel task. ``prefetch``: how many chunks ahead the training kernel
+    prefetches the logits (0: none). The chunk itself is a knob of the
+    compute (``forward_chunk``'s ``max_chunk``; ``knob_space``).
     """
 
     accumulators: int = 2
+    unroll: int = 1
+    row_grain: int = 1
+    prefetch: int = 1
 
 
-ACCUMULATOR_CHOICES = (1, 2, 4)
+# Bounds on the chunk that ``knob_space`` offers: 8 to 48 KB of float32.
+MAX_CHUNK_CHOICES = (2048, 4096, MAX_CHUNK, 12288)
 
 
-def sample_knobs(sch) -> CPUKnobs:
-    """Knobs drawn with a sampling instruction, so a tuning trace records them."""
-    choice = sch.sample_categorical(list(ACCUMULATOR_CHOICES),
-                                    [1.0 / len(ACCUMULATOR_CHOICES)] * len(ACCUMULATOR_CHOICES))
-    return CPUKnobs(accumulators=int(sch.get(choice)))
+def knob_space(op: str, classes: int, dtype: str, target: Target) -> dict:
+    """The knobs of ``op``'s schedule at this shape and their choices (``{name: choices}``),
+    the hand schedule's value first. ``chunk`` is the chunk the compute is
+    declared with (a tuned kernel re-declares it); the backward has none."""
+    hand = forward_chunk(classes, dtype, target)
+    chunks = (hand,) + tuple(sorted({forward_chunk(classes, dtype, target, m)
+                                     for m in MAX_CHUNK_CHOICES} - {hand}))
+    if op == "forward":
+        return {"chunk": chunks, "accumulators": (2, 1, 4), "unroll": (1, 2, 4),
+                "row_grain": (1, 8)}
+    if op == "train":
+        return {"chunk": chunks, "accumulators": (2, 1, 4), "prefetch": (1, 0, 2),
+                "row_grain": (1, 8)}
+    if op == "backward":
+        return {"accumulators": (2, 1, 4, 8), "row_grain": (1, 4, 16)}
+    raise ValueError(f"no tunable schedule for {op!r}")
+
+
+def knob_chunk(op: str, classes: int, dtype: str, target: Target, knobs: dict) -> int | None:
+    """The chunk the compute of ``op`` is declared with for ``knobs`` (``None``: no chunk)."""
+    return knobs.get("chunk")
+
+
+def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | None = None):
+    """Schedule ``op`` with knobs drawn from ``space`` by sampling instructions (the
+    tuning search's space; ``decisions`` fixes them). The ``chunk`` drawn must be
+    the one the compute was declared with."""
+    knobs = sample_knobs(sch, space, decisions)
+    chunk = knobs.pop("chunk", None)
+    if chunk is not None and chunk != _chunk(sch):
+        raise ValueError(f"chunk {chunk} drawn for a compute declared with chunk {_chunk(sch)}")
+    schedule = {"forward": schedule_forward, "backward": schedule_backward,
+                "train": schedule_train}[op]
+    return schedule(sch, target, CPUKnobs(**knobs))
 
 
 def exp_scaling(target: Target) -> str:
@@ -119,20 +161,20 @@ def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
     return max(1, llvm_get_vector_width(target) // (8 * elem_bytes))
 
 
-def forward_chunk(classes: int, dtype: str, target: Target, knobs: CPUKnobs = CPUKnobs()) -> int:
-    """Chunk of the compute's row reduction, a multiple of the vector width:
-    the largest one dividing ``C`` and at most ``MAX_CHUNK``; else (``C`` like
-    50257) equal chunks of at most ``MAX_CHUNK``, the last one overlapping the
-    one before (``compute._row_stats``); a row
-    shorter than ``MAX_CHUNK`` is one chunk. ``dtype`` does not matter here:
-    the float32 accumulators size the chunk."""
-    lanes = vector_lanes(target) * knobs.accumulators
-    if classes <= MAX_CHUNK:
+def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX_CHUNK) -> int:
+    """Chunk of the compute's row reduction, a multiple of ``CHUNK_VECTORS``
+    native vectors: the largest one dividing ``C`` and at most ``max_chunk``;
+    else (``C`` like 50257) equal chunks of at most ``max_chunk``, the last one
+    overlapping the one before (``compute._row_stats``); a row shorter than
+    ``max_chunk`` is one chunk. ``dtype`` does not matter here: the float32
+    accumulators size the chunk."""
+    lanes = vector_lanes(target) * CHUNK_VECTORS
+    if classes <= max_chunk:
         return classes
-    fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, MAX_CHUNK + 1, lanes) if classes % b == 0]
+    fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, max_chunk + 1, lanes) if classes % b == 0]
     if fits:
         return max(fits)
-    per_chunk = -(-classes // -(-classes // MAX_CHUNK))
+    per_chunk = -(-classes // -(-classes // max_chunk))
     return -(-per_chunk // lanes) * lanes
 
 
@@ -142,15 +184,15 @@ def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 
 
 def schedule_forward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
-    """``forward`` on a given schedule (meta_schedule's search space calls it)."""
+    """``forward`` on a given schedule (the tuning search's ``schedule_knobs`` calls it)."""
     inline_row_helpers(sch)
     chunk = _chunk(sch)
     lanes = row_lanes(chunk, vector_lanes(target) * knobs.accumulators)
     row, _, stages = place_row_stages(sch, lanes)
-    sch.parallel(row)
     for blk in present_blocks(sch, SHARD_GATHERS):
         sch.parallel(sch.get_loops(blk)[0])
-    vector_accumulators(sch, stages, outer=2)
+    row_loops = parallel_rows(sch, row, knobs.row_grain)
+    vector_accumulators(sch, stages, outer=row_loops + 1, unroll=knobs.unroll)
     init_row_totals(sch)
     if has_stage(sch, LOG_PROB):
         vectorize_inner(sch, sch.get_sblock(LOG_PROB), vector_lanes(target) * knobs.accumulators)
@@ -163,10 +205,10 @@ def backward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 
 
 def schedule_backward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
-    """``backward`` on a given schedule (meta_schedule's search space calls it)."""
+    """``backward`` on a given schedule (the tuning search's ``schedule_knobs`` calls it)."""
     inline_row_helpers(sch)
     grad, row = place_grad_coefficients(sch)
-    sch.parallel(row)
+    parallel_rows(sch, row, knobs.row_grain)
     init_row_totals(sch)
     vectorize_inner(sch, grad, vector_lanes(target) * knobs.accumulators)
     return sch
@@ -186,9 +228,7 @@ def per_row(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 def train(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """Schedule ``ce_tvm.compute.train_func`` for ``target``; returns the scheduled
     PrimFunc, marked for ``TIR_PIPELINE`` to prefetch the next chunk."""
-    sch = s_tir.Schedule(func)
-    chunk = _chunk(sch)
-    return schedule_train(sch, target, knobs).mod["main"].with_attr(PREFETCH_ATTR, chunk)
+    return schedule_train(s_tir.Schedule(func), target, knobs).mod["main"]
 
 
 def schedule_train(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
@@ -196,16 +236,20 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     ``ce_chunk_exp`` keeps ``exp(x - chunk_max)`` in a per-row float32 scratch
     (L1 while the chunk is reduced, L2 after), then ``x_grad`` under the same
     row loop, reading the scratch back chunk by chunk. The logits are read
-    from memory once and the gradient written once."""
+    from memory once and the gradient written once. The root block carries
+    the prefetch distance (``PREFETCH_ATTR``, elements) when ``knobs.prefetch``
+    asks for one: an annotation, so a tuning trace replays it."""
     inline_row_helpers(sch)
     chunk = _chunk(sch)
     lanes = vector_lanes(target) * knobs.accumulators
     sweep = row_sweep(sch, row_lanes(chunk, lanes))
-    sch.parallel(sweep.row)
+    parallel_rows(sch, sweep.row, knobs.row_grain)
     sweep_accumulators(sch, sweep)
     init_row_totals(sch)
     vectorize_inner(sch, sch.get_sblock(CHUNK_EXP), lanes)
     vectorize_gradient_by_chunk(sch, chunk, lanes)
+    if knobs.prefetch:
+        sch.annotate(sch.get_sblock("root"), PREFETCH_ATTR, chunk * knobs.prefetch)
     return sch
 
 
@@ -285,6 +329,16 @@ def _with_prefetch(loop, distance: int):
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
+def mark_prefetch(func, mod, ctx):
+    """Move the root block's ``PREFETCH_ATTR`` (``schedule_train``) to the function's
+    attributes, where ``prefetch_next_chunk`` finds it after lowering."""
+    root = getattr(func.body, "block", None)  # the root SBlock, before lowering
+    if root is None or PREFETCH_ATTR not in root.annotations:
+        return func
+    return func.with_attr(PREFETCH_ATTR, int(root.annotations[PREFETCH_ATTR]))
+
+
+@tvm.tirx.transform.prim_func_pass(opt_level=0)
 def prefetch_next_chunk(func, mod, ctx):
     """Add ``_with_prefetch`` to functions marked with ``PREFETCH_ATTR``."""
     distance = func.attrs.get(PREFETCH_ATTR) if func.attrs is not None else None
@@ -296,7 +350,8 @@ def prefetch_next_chunk(func, mod, ctx):
 
 def _pipeline():
     lower, finalize_host, finalize_device = tvm.tirx.compilation_pipeline.PIPELINE_MAP["s_tir"]()
-    return tvm.transform.Sequential([lower, prefetch_next_chunk]), finalize_host, finalize_device
+    return (tvm.transform.Sequential([mark_prefetch, lower, prefetch_next_chunk]),
+            finalize_host, finalize_device)
 
 
 tvm.tirx.register_tir_pipeline(TIR_PIPELINE, _pipeline)

@@ -78,6 +78,7 @@ from ._common import (
     place_row_stages,
     present_blocks,
     row_sweep,
+    sample_knobs,
 )
 
 VECTOR_BYTES = 16  # one 128-bit load or store per thread
@@ -102,11 +103,58 @@ class CUDAKnobs:
     ``unroll``: sweeps of the block per iteration of a streaming element loop
     (gradient, ``log_prob``): 4 keeps 4 loads per thread in flight (32 bytes
     of 16-bit logits, one 8-byte vector each), where one left the bf16 backward
-    short of bytes in flight (review item 8)."""
+    short of bytes in flight (review item 8). ``rows_per_block``: rows sharing
+    a block, ``threads / rows_per_block`` threads each (a warp per row at
+    128 / 4: for short rows); ``vector_bytes``: the widest load or store per
+    thread."""
 
     threads: int = 256
     max_chunk: int = 4096
     unroll: int = 4
+    rows_per_block: int = 1
+    vector_bytes: int = VECTOR_BYTES
+
+    @property
+    def row_threads(self) -> int:
+        return self.threads // self.rows_per_block
+
+
+def knob_space(op: str, classes: int, dtype: str, target: Target) -> dict:
+    """The knobs of ``op``'s schedule and their choices, the hand schedule's first.
+    ``max_chunk`` (the forward's only) sizes the chunk the compute is declared
+    with (``forward_chunk``). Candidates are built, never measured, without a GPU.
+
+    The forward keeps a block per row: with rows on ``threadIdx.y`` its
+    per-row local buffers lose their constant size and TVM 0.27's CUDA
+    codegen refuses them ("constant size stack allocation").
+    """
+    threads, vector, unroll = (256, 128, 512), (16, 8), (4, 1)
+    if op == "forward":
+        return {"max_chunk": (4096, 2048, 8192), "threads": threads, "vector_bytes": vector,
+                "unroll": unroll}
+    if op == "backward":
+        return {"threads": threads, "rows_per_block": (1, 4), "vector_bytes": vector,
+                "unroll": unroll}
+    raise ValueError(f"no tunable CUDA schedule for {op!r}")
+
+
+def knob_chunk(op: str, classes: int, dtype: str, target: Target, knobs: dict) -> int | None:
+    """The chunk the compute of ``op`` is declared with for ``knobs`` (``None``: no chunk)."""
+    return forward_chunk(classes, dtype, target, CUDAKnobs(**knobs)) if op == "forward" else None
+
+
+def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | None = None):
+    """Schedule ``op`` with knobs drawn from ``space`` by sampling instructions
+    (``decisions`` fixes them); the compute must be declared with the chunk
+    ``forward_chunk`` gives for them. ``finish`` completes the function."""
+    knobs = CUDAKnobs(**sample_knobs(sch, space, decisions))
+    schedule = {"forward": schedule_forward, "backward": schedule_backward}[op]
+    func = sch.mod["main"]
+    if op == "forward":
+        chunk = forward_chunk(classes_of(func), str(matrix_param(func).dtype), target, knobs)
+        if chunk != _chunk(sch):
+            raise ValueError(f"knobs {knobs} need chunk {chunk}, the compute has {_chunk(sch)}")
+    return schedule(sch, target, knobs)
 
 
 def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = CUDAKnobs()) -> int:
@@ -114,23 +162,24 @@ def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = C
     equal chunks, each a multiple of one vectorised sweep of the block."""
     if classes <= knobs.max_chunk:
         return classes
-    sweep = knobs.threads * VECTOR_BYTES // DTYPE_BYTES[dtype]
+    sweep = knobs.row_threads * knobs.vector_bytes // DTYPE_BYTES[dtype]
     chunks = -(-classes // knobs.max_chunk)
     per_chunk = -(-classes // chunks)
     return -(-per_chunk // sweep) * sweep
 
 
-def _vector_width(classes: int, extent: int, dtype: str, computes: bool = False) -> int:
+def _vector_width(classes: int, extent: int, dtype: str, computes: bool = False,
+                  vector_bytes: int = VECTOR_BYTES) -> int:
     """128-bit vectors when every row starts 16-byte aligned and ``extent`` divides evenly.
 
     A loop that computes in float32 (not a plain copy) is held to 4 lanes: TVM
     0.27's CUDA codegen emits an invalid ``make_ulonglong4`` for an 8-lane
     float32 broadcast, so half types load 64 bits there.
     """
-    lanes = VECTOR_BYTES // DTYPE_BYTES[dtype]
+    lanes = vector_bytes // DTYPE_BYTES[dtype]
     if computes:
         lanes = min(lanes, VECTOR_BYTES // 4)
-    aligned = (classes * DTYPE_BYTES[dtype]) % VECTOR_BYTES == 0
+    aligned = (classes * DTYPE_BYTES[dtype]) % vector_bytes == 0
     return lanes if aligned and extent % lanes == 0 else 1
 
 
@@ -195,7 +244,22 @@ def _bind_single_block_reductions(sch, threads: int) -> None:
 
 def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     """Schedule ``forward_func`` / ``shard_stats_func`` (built with ``forward_chunk``)."""
-    sch = s_tir.Schedule(func)
+    return finish(schedule_forward(s_tir.Schedule(func), target, knobs).mod["main"])
+
+
+def _bind_row_blocks(sch, row, rows_per_block: int) -> None:
+    """Rows on ``blockIdx.x``, ``rows_per_block`` of them per block on ``threadIdx.y``."""
+    if rows_per_block == 1:
+        sch.bind(row, "blockIdx.x")
+        return
+    bx, ty = sch.split(row, [None, rows_per_block])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(ty, "threadIdx.y")
+
+
+def schedule_forward(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+    """``forward`` on a given schedule (before ``finish``)."""
+    func = sch.mod["main"]
     inline_row_helpers(sch)
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
     whole_row = _chunk(sch) == classes  # log_prob reads the staged row too: one read
@@ -209,21 +273,21 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     sch.compute_at(staged, row if whole_row else chunk_loop)
     per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
     _keep_on_chip(sch, func, names + [ROWSTATS, ROW_TARGET_LOGIT, *ROW_PRODUCERS] + per_row_only)
-    sch.bind(row, "blockIdx.x")
+    _bind_row_blocks(sch, row, knobs.rows_per_block)
     copy = sch.get_loops(staged)[-1]
-    _thread_loop(sch, copy, knobs.threads,
-                 _vector_width(classes, int(sch.get(copy).extent), dtype))
+    _thread_loop(sch, copy, knobs.row_threads, _vector_width(
+        classes, int(sch.get(copy).extent), dtype, vector_bytes=knobs.vector_bytes))
     for name in names:
-        _thread_loop(sch, sch.get_loops(sch.get_sblock(name))[-1], knobs.threads)
+        _thread_loop(sch, sch.get_loops(sch.get_sblock(name))[-1], knobs.row_threads)
     if has_stage(sch, LOG_PROB):
         lp = sch.get_sblock(LOG_PROB)
         inner = sch.get_loops(lp)[-1]
-        _thread_loop(sch, inner, knobs.threads, _vector_width(classes, classes, dtype, True),
-                     knobs.unroll)
+        _thread_loop(sch, inner, knobs.row_threads, _vector_width(
+            classes, classes, dtype, True, knobs.vector_bytes), knobs.unroll)
     for blk in present_blocks(sch, SHARD_GATHERS):
         _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)
-    return scratch_as_params(sch.mod["main"])
+    return sch
 
 
 def _under(sch, block, loop) -> bool:
@@ -250,18 +314,23 @@ def _read_index(sch, block, buffer: str) -> int:
 
 def backward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     """Schedule ``backward_func``: a block per row, coalesced element loop."""
-    sch = s_tir.Schedule(func)
+    return finish(schedule_backward(s_tir.Schedule(func), target, knobs).mod["main"])
+
+
+def schedule_backward(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+    """``backward`` on a given schedule (before ``finish``)."""
+    func = sch.mod["main"]
     inline_row_helpers(sch)
     grad, row = place_grad_coefficients(sch)
     col = sch.get_loops(grad)[-1]
     _keep_on_chip(sch, func, ROW_GRAD_COEFS)
-    sch.bind(row, "blockIdx.x")
+    _bind_row_blocks(sch, row, knobs.rows_per_block)
     dtype = str(sch.get(grad).writes[0].source.dtype)
     classes = classes_of(func)
-    _thread_loop(sch, col, knobs.threads, _vector_width(classes, classes, dtype, True),
-                 knobs.unroll)
+    _thread_loop(sch, col, knobs.row_threads, _vector_width(
+        classes, classes, dtype, True, knobs.vector_bytes), knobs.unroll)
     _bind_single_block_reductions(sch, knobs.threads)
-    return scratch_as_params(sch.mod["main"])
+    return sch
 
 
 def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
@@ -358,6 +427,12 @@ def _blocks_writing(sch, buffer: str) -> list:
                   if [w.source.name for w in sch.get(b).writes] == [buffer]]
         todo += children
     return found
+
+
+def finish(func):
+    """What every CUDA kernel gets after scheduling (a function transform, not a
+    schedule step, so also after a tuning trace): ``scratch_as_params``."""
+    return scratch_as_params(func)
 
 
 def scratch_as_params(func):
