@@ -72,6 +72,7 @@ from ._common import (
     SHARD_GATHERS,
     classes_of,
     has_stage,
+    inline_capped_chunk,
     inline_row_helpers,
     is_per_row,
     place_grad_coefficients,
@@ -197,6 +198,7 @@ def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     """Schedule ``forward_func`` / ``shard_stats_func`` (built with ``forward_chunk``)."""
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
+    inline_capped_chunk(sch)  # the chunk is in shared memory already: tanh per read
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
     whole_row = _chunk(sch) == classes  # log_prob reads the staged row too: one read
     row, chunk_loop, stages = place_row_stages(sch, lanes=1)
