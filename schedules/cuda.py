@@ -299,6 +299,7 @@ def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     """
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
+    inline_capped_chunk(sch)  # softcap: tanh per read, as the exp is recomputed
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
     chunk = _chunk(sch)
     sch.compute_inline(sch.get_sblock(CHUNK_EXP))
