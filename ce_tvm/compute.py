@@ -26,10 +26,13 @@ chunks ``k`` of ``chunk`` classes:
 ``ce_target_logit``    ``x[n, y[n]]``             (accuracy variant only)
 ``ce_chunk_beats``     columns ahead of the target in argmax order (accuracy)
 ``ce_row_hit``         output ``hit``: target is the first maximum (accuracy)
+``ce_chunk_capped``    ``t * tanh(x / t)`` of a chunk, read by its sums (softcap)
 =====================  =====================================================
 
 With ``softcap`` (capped variant) every read of a logit is ``t * tanh(x / t)``
-(``Logits``) and every gradient is multiplied by ``1 - tanh(x / t)^2``.
+(``Logits``; the chunk sums read the chunk's ``ce_chunk_capped``, which a
+schedule keeps on chip or inlines) and every gradient is multiplied by
+``1 - tanh(x / t)^2``.
 
 backward (``backward_func``):
 
@@ -126,11 +129,13 @@ ROW_HIT = "ce_row_hit"
 ROW_MASS = "ce_row_mass"
 ROW_REF = "ce_row_ref"
 TARGET_GRAD = "target_grad"
+CHUNK_CAPPED = "ce_chunk_capped"
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
-          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF)
+          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF,
+          CHUNK_CAPPED)
 
 
 def matrix_param(func: tirx.PrimFunc):
@@ -347,10 +352,18 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     layout = ChunkLayout(classes, chunk)
 
-    xf = logit
+    if logit.cap:  # one tanh per element for all of the chunk's sums
+        capped = te.compute((n_rows, _int64(layout.n_chunks), _int64(chunk)),
+                            lambda n, k, j: logit(n, layout.start(k) + j), name=CHUNK_CAPPED)
 
-    def shifted(n, c):
-        return xf(n, c) if shift is None else xf(n, c) - shift(n)
+        def xf(n, c, k, j):
+            return capped[n, k, j]
+    else:
+        def xf(n, c, k, j):
+            return logit(n, c)
+
+    def shifted(n, c, k, j):
+        return xf(n, c, k, j) if shift is None else xf(n, c, k, j) - shift(n)
 
     def per_chunk(stage, reducer, pad, body):
         """``pad``: what an overlapped entry counts as; ``None`` for an idempotent
@@ -374,28 +387,29 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
     if keep_exp:
         kept = te.compute(
             (n_rows, _int64(layout.n_chunks), _int64(chunk)),
-            lambda n, k, j: fastmath.exp(xf(n, layout.start(k) + j) - top(n, k),
+            lambda n, k, j: fastmath.exp(xf(n, layout.start(k) + j, k, j) - top(n, k),
                                          nonpositive=True, storage=str(x.dtype)),
             name=CHUNK_EXP)
         exp_term = lambda n, c, k, j: kept[n, k, j]  # noqa: E731
     else:
         kept = None
         exp_term = lambda n, c, k, j: fastmath.exp(  # noqa: E731
-            xf(n, c) - top(n, k), nonpositive=True, storage=str(x.dtype))
+            xf(n, c, k, j) - top(n, k), nonpositive=True, storage=str(x.dtype))
     parts = [
         cmax,
         per_chunk(CHUNK_EXPSUM, te.sum, zero, exp_term),
         per_chunk(CHUNK_WXSUM, te.sum, zero, lambda n, c, k, j: (
-            weight_of(n, c) * shifted(n, c)) if weight_of is not None else shifted(n, c)),
+            weight_of(n, c) * shifted(n, c, k, j)) if weight_of is not None
+            else shifted(n, c, k, j)),
     ]
     if weight_of is not None:
         parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: weight_of(n, c)))
     if target is not None:
         one = tirx.const(1.0, acc)
-        tl = te.compute((n_rows,), lambda n: xf(n, target(n)), name=ROW_TARGET_LOGIT)
+        tl = te.compute((n_rows,), lambda n: logit(n, target(n)), name=ROW_TARGET_LOGIT)
 
         def beats(n, c, k, j):
-            v = xf(n, c)
+            v = xf(n, c, k, j)
             first = tirx.any(v > tl[n], tirx.all(v == tl[n], c < target(n)))
             return tirx.Select(first, one, zero)
 

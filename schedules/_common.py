@@ -17,6 +17,7 @@ from tvm.s_tir import ScheduleError
 
 from ..compute import (
     CHUNK_BEATS,
+    CHUNK_CAPPED,
     CHUNK_EXP,
     CHUNK_EXPSUM,
     CHUNK_MAX,
@@ -140,6 +141,8 @@ def place_row_stages(sch, lanes: int):
     for name in reversed(names):
         for blk in reversed(stages[name]):
             sch.compute_at(blk, chunk_loop)
+    for blk in present_blocks(sch, [CHUNK_CAPPED]):  # softcap: the capped chunk, once
+        sch.compute_at(blk, chunk_loop)
     for blk in present_blocks(sch, [ROW_TARGET_LOGIT]):  # read by every chunk of the row
         sch.compute_at(blk, row)
     for blk in present_blocks(sch, ROW_FORWARD_REST):
@@ -261,6 +264,13 @@ def vectorize_loop(sch, loop, lanes: int) -> None:
     sch.vectorize(sch.split(loop, [None, lanes])[1])
 
 
+def inline_capped_chunk(sch) -> None:
+    """Inline ``ce_chunk_capped`` (softcap) into the chunk sums that read it: for
+    schedules that do not keep the capped chunk on chip (``tanh`` per read)."""
+    for blk in present_blocks(sch, [CHUNK_CAPPED]):
+        sch.compute_inline(blk)
+
+
 def inline_row_helpers(sch) -> None:
     """Inline the cheap per-row blocks that have no producer (``INLINED``)."""
     for blk in present_blocks(sch, INLINED):
@@ -304,6 +314,8 @@ def row_sweep(sch, lanes: int) -> Sweep:
     chunk_blocks = [blk for name in names for blk in stages[name]]
     if has_stage(sch, CHUNK_EXP):  # inlined where the gradient recomputes exp
         chunk_blocks.insert(len(stages[names[0]]), sch.get_sblock(CHUNK_EXP))
+    if has_stage(sch, CHUNK_CAPPED):  # softcap: before the kept exp, which reads it
+        chunk_blocks.insert(len(stages[names[0]]), sch.get_sblock(CHUNK_CAPPED))
     chunk_blocks.append(sch.get_sblock(ROWSTATS))
     chunk = sch.merge(*[sch.get_loops(b)[1] for b in chunk_blocks])
     return Sweep(row, chunk, stages)

@@ -32,6 +32,7 @@ from ._common import (
     SHARD_GATHERS,
     classes_of,
     init_row_totals,
+    inline_capped_chunk,
     inline_row_helpers,
     is_per_row,
     place_grad_coefficients,
@@ -78,6 +79,7 @@ def forward(func, target: Target, profile: str = "910b"):
     prof = get_profile(profile)
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
+    inline_capped_chunk(sch)  # softcap: tanh per read of the staged tile
     dtype = str(matrix_param(func).dtype)
     p = plan(prof, 1, classes_of(func), dtype, "forward")
     lanes = row_lanes(p.chunk, prof.repeat_bytes // 4)
@@ -113,6 +115,7 @@ def train(func, target: Target, profile: str = "910b"):
     prof = get_profile(profile)
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
+    inline_capped_chunk(sch)  # softcap: tanh per read of the staged tile
     dtype = str(matrix_param(func).dtype)
     p = plan(prof, 1, classes_of(func), dtype, "train")
     lanes = row_lanes(p.chunk, prof.repeat_bytes // 4)

@@ -53,11 +53,10 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
-from ..compute import CHUNK_EXP, CHUNK_MAX, LOG_PROB
+from ..compute import CHUNK_CAPPED, CHUNK_EXP, CHUNK_MAX, LOG_PROB
 from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
-    has_stage,
     init_row_totals,
     inline_row_helpers,
     is_per_row,
@@ -194,8 +193,8 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     row_loops = parallel_rows(sch, row, knobs.row_grain)
     vector_accumulators(sch, stages, outer=row_loops + 1, unroll=knobs.unroll)
     init_row_totals(sch)
-    if has_stage(sch, LOG_PROB):
-        vectorize_inner(sch, sch.get_sblock(LOG_PROB), vector_lanes(target) * knobs.accumulators)
+    for blk in present_blocks(sch, [LOG_PROB, CHUNK_CAPPED]):
+        vectorize_inner(sch, blk, vector_lanes(target) * knobs.accumulators)
     return sch
 
 
@@ -246,7 +245,8 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     parallel_rows(sch, sweep.row, knobs.row_grain)
     sweep_accumulators(sch, sweep)
     init_row_totals(sch)
-    vectorize_inner(sch, sch.get_sblock(CHUNK_EXP), lanes)
+    for blk in present_blocks(sch, [CHUNK_CAPPED, CHUNK_EXP]):
+        vectorize_inner(sch, blk, lanes)
     vectorize_gradient_by_chunk(sch, chunk, lanes)
     if knobs.prefetch:
         sch.annotate(sch.get_sblock("root"), PREFETCH_ATTR, chunk * knobs.prefetch)

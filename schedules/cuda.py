@@ -72,6 +72,7 @@ from ._common import (
     SHARD_GATHERS,
     classes_of,
     has_stage,
+    inline_capped_chunk,
     inline_row_helpers,
     is_per_row,
     place_grad_coefficients,
@@ -261,6 +262,7 @@ def schedule_forward(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     """``forward`` on a given schedule (before ``finish``)."""
     func = sch.mod["main"]
     inline_row_helpers(sch)
+    inline_capped_chunk(sch)  # the chunk is in shared memory already: tanh per read
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
     whole_row = _chunk(sch) == classes  # log_prob reads the staged row too: one read
     row, chunk_loop, stages = place_row_stages(sch, lanes=1)
@@ -366,6 +368,7 @@ def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     """
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
+    inline_capped_chunk(sch)  # softcap: tanh per read, as the exp is recomputed
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
     chunk = _chunk(sch)
     sch.compute_inline(sch.get_sblock(CHUNK_EXP))

@@ -58,6 +58,7 @@ def test_other_variants_compile_with_nvcc(op, variant):
 @pytest.mark.parametrize("op,variant", [
     ("forward", Variant("mean", True, False, softcap=True, accuracy=True)),
     ("forward", Variant("none", False, False, accuracy=True)),
+    ("train", Variant("mean", True, False, softcap=True, accuracy=True)),
     ("backward", Variant("none", True, grad_source="logits", softcap=True)),
     ("backward", Variant("mean", False, grad_source="shard", softcap=True)),
     ("shard_stats", Variant(weighted=False, softcap=True)),
