@@ -174,8 +174,9 @@ def check_cuda_bundle(cuda_bundle, classes):
     assert manifest["runtime_libs"] == {n: sha256_file(cuda_bundle / "lib" / n) for n in libs}
     kernels = sorted(p.name for p in cuda_bundle.glob("*.so"))
     assert sorted(manifest["kernels"]) == kernels
-    # per C: 12 forward + 12 backward variants, 18 for probability targets
-    assert len(kernels) == 42 * len(classes)
+    # per C: 12 forward, 4 training (gpu_check times them), 12 backward variants,
+    # 18 for probability targets
+    assert len(kernels) == 46 * len(classes)
     for name in kernels:
         lib = cuda_bundle / name
         entry = json.loads(lib.with_suffix(".json").read_text())
