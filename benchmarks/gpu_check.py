@@ -39,14 +39,20 @@ TIMED = [(8192, 128256, torch.bfloat16), (4096, 32000, torch.float32),
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
+def _inputs(n: int, c: int, dtype):
+    """Seeded logits ``[n, c]`` (dtype), targets with every 7th row ignored, weights."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(n, c, device="cuda", generator=gen) * 3).to(dtype)
+    y = torch.randint(0, c, (n,), device="cuda", generator=gen)
+    y[::7] = -100
+    w = torch.rand(c, device="cuda", generator=gen) + 0.5
+    return x, y, w
+
+
 def check_correctness(grid) -> list[dict]:
     rows = []
     for (n, c), dtype in grid:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        x = (torch.randn(n, c, device="cuda", generator=gen) * 3).to(dtype)
-        y = torch.randint(0, c, (n,), device="cuda", generator=gen)
-        y[::7] = -100
-        w = torch.rand(c, device="cuda", generator=gen) + 0.5
+        x, y, w = _inputs(n, c, dtype)
         xa = x.clone().requires_grad_()
         loss = ce_tvm.cross_entropy(xa, y, w, label_smoothing=0.1)
         loss.backward()
@@ -73,11 +79,7 @@ def check_training_kernel(grid) -> list[dict]:
     """The one-pass training kernel against F.cross_entropy (loss and autograd grad)."""
     rows = []
     for (n, c), dtype in grid:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        x = (torch.randn(n, c, device="cuda", generator=gen) * 3).to(dtype)
-        y = torch.randint(0, c, (n,), device="cuda", generator=gen)
-        y[::7] = -100
-        w = torch.rand(c, device="cuda", generator=gen) + 0.5
+        x, y, w = _inputs(n, c, dtype)
         loss, grad = _train_kernel(x, y, w)
         xr = x.float().requires_grad_()
         ref = F.cross_entropy(xr, y, w, label_smoothing=0.1)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from . import launch
 from . import validation as check
 from .ops import scale_unit_gradient
-from .options import LossOptions
+from .options import LossOptions, store_on_module
 
 _LAYOUTS: dict = {}
 
@@ -123,9 +123,7 @@ class VocabParallelCrossEntropyLoss(nn.Module):
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                               softcap=softcap)
-        self.ignore_index, self.reduction = options.ignore_index, options.reduction
-        self.label_smoothing, self.lse_square_scale = options.label_smoothing, options.zloss_scale
-        self.softcap = options.softcap
+        store_on_module(self, options)
         self.group = group
 
     def forward(self, logits_shard: Tensor, target: Tensor) -> Tensor:

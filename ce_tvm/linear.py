@@ -29,7 +29,7 @@ from . import linear_sweep as sweep
 from . import validation as check
 from .custom_ops import custom_op
 from .ops import accuracy_like, loss_rows, options_of, schema_scalars, with_extras
-from .options import LossOptions
+from .options import LossOptions, store_on_module
 from .tensors import TORCH_DTYPES
 
 _OP_ARGS = 16  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
@@ -268,9 +268,7 @@ class LinearCrossEntropyLoss(nn.Module):
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                               softcap=softcap)
-        self.ignore_index, self.reduction = options.ignore_index, options.reduction
-        self.label_smoothing, self.lse_square_scale = options.label_smoothing, options.zloss_scale
-        self.softcap = options.softcap
+        store_on_module(self, options)
         self.return_zloss = return_zloss
         self.return_token_accuracy = return_token_accuracy
         self.chunk_rows = chunk_rows

@@ -19,7 +19,7 @@ from .ops import (
     schema_scalars,
     with_extras,
 )
-from .options import LossOptions
+from .options import LossOptions, store_on_module
 
 # Training with sum/mean computes the gradient in the forward sweep
 # (``ops.cross_entropy_train``); ``CE_TVM_TRAINING=recompute`` (or setting
@@ -149,9 +149,7 @@ class CrossEntropyLoss(nn.Module):
         options = LossOptions(reduction=_reduction_of(size_average, reduce, reduction),
                               ignore_index=ignore_index, label_smoothing=label_smoothing,
                               zloss_scale=lse_square_scale, softcap=softcap)
-        self.ignore_index, self.reduction = options.ignore_index, options.reduction
-        self.label_smoothing, self.lse_square_scale = options.label_smoothing, options.zloss_scale
-        self.softcap = options.softcap
+        store_on_module(self, options)
         self.return_zloss = return_zloss
         self.return_token_accuracy = return_token_accuracy
 

@@ -64,3 +64,11 @@ def _real(v, name: str) -> float:
     if v != v:
         raise ValueError(f"{name} must not be NaN")
     return v
+
+
+def store_on_module(module, options: LossOptions) -> None:
+    """Keep ``options`` on a loss module under its constructor's names
+    (``lse_square_scale`` for ``zloss_scale``), as torch's loss modules do."""
+    module.ignore_index, module.reduction = options.ignore_index, options.reduction
+    module.label_smoothing, module.lse_square_scale = options.label_smoothing, options.zloss_scale
+    module.softcap = options.softcap
