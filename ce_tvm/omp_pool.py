@@ -12,8 +12,8 @@ small launcher compiled here against the OpenMP runtime torch loaded, so
 TVM's parallel tasks run as one OpenMP team on torch's (already warm)
 threads: ``torch.set_num_threads`` sizes it.
 
-The launcher is compiled once per OpenMP runtime into the module cache, under
-the cache's permission rules. Without a C compiler, with a torch that does not
+The launcher is compiled once per OpenMP runtime into ``launchers/`` of the
+module cache, under the cache's permission rules. Without a C compiler, with a torch that does not
 use OpenMP, off Linux, or with ``CE_TVM_THREAD_POOL=tvm``, modules keep TVM's
 pool (sized by ``ce_tvm.runtime.configure_thread_pool``).
 """
@@ -79,7 +79,8 @@ def _compile_launcher(openmp: Path) -> Path | None:
     if compiler is None:
         return None
     digest = hashlib.sha256(f"{LAUNCHER_SOURCE}\0{openmp}".encode()).hexdigest()[:16]
-    directory = cache_dir()
+    directory = cache_dir() / "launchers"  # beside the kernels, not among them
+    make_private_dir(cache_dir())
     make_private_dir(directory)
     lib = directory / f"omp-launch-{digest}.so"
     if not lib.exists():

@@ -322,7 +322,7 @@ def _with_prefetch(loop, distance: int):
     logits = loads[0]
     first = _unbound(logits.indices[-1], body)
     if isinstance(first, tirx.Ramp):
-        first, span = first.base, first.lanes
+        first, span = first.base, int(first.lanes)
     elif lanes_loop is None:  # a vector store of scalar loads (float64's exact tanh)
         return loop
     else:
