@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .paths import cache_dir, check_permissions, make_private_dir
+from .paths import LAUNCHERS, cache_dir, check_permissions, make_private_dir
 
 log = logging.getLogger("ce_tvm")
 
@@ -79,7 +79,7 @@ def _compile_launcher(openmp: Path) -> Path | None:
     if compiler is None:
         return None
     digest = hashlib.sha256(f"{LAUNCHER_SOURCE}\0{openmp}".encode()).hexdigest()[:16]
-    directory = cache_dir() / "launchers"  # beside the kernels, not among them
+    directory = cache_dir() / LAUNCHERS  # beside the kernels, not among them
     make_private_dir(cache_dir())
     make_private_dir(directory)
     lib = directory / f"omp-launch-{digest}.so"
