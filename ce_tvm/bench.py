@@ -5,8 +5,10 @@ interleaved rep by rep (this machine's bandwidth swings between runs, so
 only ratios within one run mean much), keeping each one's best:
 
 - ``forward``: the loss only (``torch.no_grad``); ce_tvm also times the
-  seed-compatible ``cross_entropy_loss``, which writes ``log_prob``. The
-  floor is ``x.sum()``: one read of the logits.
+  seed-compatible ``cross_entropy_loss``, which writes ``log_prob``, against
+  PyTorch computing the same outputs (the loss and ``log_softmax``, eager and
+  compiled as one function). The floor is ``x.sum()``: one read of the
+  logits.
 - ``fwd_bwd``: ``loss = f(x, y); loss.backward()`` through autograd; ce_tvm
   runs its one-pass training kernel and, as ``ce_tvm_recompute``, the path
   whose backward recomputes the gradient from the logits. The floor is
@@ -90,13 +92,23 @@ def _recomputing(eps):
     return fn
 
 
+def _seed_outputs(x, y, eps):
+    """What the seed op returns, in PyTorch: the loss and ``log_prob[N, C]``."""
+    return F.cross_entropy(x, y, label_smoothing=eps), F.log_softmax(x, dim=-1)
+
+
 def _loss_fns(eps, with_compile):
+    """Methods by name; ``*_seed`` ones (PyTorch producing the seed op's outputs)
+    are timed in the forward only."""
     fns = {"ce_tvm": lambda x, y: cross_entropy(x, y, label_smoothing=eps),
            "ce_tvm_recompute": _recomputing(eps),
-           "eager": lambda x, y: F.cross_entropy(x, y, label_smoothing=eps)}
+           "eager": lambda x, y: F.cross_entropy(x, y, label_smoothing=eps),
+           "eager_seed": lambda x, y: _seed_outputs(x, y, eps)}
     if with_compile:
         compiled = torch.compile(F.cross_entropy, dynamic=False)
+        compiled_seed = torch.compile(_seed_outputs, dynamic=False)
         fns["compile"] = lambda x, y: compiled(x, y, label_smoothing=eps)
+        fns["compile_seed"] = lambda x, y: compiled_seed(x, y, eps)
     return fns
 
 
@@ -123,7 +135,8 @@ def bench_shape(n, c, dtype, modes, reps, warmup, eps, with_compile) -> list[Row
                 fn(xg, y).backward()
                 xg.grad = None
 
-            timed = {name: (lambda fn=fn: step(fn)) for name, fn in fns.items()}
+            timed = {name: (lambda fn=fn: step(fn)) for name, fn in fns.items()
+                     if not name.endswith("_seed")}
             timed["copy"] = lambda: out.copy_(x)
             row.ms = interleaved_ms(timed, reps, warmup)
             row.floor = "copy"
@@ -161,8 +174,8 @@ def format_table(rows: list[Row]) -> str:
     lines = []
     nan = float("nan")
 
-    def line(label, r, method, floor=True, peak=""):
-        ms, eager, comp = r.ms[method], r.ms["eager"], r.ms.get("compile", nan)
+    def line(label, r, method, floor=True, peak="", baselines=("eager", "compile")):
+        ms, eager, comp = r.ms[method], r.ms[baselines[0]], r.ms.get(baselines[1], nan)
         floor_cells = (f"{r.ms[r.floor]:.1f} ({r.floor}) | {r.vs_floor(method):.2f}x"
                        if floor else " | ")
         return (f"| {r.shape} | {r.dtype} | {label} | {ms:.1f} | {eager:.1f} | {comp:.1f} | "
@@ -174,7 +187,9 @@ def format_table(rows: list[Row]) -> str:
         lines.append(line(r.mode if r.mode == "forward" else "fwd_bwd (one pass)", r, "ce_tvm",
                           peak=peak))
         if r.mode == "forward":
-            lines.append(line("forward, seed API (writes log_prob)", r, "ce_tvm_seed", False))
+            lines.append(line("forward, seed API (writes log_prob; vs torch's loss + "
+                              "log_softmax)", r, "ce_tvm_seed", False,
+                              baselines=("eager_seed", "compile_seed")))
         else:
             speedup = r.ms["ce_tvm_recompute"] / r.ms["ce_tvm"]
             lines.append(line(f"fwd_bwd, recompute path (one pass {speedup:.2f}x faster)", r,

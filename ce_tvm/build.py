@@ -45,8 +45,9 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> lis
 
 
 def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFunc:
-    """The compute of ``spec``, unscheduled (forward rows chunked, and ``exp``
-    scaled and NaN-tested, as the schedule asks: ``exp_scaling``, ``EXP_NAN_TEST``).
+    """The compute of ``spec``, unscheduled (forward rows chunked, the forward's
+    chunk staged, and ``exp`` scaled and NaN-tested, as the schedule asks:
+    ``forward_chunk``, ``forward_stage``, ``exp_scaling``, ``EXP_NAN_TEST``).
     The row chunk is ``chunk`` if given, else the tuning record's, else the schedule's."""
     schedule = schedule_module(spec.target)
     scaling = getattr(schedule, "exp_scaling", lambda target: "bits")(spec.tvm_target())
@@ -65,6 +66,10 @@ def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc
         if chunk is None:
             chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(),
                              **spec.schedule_options())
+        staged = getattr(schedule, "forward_stage", None)
+        if spec.op == "forward" and staged is not None:
+            return compute.forward_func(*args, chunk, stage=staged(
+                spec.classes, spec.dtype, spec.tvm_target(), **spec.schedule_options()))
         return chunked[spec.op](*args, chunk)
     whole = {"shard_combine": compute.shard_combine_func, "backward": compute.backward_func,
              "prob_backward": compute.prob_backward_func,

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from .paths import (
+    LAUNCHERS,
     cache_dir,
     check_permissions,
     make_private_dir,
@@ -212,12 +213,16 @@ def verify_entry(lib: Path) -> str | None:
 
 
 def clear(directory: Path) -> int:
-    """Remove every module, manifest and lock in ``directory``; returns the files removed."""
+    """Remove every module, manifest, lock and OpenMP launcher (``ce_tvm.omp_pool``)
+    in ``directory``; returns the files removed."""
     removed = 0
+    launchers = directory / LAUNCHERS
     for pattern in ("*.so", "*.cubin", "*.json", "*.lock", "*.tmp"):
-        for path in directory.glob(pattern):
+        for path in [*directory.glob(pattern), *launchers.glob(pattern)]:
             path.unlink()
             removed += 1
+    if launchers.is_dir():
+        launchers.rmdir()
     return removed
 
 

@@ -26,11 +26,13 @@ chunks ``k`` of ``chunk`` classes:
 ``ce_target_logit``    ``x[n, y[n]]``             (accuracy variant only)
 ``ce_chunk_beats``     columns ahead of the target in argmax order (accuracy)
 ``ce_row_hit``         output ``hit``: target is the first maximum (accuracy)
-``ce_chunk_capped``    ``t * tanh(x / t)`` of a chunk, read by its sums (softcap)
+``ce_chunk_logits``    a chunk's logits as the loss sees them (float32; capped
+                       with softcap), read by its sums: declared with softcap
+                       or ``stage=True``
 =====================  =====================================================
 
 With ``softcap`` (capped variant) every read of a logit is ``t * tanh(x / t)``
-(``Logits``; the chunk sums read the chunk's ``ce_chunk_capped``, which a
+(``Logits``; the chunk sums read the chunk's ``ce_chunk_logits``, which a
 schedule keeps on chip or inlines) and every gradient is multiplied by
 ``1 - tanh(x / t)^2``.
 
@@ -129,13 +131,13 @@ ROW_HIT = "ce_row_hit"
 ROW_MASS = "ce_row_mass"
 ROW_REF = "ce_row_ref"
 TARGET_GRAD = "target_grad"
-CHUNK_CAPPED = "ce_chunk_capped"
+CHUNK_LOGITS = "ce_chunk_logits"
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
           ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF,
-          CHUNK_CAPPED)
+          CHUNK_LOGITS)
 
 
 def matrix_param(func: tirx.PrimFunc):
@@ -326,7 +328,7 @@ def _per_class(w):
 
 
 def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: int | None,
-               keep_exp: bool = False, target=None, shift=None) -> RowStats:
+               keep_exp: bool = False, target=None, shift=None, stage: bool = False) -> RowStats:
     """Row statistics of the (capped) logits, reduced chunk by chunk
     (``ChunkLayout``) and merged by ``_softmax_merge``.
 
@@ -345,6 +347,12 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
     that come before the target in ``argmax`` order (a larger logit, or an
     equal one at a smaller index: 0 iff the target is the first maximum),
     from the target's logit ``ce_row_target_logit``.
+
+    ``stage`` (always with softcap): the chunk sums and the chunk max read
+    the chunk from ``ce_chunk_logits``, a float32 copy of it (capped: one
+    ``tanh`` per element; the max then still reads ``x``, the cap being
+    monotone), which a schedule may keep on chip: read from memory once,
+    converted once, aligned however the row is.
     """
     x = logit.x
     chunk = classes if chunk is None else min(chunk, classes)
@@ -352,12 +360,12 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     layout = ChunkLayout(classes, chunk)
 
-    if logit.cap:  # one tanh per element for all of the chunk's sums
-        capped = te.compute((n_rows, _int64(layout.n_chunks), _int64(chunk)),
-                            lambda n, k, j: logit(n, layout.start(k) + j), name=CHUNK_CAPPED)
+    if stage or logit.cap:
+        staged = te.compute((n_rows, _int64(layout.n_chunks), _int64(chunk)),
+                            lambda n, k, j: logit(n, layout.start(k) + j), name=CHUNK_LOGITS)
 
         def xf(n, c, k, j):
-            return capped[n, k, j]
+            return staged[n, k, j]
     else:
         def xf(n, c, k, j):
             return logit(n, c)
@@ -379,7 +387,8 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
         return te.compute((n_rows, _int64(layout.n_chunks)), value, name=stage)
 
     zero = tirx.const(0.0, acc)
-    cmax = per_chunk(CHUNK_MAX, te.max, None, lambda n, c, k, j: logit.raw(n, c))
+    cmax = per_chunk(CHUNK_MAX, te.max, None,
+                     (lambda n, c, k, j: logit.raw(n, c)) if logit.cap else xf)
 
     def top(n, k):
         return logit.capped(cmax[n, k])
@@ -468,13 +477,14 @@ def _row_losses(n_rows, classes, acc, eps, s, mask, lse, target_logit, target_we
 
 
 def forward_func(classes: int, dtype: str, variant: Variant,
-                 chunk: int | None = None) -> tirx.PrimFunc:
+                 chunk: int | None = None, stage: bool = False) -> tirx.PrimFunc:
     """The fused forward of SPEC section 1 as a PrimFunc.
 
     A row is reduced in ``ceil(C / chunk)`` chunks of ``chunk`` classes (one
     chunk by default), merged exactly by ``_softmax_merge``: a target-free
     regrouping that lets a schedule keep each chunk on chip between its max
-    and its exp-sum.
+    and its exp-sum. ``stage``: each chunk is first copied to float32
+    (``ce_chunk_logits``, see ``_row_stats``).
 
     Arguments, in order: ``x[N, C]`` (dtype), ``target[N]`` (int64),
     ``weight[C]`` (accumulation dtype, weighted variant only), ``ignore_index``,
@@ -490,7 +500,7 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     logit = Logits(x, acc, tuple(cap))
     mask, index = _masked_target(y, ii, classes)
     st = _row_stats(logit, _per_class(w), n_rows, classes, acc, chunk,
-                    target=index if variant.accuracy else None)
+                    target=index if variant.accuracy else None, stage=stage)
     rowmax, expsum, wxsum, wsum = st.rowmax, st.expsum, st.wxsum, st.wsum
     lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name=LSE)
     rows = _row_losses(

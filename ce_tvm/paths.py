@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 BUNDLE_MANIFEST = "bundle.json"
+LAUNCHERS = "launchers"  # the cache's subdirectory for ce_tvm.omp_pool's launcher
 
 
 class UnsafePermissionsError(PermissionError):

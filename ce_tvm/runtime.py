@@ -7,8 +7,10 @@ DLPack through tvm-ffi, without copies. The kernels check strides exactly, so
 a tensor torch calls contiguous but with other strides (an empty one, a
 size-1 dimension) is passed as a view with the canonical strides
 (``canonical_strides``): the one place every tensor enters the kernels.
-TVM's thread pool is sized to the cores this process may use, unless
-``TVM_NUM_THREADS`` says otherwise.
+CPU kernels run their parallel loops on torch's OpenMP threads
+(``ce_tvm.omp_pool``); where that is not possible, on TVM's thread pool,
+sized to the cores this process may use unless ``TVM_NUM_THREADS`` says
+otherwise.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 import torch
 
 from .cache import cuda_binary_of, module_path
+from .omp_pool import use_torch_pool
 from .spec import KernelSpec
 from .targets import host_cores
 from .tvmlib import load_runtime, provide_cuda_binary
@@ -61,6 +64,8 @@ def kernel(spec: KernelSpec):
             import tvm_ffi
 
             fn = tvm_ffi.load_module(str(path))["main"]
+            if spec.target == "llvm":
+                use_torch_pool(path)
             _kernels[spec] = fn
     return fn
 

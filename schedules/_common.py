@@ -17,9 +17,9 @@ from tvm.s_tir import ScheduleError
 
 from ..compute import (
     CHUNK_BEATS,
-    CHUNK_CAPPED,
     CHUNK_EXP,
     CHUNK_EXPSUM,
+    CHUNK_LOGITS,
     CHUNK_MAX,
     CHUNK_WSUM,
     CHUNK_WXSUM,
@@ -141,7 +141,7 @@ def place_row_stages(sch, lanes: int):
     for name in reversed(names):
         for blk in reversed(stages[name]):
             sch.compute_at(blk, chunk_loop)
-    for blk in present_blocks(sch, [CHUNK_CAPPED]):  # softcap: the capped chunk, once
+    for blk in present_blocks(sch, [CHUNK_LOGITS]):  # the staged chunk, once per chunk
         sch.compute_at(blk, chunk_loop)
     for blk in present_blocks(sch, [ROW_TARGET_LOGIT]):  # read by every chunk of the row
         sch.compute_at(blk, row)
@@ -265,9 +265,10 @@ def vectorize_loop(sch, loop, lanes: int) -> None:
 
 
 def inline_capped_chunk(sch) -> None:
-    """Inline ``ce_chunk_capped`` (softcap) into the chunk sums that read it: for
-    schedules that do not keep the capped chunk on chip (``tanh`` per read)."""
-    for blk in present_blocks(sch, [CHUNK_CAPPED]):
+    """Inline ``ce_chunk_logits`` (the staged chunk: capped with softcap) into
+    the chunk sums that read it: for schedules that do not keep the chunk on
+    chip (``tanh`` per read)."""
+    for blk in present_blocks(sch, [CHUNK_LOGITS]):
         sch.compute_inline(blk)
 
 
@@ -314,8 +315,8 @@ def row_sweep(sch, lanes: int) -> Sweep:
     chunk_blocks = [blk for name in names for blk in stages[name]]
     if has_stage(sch, CHUNK_EXP):  # inlined where the gradient recomputes exp
         chunk_blocks.insert(len(stages[names[0]]), sch.get_sblock(CHUNK_EXP))
-    if has_stage(sch, CHUNK_CAPPED):  # softcap: before the kept exp, which reads it
-        chunk_blocks.insert(len(stages[names[0]]), sch.get_sblock(CHUNK_CAPPED))
+    if has_stage(sch, CHUNK_LOGITS):  # softcap: before the kept exp, which reads it
+        chunk_blocks.insert(len(stages[names[0]]), sch.get_sblock(CHUNK_LOGITS))
     chunk_blocks.append(sch.get_sblock(ROWSTATS))
     chunk = sch.merge(*[sch.get_loops(b)[1] for b in chunk_blocks])
     return Sweep(row, chunk, stages)

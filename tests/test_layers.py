@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import modules of its own layer or of layers below.
 LAYERS = [
     ("paths", "kinds"),  # where modules live and who may write them; dtypes and variants
-    ("tvmlib",),  # the TVM runtime library, located and loaded without the tvm package
+    ("tvmlib", "omp_pool"),  # the TVM runtime library and the OpenMP launcher, without tvm
     ("fastmath", "targets"),
     ("compute",),
     ("options", "schedules._common", "schedules.ascend_plan"),
@@ -35,7 +35,8 @@ LAYERS = [
     ("integrations", "integrations.transformers"),
 ]
 # Modules that must not depend on torch or on meta_schedule (the search).
-NO_TORCH = ("paths", "kinds", "tvmlib", "spec", "fastmath", "targets", "compute", "options",
+NO_TORCH = ("paths", "kinds", "tvmlib", "omp_pool", "spec", "fastmath", "targets", "compute",
+            "options",
             "records", "build", "cache",
             "schedules._common", "schedules.ascend_plan", "schedules.cpu", "schedules.cuda",
             "schedules.ascend")
