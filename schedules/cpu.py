@@ -69,6 +69,7 @@ from ._common import (
     sample_knobs,
     sweep_accumulators,
     vector_accumulators,
+    vector_row_independent,
     vectorize_gradient_by_chunk,
     vectorize_inner,
 )
@@ -192,6 +193,7 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
         sch.parallel(sch.get_loops(blk)[0])
     row_loops = parallel_rows(sch, row, knobs.row_grain)
     vector_accumulators(sch, stages, outer=row_loops + 1, unroll=knobs.unroll)
+    vector_row_independent(sch, vector_lanes(target) * knobs.accumulators)
     init_row_totals(sch)
     for blk in present_blocks(sch, [LOG_PROB, CHUNK_CAPPED]):
         vectorize_inner(sch, blk, vector_lanes(target) * knobs.accumulators)
@@ -208,6 +210,7 @@ def schedule_backward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     inline_row_helpers(sch)
     grad, row = place_grad_coefficients(sch)
     parallel_rows(sch, row, knobs.row_grain)
+    vector_row_independent(sch, vector_lanes(target) * knobs.accumulators)
     init_row_totals(sch)
     vectorize_inner(sch, grad, vector_lanes(target) * knobs.accumulators)
     return sch
@@ -244,6 +247,7 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     sweep = row_sweep(sch, row_lanes(chunk, lanes))
     parallel_rows(sch, sweep.row, knobs.row_grain)
     sweep_accumulators(sch, sweep)
+    vector_row_independent(sch, lanes)
     init_row_totals(sch)
     for blk in present_blocks(sch, [CHUNK_CAPPED, CHUNK_EXP]):
         vectorize_inner(sch, blk, lanes)

@@ -67,6 +67,7 @@ from ..kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES
 from ._common import (
     COMBINE_ROWS,
     ROW_GRAD_COEFS,
+    ROW_INDEPENDENT,
     ROW_PRODUCERS,
     ROW_TOTALS,
     SHARD_GATHERS,
@@ -75,6 +76,7 @@ from ._common import (
     inline_capped_chunk,
     inline_row_helpers,
     is_per_row,
+    join_row,
     place_grad_coefficients,
     place_row_stages,
     present_blocks,
@@ -83,6 +85,10 @@ from ._common import (
 )
 
 VECTOR_BYTES = 16  # one 128-bit load or store per thread
+# Threads of the one block that sums the class weights (``ce_wsum``) before the
+# row kernel: latency-bound (one SM), so as many loads in flight as a block
+# holds (nvcc unrolls each thread's loop ~20 loads deep: ~80 KB in flight).
+WIDE_BLOCK = 1024
 # TVM's StorageRewrite folds each chunk reduction's one-element ``local`` result
 # into a buffer that LowerThreadAllreduce then maps to its ``volatile`` shared
 # slot: every use of the chunk max became a shared load the compiler may not
@@ -208,7 +214,9 @@ def _bind_single_block_reductions(sch, threads: int) -> None:
     """The stages that are not per row (sums over rows, ``ce_wsum`` over classes,
     the loss finalisers, the mean's norms) run in one block, each reduction
     cross-thread; consecutive ones (in program order) are fused into one kernel
-    (``merge``), and a sum read only inside its kernel stays in registers."""
+    (``merge``), and a sum read only inside its kernel stays in registers. A
+    kernel of row-independent sums alone (``ce_wsum`` before the row kernel)
+    gets ``WIDE_BLOCK`` threads: one block streams all of ``w``."""
     groups, run = [], []
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         if is_per_row(sch, block) and sch.get(block).name_hint != MEAN_NORMS:
@@ -221,6 +229,7 @@ def _bind_single_block_reductions(sch, threads: int) -> None:
         groups.append(run)
     for group in groups:
         names = [sch.get(b).name_hint for b in group]
+        width = WIDE_BLOCK if set(names) <= set(ROW_INDEPENDENT) else threads
         loops = []
         for block in group:
             loop = sch.get_loops(block)[0]
@@ -231,7 +240,7 @@ def _bind_single_block_reductions(sch, threads: int) -> None:
         sch.bind(outer, "blockIdx.x")
         for block in group:
             if sch.get(block).name_hint in ROW_TOTALS + (WSUM,):
-                _, tx = sch.split(sch.get_loops(block)[-1], [None, threads])
+                _, tx = sch.split(sch.get_loops(block)[-1], [None, width])
                 sch.bind(tx, "threadIdx.x")
         if not any(sch.get(block).name_hint in ROW_TOTALS + (WSUM,) for block in group):
             _, tx = sch.split(outer, [None, 1])
@@ -377,7 +386,8 @@ def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     after = [sch.get(b).name_hint for b in blocks].index(X_GRAD) + 1
     for blk in blocks[after:]:  # the per-row terms after the gradient (loss, z-loss, hits)
         if is_per_row(sch, blk) and not _under(sch, blk, sweep.row):
-            sch.reverse_compute_at(blk, sweep.row)
+            sweep.row = join_row(sch, blk, sweep.row)
+    sweep.chunk = sch.get_loops(sch.get_sblock(ROWSTATS))[1]
     names = list(sweep.stages)
     readers = [sch.get_sblock(n) for n in names if n != CHUNK_WSUM]
     whole_row = classes == chunk  # the gradient reads the staged row too: one read

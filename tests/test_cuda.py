@@ -139,13 +139,23 @@ def test_cuda_kernels_take_their_scratch_from_the_caller(op, variant):
     assert {str(p.dtype) for p in slots} == {"float32"}
 
 
-def test_fewer_launches():
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fewer_launches(weighted):
     """Sums over rows and the finalisers run fused: a mean forward is one row
-    kernel and one single-block kernel (7 launches before issue 19)."""
-    spec = KernelSpec("forward", "bfloat16", 5003, Variant("mean", True, False), "cuda",
+    kernel and one single-block kernel (7 launches before issue 19); with a
+    class weight, one more single-block kernel before the rows sums the
+    weights once (``ce_wsum``), where each row block summed them before."""
+    spec = KernelSpec("forward", "bfloat16", 5003, Variant("mean", weighted, False), "cuda",
                       (("arch", "sm_90"),))
     source = lower_and_compile(spec).mod.imports[0].inspect_source()
-    assert source.count("__global__") == 2 * 2  # declaration + definition each
+    pieces = source.split("__global__")[1:]  # declarations, then definitions
+    assert len(pieces) == 2 * (2 + weighted)
+    kernels = pieces[len(pieces) // 2:]
+    wsum_kernels = [k for k in kernels if "ce_wsum" in k]
+    if weighted:  # one block of 1024 threads streams w once; the row kernel reads the sum
+        assert "__launch_bounds__(1024)" in wsum_kernels[0].split("{")[0]
+        assert "weight_ptr[" in wsum_kernels[0] and "ce_wsum_ptr[0] =" in wsum_kernels[0]
+        assert all("ce_wsum_ptr[0] =" not in k for k in kernels[1:])
 
 
 @pytest.mark.parametrize("rows", [1, 17, 1000])
