@@ -39,10 +39,10 @@ Method (how element loops are found and counted):
    bytes it moves per iteration divided by the storage dtype's size; the
    smallest of the global kinds and the staging stores when the loop has
    any (a per-chunk scalar read from shared memory at the chunk's index is
-   not a stream); else (a loop over a row staged whole before it) the
-   distinct addresses read off one base register: each pass (max, exp-sum,
-   ...) reads the same staged elements, the reductions' scratch is read off
-   others. Shared stores count only when they store a value loaded
+   not a stream); in a loop over a row staged before it (no staging stores
+   in the loop), also the distinct addresses read off one base register:
+   each pass (max, exp-sum, ...) reads the same staged elements, the
+   reductions' scratch is read off others. Shared stores count only when they store a value loaded
    in the loop (staging a chunk), not a computed one (reduction scratch).
    Other traffic (float32 weights next to 16-bit logits, partial sums read
    back from shared memory) only adds bytes to a kind, so the minimum is at
@@ -271,13 +271,13 @@ def _loop(kernel: str, body: list, dtype_bytes: int) -> Loop | None:
     # when there are any: a per-chunk scalar read from shared memory at a
     # loop-varying address (the chunk index) would otherwise count as a
     # stream of its own.
-    # A loop that only reads shared memory (a row staged whole before it):
-    # its elements are the distinct addresses read off the staged row's base
-    # register (every pass reads the same ones; the reductions' scratch is read
-    # off other registers).
+    # A row staged in shared memory before the loop (no staging stores in it)
+    # is a stream too: the distinct addresses read off its base register (every
+    # pass reads the same ones; the reductions' scratch is read off others), as
+    # float32 weights read next to 16-bit logits would otherwise count double.
     main = [moved[k] / dtype_bytes for k in ("LDG", "STG", "STS") if moved[k]]
     staged = max((sum(reads.values()) for reads in read_at.values()), default=0)
-    streams = main or ([staged / dtype_bytes] if staged else [])
+    streams = main + ([staged / dtype_bytes] if staged and not moved["STS"] else [])
     if not streams:
         return None
     return Loop(kernel, len(body), min(streams), lds, broadcast, moved)
