@@ -55,7 +55,7 @@ from ..compute import (
 )
 
 # Row reductions of the forward and shard statistics, reduced chunk by chunk;
-# the optional ones exist for some variants only (CHUNK_WSUM weighted,
+# the optional ones exist for some variants only (CHUNK_WSUM probability targets,
 # CHUNK_BEATS token accuracy).
 ROW_REDUCTIONS = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM)
 OPTIONAL_ROW_REDUCTIONS = (CHUNK_WSUM, CHUNK_BEATS)
