@@ -170,6 +170,14 @@ def join_row(sch, block, row):
     if not reads & set(ROW_INDEPENDENT):
         sch.reverse_compute_at(block, row)
         return row
+    children = sch.get_child_blocks(sch.get_sblock("root"))
+    names = [sch.get(b).name_hint for b in children]
+    rows = [i for i, b in enumerate(children)
+            if any(sch.get(loop).same_as(sch.get(row)) for loop in sch.get_loops(b))]
+    between = names[max(rows) + 1:names.index(sch.get(block).name_hint)]
+    if not set(between) <= set(ROW_INDEPENDENT):  # they would run before the merged rows
+        raise ValueError(f"cannot merge the rows of {names[rows[0]]} and "
+                         f"{sch.get(block).name_hint}: {between} lie between them")
     return sch.merge(row, sch.get_loops(block)[0])
 
 
