@@ -39,7 +39,10 @@ Method (how element loops are found and counted):
    bytes it moves per iteration divided by the storage dtype's size; the
    smallest of the global kinds and the staging stores when the loop has
    any (a per-chunk scalar read from shared memory at the chunk's index is
-   not a stream), else of the shared loads. Shared stores count only when they store a value loaded
+   not a stream); in a loop over a row staged before it (no staging stores
+   in the loop), also the distinct addresses read off one base register:
+   each pass (max, exp-sum, ...) reads the same staged elements, the
+   reductions' scratch is read off others. Shared stores count only when they store a value loaded
    in the loop (staging a chunk), not a computed one (reduction scratch).
    Other traffic (float32 weights next to 16-bit logits, partial sums read
    back from shared memory) only adds bytes to a kind, so the minimum is at
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import re
 import shutil
@@ -68,6 +72,8 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tvm_ffi
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MEMORY_KINDS = ("LDG", "STG", "LDS", "STS")
@@ -97,7 +103,8 @@ class Kernel:
     instructions: int = 0  # static SASS instructions of the whole kernel
     sweeps_rows: bool = False  # takes the [N, C] matrix (x or log_prob)
     registers: int = 0
-    smem: int = 0
+    smem: int = 0  # static shared memory per block (ptxas)
+    dyn_smem: int = 0  # dynamic shared memory per block (a row staged whole)
     spill_bytes: int = 0
     loops: list = field(default_factory=list)
 
@@ -238,6 +245,7 @@ def _loop(kernel: str, body: list, dtype_bytes: int) -> Loop | None:
     moved = dict.fromkeys(MEMORY_KINDS, 0)
     lds = broadcast = 0
     loaded: set = set()  # registers holding values loaded in this loop
+    read_at: dict = {}  # per-thread shared reads: base register -> {address: bytes}
     for text, varying in zip(body, _streaming(body)):
         op = _opcode(text)
         kind = op.split(".")[0]
@@ -254,14 +262,22 @@ def _loop(kernel: str, body: list, dtype_bytes: int) -> Loop | None:
         if kind == "LDS":
             lds += 1
             broadcast += not per_thread
+        if kind == "LDS" and per_thread:
+            base = re.search(r"\bR\d+", address).group(0)
+            read_at.setdefault(base, {})[address] = _width(op)
         if varying or (kind in ("LDS", "STS") and per_thread):
             moved[kind] += _width(op)
     # Elements per iteration from the global streams and the staging stores
     # when there are any: a per-chunk scalar read from shared memory at a
     # loop-varying address (the chunk index) would otherwise count as a
     # stream of its own.
+    # A row staged in shared memory before the loop (no staging stores in it)
+    # is a stream too: the distinct addresses read off its base register (every
+    # pass reads the same ones; the reductions' scratch is read off others), as
+    # float32 weights read next to 16-bit logits would otherwise count double.
     main = [moved[k] / dtype_bytes for k in ("LDG", "STG", "STS") if moved[k]]
-    streams = main or [b / dtype_bytes for b in moved.values() if b]
+    staged = max((sum(reads.values()) for reads in read_at.values()), default=0)
+    streams = main + ([staged / dtype_bytes] if staged and not moved["STS"] else [])
     if not streams:
         return None
     return Loop(kernel, len(body), min(streams), lds, broadcast, moved)
@@ -292,16 +308,40 @@ OPS = {  # tool op -> (KernelSpec op, variant keywords)
 }
 
 
-def cuda_source(op: str, dtype: str, classes: int, arch: str = "sm_90",
-                weighted: bool = False, reduction: str = "mean") -> str:
-    """TVM's CUDA source for one shape, built as the runtime builds it."""
-    from ce_tvm.build import KernelSpec, lower_and_compile
+def _spec(op: str, dtype: str, classes: int, arch: str, weighted: bool, reduction: str):
+    from ce_tvm.build import KernelSpec
     from ce_tvm.compute import Variant
 
     spec_op, extra = OPS[op]
-    spec = KernelSpec(spec_op, dtype, classes, Variant(reduction, weighted, **extra), "cuda",
+    return KernelSpec(spec_op, dtype, classes, Variant(reduction, weighted, **extra), "cuda",
                       (("arch", arch),))
+
+
+def cuda_source(op: str, dtype: str, classes: int, arch: str = "sm_90",
+                weighted: bool = False, reduction: str = "mean") -> str:
+    """TVM's CUDA source for one shape, built as the runtime builds it."""
+    from ce_tvm.build import lower_and_compile
+
+    spec = _spec(op, dtype, classes, arch, weighted, reduction)
     return lower_and_compile(spec).mod.imports[0].inspect_source()
+
+
+def dynamic_shared_bytes(op: str, dtype: str, classes: int, arch: str = "sm_90",
+                         weighted: bool = False, reduction: str = "mean") -> int:
+    """Bytes of dynamic shared memory (``shared.dyn``: a row staged whole) a block
+    of the scheduled kernel allocates (ptxas reports static shared memory only)."""
+    from tvm import s_tir, tirx
+
+    from ce_tvm.build import scheduled_func
+
+    func = scheduled_func(_spec(op, dtype, classes, arch, weighted, reduction))
+    blocks = []
+    tvm_ffi.structural_map(func.body, [(s_tir.SBlock, lambda b: blocks.append(b) or b)])
+    # Before lowering the staged buffer spans every row ([N, C]); a block holds one
+    # row of it (the symbolic row dimension is compacted away): its constant dims.
+    return sum(math.prod(int(d) for d in buf.shape if not isinstance(d, tirx.Var))
+               * DTYPE_BYTES.get(str(buf.dtype), 4)
+               for blk in blocks for buf in blk.alloc_buffers if buf.scope() == "shared.dyn")
 
 
 @functools.cache
@@ -324,6 +364,9 @@ def analyse(op: str, dtype: str, classes: int, arch: str = "sm_90", weighted: bo
         kernel = kernels.setdefault(name, Kernel(name))
         kernel.instructions, kernel.loops = count, loops
         kernel.sweeps_rows = name in _row_sweepers(source)
+    if "extern __shared__" in source:  # TVM's CUDA codegen: dynamic shared memory
+        row_kernel(kernels).dyn_smem = dynamic_shared_bytes(op, dtype, classes, arch, weighted,
+                                                            reduction)
     return kernels
 
 
@@ -371,13 +414,15 @@ def summarise(kernels: dict, classes: int, threads: int = 256) -> Summary:
 
 def table(rows: list) -> str:
     """Rows of ``(label, Summary)`` as a fixed-width table."""
-    head = (f"{'shape':40} {'kernels':>7} {'regs':>4} {'smem':>6} {'spill':>5} {'loops':>5} "
+    head = (f"{'shape':40} {'kernels':>7} {'regs':>4} {'smem':>6} {'dsmem':>6} {'spill':>5} "
+            f"{'loops':>5} "
             f"{'insn/el':>8} {'lds/el':>7} {'bcast_lds/el':>12}")
     out = [head, "-" * len(head)]
     for label, s in rows:
         loops = len(s.kernel.loops) or "none"
         out.append(f"{label:40} {s.kernels:7d} {s.kernel.registers:4d} {s.kernel.smem:6d} "
-                   f"{s.spill_bytes:5d} {loops:>5} {s.insn_per_element:8.1f} "
+                   f"{s.kernel.dyn_smem:6d} {s.spill_bytes:5d} {loops:>5} "
+                   f"{s.insn_per_element:8.1f} "
                    f"{s.lds_per_element:7.2f} {s.broadcast_per_element:12.2f}")
     return "\n".join(out)
 
@@ -404,7 +449,8 @@ def main(argv=None) -> int:
                     last = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
                     print(f"{label}: BUILD FAILED: {last[:120]}", file=sys.stderr)
     print(table(rows))
-    print("regs/smem/loops/per-element counts: the row kernel (the one sweeping [N, C]); "
+    print("regs/smem (static)/dsmem (dynamic: a row staged whole)/loops/per-element counts: "
+          "the row kernel (the one sweeping [N, C]); "
           "spill: the worst kernel; loops 'none': whole kernel / ceil(C/256) (upper bound)")
     return 0
 

@@ -12,8 +12,8 @@ chunks ``k`` of ``chunk`` classes:
 ``ce_chunk_max``       ``max_j x[n, kB + j]`` (uncapped: the cap is monotone)
 ``ce_chunk_expsum``    ``sum_j exp(x[n, kB + j] - chunk_max[n, k])``
 ``ce_chunk_wxsum``     ``sum_j w[kB + j] x[n, kB + j]``
-``ce_chunk_wsum``      ``sum_j w[kB + j]``            (weighted only)
-``ce_rowstats``        the chunks merged: row max, exp-sum, sum w x (, sum w)
+``ce_wsum``            ``sum_c w[c]``, once for all rows (weighted only)
+``ce_rowstats``        the chunks merged: row max, exp-sum, sum w x
 ``lse``                ``rowmax + log(expsum)`` (output, accumulation dtype)
 ``ce_row_mask``        ``m[n]``
 ``ce_row_ce``          ``ce[n]`` (nll and smoothing terms of SPEC section 1)
@@ -67,10 +67,11 @@ vocabulary shards (``shard_stats_func``, ``shard_combine_func``, and the
 probability targets (``prob_forward_func``, ``prob_backward_func``; SPEC
 section 5) reuse the forward's and backward's stages with the target mass
 ``v[n, c] = w[c] q'[n, c]`` as the per-element weight (``ce_chunk_wxsum`` is
-``sum_j v x``, ``ce_chunk_wsum`` ``sum_j v``; ``ce_row_mask`` is 1: every row
-counts), plus:
+``sum_j v x``; ``ce_row_mask`` is 1: every row counts), plus:
 
 =====================  =====================================================
+``ce_chunk_wsum``      ``sum_j v[n, kB + j]``: the mass depends on the row, so
+                       it is a chunk reduction (``ce_rowstats`` merges it)
 ``ce_row_ref``         ``r[n]``: the row's first logit (0 if not finite); the
                        weighted sums are of ``x - r``
 ``ce_row_mass``        ``sum_c v[n, c]`` (output, for the backward)
@@ -304,17 +305,45 @@ class ChunkLayout:
 
 
 @dataclass(frozen=True)
+class ElementWeights:
+    """The weight ``v`` of the row statistics' weighted sums (``_row_stats``).
+
+    ``of(n, c)``: the weight of element ``(n, c)``. ``total``: the ``[1]``
+    stage ``ce_wsum`` holding ``sum_c v`` when ``v`` depends on the class only
+    (a class weight, ``_class_weights``): one reduction over the classes per
+    launch, not one per row. ``None`` when ``v`` depends on the row (a
+    probability target's mass): ``sum_c v`` is then a chunk reduction of the
+    row (``ce_chunk_wsum``)."""
+
+    of: object  # (n, c) -> v
+    total: te.Tensor | None = None
+
+
+def _class_weights(w) -> ElementWeights | None:
+    """A ``[C]`` class weight (or ``None``) as ``_row_stats`` takes it, with its
+    row-independent total (``_weight_total``)."""
+    return None if w is None else ElementWeights(lambda n, c: w[c], _weight_total(w))
+
+
+def _weight_total(w) -> te.Tensor:
+    """``ce_wsum``: ``sum_c w[c]`` of a ``[C]`` class weight, a ``[1]`` stage."""
+    c = te.reduce_axis((_int64(0), w.shape[0]), name="c")
+    return te.compute((1,), lambda _: te.sum(w[c], axis=c), name=WSUM)
+
+
+@dataclass(frozen=True)
 class RowStats:
-    """Per-row statistics from ``_row_stats`` (``[N]`` tensors; ``wsum`` is
-    ``None`` without a weight), the per-chunk maxima ``[N, n_chunks]``, and the
-    kept ``exp(x' - chunk_top)`` ``[N, n_chunks, chunk]`` when asked for (``x'``:
-    the logit as the loss sees it, capped or not; ``chunk_top``: the chunk's
-    max of ``x``, capped: the cap is monotone, so no ``tanh`` per element for it)."""
+    """Per-row statistics from ``_row_stats`` (``[N]`` tensors), ``weight_sum(n)``
+    (``sum_c v``: a stage's value, or ``C`` without a weight), the per-chunk
+    maxima ``[N, n_chunks]``, and the kept ``exp(x' - chunk_top)``
+    ``[N, n_chunks, chunk]`` when asked for (``x'``: the logit as the loss sees
+    it, capped or not; ``chunk_top``: the chunk's max of ``x``, capped: the cap
+    is monotone, so no ``tanh`` per element for it)."""
 
     rowmax: te.Tensor
     expsum: te.Tensor
     wxsum: te.Tensor
-    wsum: te.Tensor | None
+    weight_sum: object  # n -> sum_c v[n, c]
     chunk_max: te.Tensor
     chunk_top: object  # (n, k) -> the chunk's largest logit as the loss sees it (capped)
     chunk_exp: te.Tensor | None
@@ -322,21 +351,17 @@ class RowStats:
     beats: te.Tensor | None = None
 
 
-def _per_class(w):
-    """A ``[C]`` weight (or ``None``) as the per-element weight ``_row_stats`` takes."""
-    return None if w is None else (lambda n, c: w[c])
-
-
-def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: int | None,
-               keep_exp: bool = False, target=None, shift=None, stage: bool = False) -> RowStats:
+def _row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: int, acc: str,
+               chunk: int | None, keep_exp: bool = False, target=None, shift=None,
+               stage: bool = False) -> RowStats:
     """Row statistics of the (capped) logits, reduced chunk by chunk
     (``ChunkLayout``) and merged by ``_softmax_merge``.
 
-    ``weight_of(n, c)``: the weight ``v`` of element ``(n, c)`` in the
-    weighted sums (``sum v x`` and ``sum v``: ``ce_chunk_wxsum``,
-    ``ce_chunk_wsum``); ``w[c]`` for class-index targets (``_per_class``),
+    ``weights``: the weight ``v`` of the weighted sums (``sum v x``:
+    ``ce_chunk_wxsum``; ``sum v``: ``weights.total``, or per row
+    ``ce_chunk_wsum``); ``w[c]`` for class-index targets (``_class_weights``),
     the target mass ``w[c] q'[n, c]`` for probability targets; ``None``: all
-    ones, and no ``sum v`` stage. ``shift(n)``: a per-row value the weighted
+    ones (``sum v`` is ``C``). ``shift(n)``: a per-row value the weighted
     sum subtracts from every logit (``sum v (x - shift)``), so that a large
     common offset of the row does not cancel later.
 
@@ -408,11 +433,12 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
         cmax,
         per_chunk(CHUNK_EXPSUM, te.sum, zero, exp_term),
         per_chunk(CHUNK_WXSUM, te.sum, zero, lambda n, c, k, j: (
-            weight_of(n, c) * shifted(n, c, k, j)) if weight_of is not None
+            weights.of(n, c) * shifted(n, c, k, j)) if weights is not None
             else shifted(n, c, k, j)),
     ]
-    if weight_of is not None:
-        parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: weight_of(n, c)))
+    per_row_wsum = weights is not None and weights.total is None
+    if per_row_wsum:
+        parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: weights.of(n, c)))
     if target is not None:
         one = tirx.const(1.0, acc)
         tl = te.compute((n_rows,), lambda n: logit(n, target(n)), name=ROW_TARGET_LOGIT)
@@ -427,8 +453,14 @@ def _row_stats(logit: Logits, weight_of, n_rows, classes: int, acc: str, chunk: 
     stats = te.compute(
         (n_rows,), lambda n: _softmax_merge(len(parts))(
             (top(n, k_axis), *(p[n, k_axis] for p in parts[1:])), axis=k_axis), name=ROWSTATS)
-    return RowStats(stats[0], stats[1], stats[2], stats[3] if weight_of is not None else None,
-                    cmax, top, kept, layout, stats[len(parts) - 1] if target is not None else None)
+    if per_row_wsum:
+        weight_sum = lambda n: stats[3][n]  # noqa: E731
+    elif weights is not None:
+        weight_sum = lambda n: weights.total[0]  # noqa: E731
+    else:
+        weight_sum = lambda n: tirx.const(float(classes), acc)  # noqa: E731
+    return RowStats(stats[0], stats[1], stats[2], weight_sum, cmax, top, kept, layout,
+                    stats[len(parts) - 1] if target is not None else None)
 
 
 def _row_hits(n_rows, acc, mask, beats):
@@ -499,17 +531,15 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     ii, eps, s, *cap = scalars = _scalars(acc, variant.softcap)
     logit = Logits(x, acc, tuple(cap))
     mask, index = _masked_target(y, ii, classes)
-    st = _row_stats(logit, _per_class(w), n_rows, classes, acc, chunk,
+    st = _row_stats(logit, _class_weights(w), n_rows, classes, acc, chunk,
                     target=index if variant.accuracy else None, stage=stage)
-    rowmax, expsum, wxsum, wsum = st.rowmax, st.expsum, st.wxsum, st.wsum
+    rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
     lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name=LSE)
     rows = _row_losses(
         n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
         target_logit=lambda n: logit(n, index(n)),
         target_weight=lambda n: w[index(n)] if w is not None else tirx.const(1.0, acc),
-        wxsum=lambda n: wxsum[n],
-        wsum=lambda n: wsum[n] if w is not None else tirx.const(float(classes), acc),
-        reduction=variant.reduction)
+        wxsum=lambda n: wxsum[n], wsum=st.weight_sum, reduction=variant.reduction)
     outs = _reduce_forward(rows, n_rows, dtype, variant.reduction).outputs
     args = [x, y] + ([w] if w is not None else []) + list(scalars) + outs + [lse]
     if variant.log_prob:
@@ -539,7 +569,7 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
     offset = te.var("shard_offset", "int64")
     cap = _scalars(acc, variant.softcap)[3:]
     logit = Logits(x, acc, cap)
-    st = _row_stats(logit, _per_class(w), n_rows, classes, acc, chunk)
+    st = _row_stats(logit, _class_weights(w), n_rows, classes, acc, chunk)
     rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
     local = te.compute((n_rows,), lambda n: y[n] - offset, name=SHARD_LOCAL)
 
@@ -716,8 +746,7 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
             return wc(index(n))
 
         if w is not None:
-            c4 = te.reduce_axis((_int64(0), _int64(classes)), name="c")
-            total_w = te.compute((1,), lambda _: te.sum(w[c4], axis=c4), name=WSUM)[0]
+            total_w = _weight_total(w)[0]
         else:
             total_w = tirx.const(float(classes), acc)
 
@@ -780,7 +809,7 @@ def train_func(classes: int, dtype: str, variant: Variant,
     logit = Logits(x, acc, tuple(cap))
     mask, index = _masked_target(y, ii, classes)
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
-    st = _row_stats(logit, _per_class(w), n_rows, classes, acc, chunk, keep_exp=True,
+    st = _row_stats(logit, _class_weights(w), n_rows, classes, acc, chunk, keep_exp=True,
                     target=index if variant.accuracy else None)
     lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
 
@@ -793,9 +822,7 @@ def train_func(classes: int, dtype: str, variant: Variant,
     rows = _row_losses(
         n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
         target_logit=lambda n: logit(n, index(n)), target_weight=target_weight,
-        wxsum=lambda n: st.wxsum[n],
-        wsum=lambda n: st.wsum[n] if w is not None else tirx.const(float(classes), acc),
-        reduction=variant.reduction)
+        wxsum=lambda n: st.wxsum[n], wsum=st.weight_sum, reduction=variant.reduction)
     totals = _reduce_forward(rows, n_rows, dtype, variant.reduction)
     outs = totals.outputs
     if variant.reduction == "mean":
@@ -807,8 +834,7 @@ def train_func(classes: int, dtype: str, variant: Variant,
         row_grad = row_zgrad = lambda n: one
         norms = []
     hot, smooth, p_scale = _grad_coefficients(
-        n_rows, acc, eps, s, mask, lse, target_weight,
-        lambda n: st.wsum[n] if w is not None else tirx.const(float(classes), acc),
+        n_rows, acc, eps, s, mask, lse, target_weight, st.weight_sum,
         tirx.const(float(classes), acc), row_grad, row_zgrad)
     lay, kept = st.layout, st.chunk_exp
     chunk_scale = te.compute(
@@ -881,14 +907,15 @@ def prob_forward_func(classes: int, dtype: str, variant: Variant,
 
     # a stage of its own for the chunks (whose schedules stage only their chunk of x)
     ref = te.compute((n_rows,), first_logit, name=ROW_REF)
-    st = _row_stats(logit, _target_mass(q, w, eps, classes, acc), n_rows, classes, acc, chunk,
-                    shift=lambda n: ref[n])
+    st = _row_stats(logit, ElementWeights(_target_mass(q, w, eps, classes, acc)), n_rows,
+                    classes, acc, chunk, shift=lambda n: ref[n])
     lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
-    mass = te.compute((n_rows,), lambda n: st.wsum[n], name=ROW_MASS)
+    mass = te.compute((n_rows,), st.weight_sum, name=ROW_MASS)
     every = te.compute((n_rows,), lambda n: tirx.const(1.0, acc), name=ROW_MASK)
     rows = {
         "ce": te.compute((n_rows,), lambda n: (
-            (st.rowmax[n] - first_logit(n)) + te.log(st.expsum[n])) * st.wsum[n] - st.wxsum[n],
+            (st.rowmax[n] - first_logit(n)) + te.log(st.expsum[n])) * st.weight_sum(n)
+            - st.wxsum[n],
             name=ROW_CE),
         "z": te.compute((n_rows,), lambda n: s * lse[n] * lse[n], name=ROW_Z),
     }

@@ -48,13 +48,14 @@ from ..compute import (
     TOTAL_COUNT,
     TOTAL_WEIGHT,
     TOTAL_Z,
+    WSUM,
     X_GRAD,
     ZLOSS,
     matrix_param,
 )
 
 # Row reductions of the forward and shard statistics, reduced chunk by chunk;
-# the optional ones exist for some variants only (CHUNK_WSUM weighted,
+# the optional ones exist for some variants only (CHUNK_WSUM probability targets,
 # CHUNK_BEATS token accuracy).
 ROW_REDUCTIONS = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM)
 OPTIONAL_ROW_REDUCTIONS = (CHUNK_WSUM, CHUNK_BEATS)
@@ -79,6 +80,9 @@ COMBINE_ROWS = (ROW_CE, ROW_Z, LOSS, ZLOSS)
 GRAD_OUTPUTS = (X_GRAD, TARGET_GRAD)
 # Per-row coefficients of the backward (probability targets have no one-hot term).
 ROW_GRAD_COEFS = (GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE)
+# Stages over the classes only, that per-row stages read (weighted only): reduced
+# once per launch at the root, outside the rows.
+ROW_INDEPENDENT = (WSUM,)
 
 
 def sample_knobs(sch, space: dict, decisions: dict | None = None) -> dict:
@@ -147,10 +151,34 @@ def place_row_stages(sch, lanes: int):
         sch.compute_at(blk, row)
     for blk in present_blocks(sch, ROW_FORWARD_REST):
         if is_per_row(sch, blk):
-            sch.reverse_compute_at(blk, row)
+            row = join_row(sch, blk, row)
     for blk in present_blocks(sch, ROW_PRODUCERS):  # its consumers are under the row now
         sch.compute_at(blk, row)
-    return row, chunk_loop, stages
+    return row, sch.get_loops(sch.get_sblock(ROWSTATS))[1], stages
+
+
+def join_row(sch, block, row):
+    """Move the per-row ``block`` (its own row loop at the root) under the row
+    loop ``row``, after what is there; returns the row loop.
+
+    ``reverse_compute_at``, unless ``block`` reads a row-independent stage
+    (``ROW_INDEPENDENT``: at the root, once), which that primitive refuses (it
+    wants every producer under the loop): then the two row loops are merged,
+    and the merged loop takes the place of ``block``'s, after the stage.
+    """
+    reads = {region.source.name for region in sch.get(block).reads}
+    if not reads & set(ROW_INDEPENDENT):
+        sch.reverse_compute_at(block, row)
+        return row
+    children = sch.get_child_blocks(sch.get_sblock("root"))
+    names = [sch.get(b).name_hint for b in children]
+    rows = [i for i, b in enumerate(children)
+            if any(sch.get(loop).same_as(sch.get(row)) for loop in sch.get_loops(b))]
+    between = names[max(rows) + 1:names.index(sch.get(block).name_hint)]
+    if not set(between) <= set(ROW_INDEPENDENT):  # they would run before the merged rows
+        raise ValueError(f"cannot merge the rows of {names[rows[0]]} and "
+                         f"{sch.get(block).name_hint}: {between} lie between them")
+    return sch.merge(row, sch.get_loops(block)[0])
 
 
 def place_grad_coefficients(sch):
@@ -239,6 +267,19 @@ def parallel_rows(sch, row, grain: int = 1) -> int:
         return 1
     sch.parallel(sch.split(row, [None, grain])[0])
     return 2
+
+
+def vector_row_independent(sch, lanes: int) -> None:
+    """The row-independent reductions (``ROW_INDEPENDENT``, at the root, once
+    per launch) as vector accumulators of up to ``lanes`` lanes (the largest
+    divisor of ``C``: no tail predicate), summed across lanes at the end."""
+    for blk in present_blocks(sch, ROW_INDEPENDENT):
+        classes = int(sch.get(sch.get_loops(blk)[-1]).extent)
+        blocks = split_reduction(sch, sch.get(blk).name_hint, row_lanes(classes, lanes))
+        if len(blocks) == 2:
+            loops = sch.get_loops(blocks[0])
+            sch.vectorize(loops[-1])
+            sch.decompose_reduction(blocks[0], loops[1])
 
 
 def vectorize_inner(sch, block, lanes: int) -> None:

@@ -42,6 +42,7 @@ from ._common import (
     row_sweep,
     sweep_accumulators,
     vector_accumulators,
+    vector_row_independent,
     vectorize_inner,
 )
 from .ascend_plan import get_profile, plan
@@ -97,6 +98,7 @@ def forward(func, target: Target, profile: str = "910b"):
     for blk in present_blocks(sch, SHARD_GATHERS):
         _parallel_rows(sch, sch.get_loops(blk)[0], prof.vector_cores)
     vector_accumulators(sch, stages, outer=3)
+    vector_row_independent(sch, prof.repeat_bytes // 4)
     init_row_totals(sch)
     for blk in staged + log_prob:
         vectorize_inner(sch, blk, lanes)
@@ -138,6 +140,7 @@ def train(func, target: Target, profile: str = "910b"):
         staged.append(_stage(sch, [grad], tile, p.buffers))
     _parallel_rows(sch, sweep.row, prof.vector_cores)
     sweep_accumulators(sch, sweep)
+    vector_row_independent(sch, prof.repeat_bytes // 4)
     init_row_totals(sch)
     for blk in staged + ([kept] if fits else []) + [grad]:
         vectorize_inner(sch, blk, lanes)
@@ -157,6 +160,7 @@ def backward(func, target: Target, profile: str = "910b"):
     # log_prob or the logits (a probability target is read from memory, unstaged)
     staged = _stage(sch, [grad], tile, p.buffers, matrix_param(func).name)
     _parallel_rows(sch, row, prof.vector_cores)
+    vector_row_independent(sch, prof.repeat_bytes // 4)
     init_row_totals(sch)
     for blk in (staged, grad):
         vectorize_inner(sch, blk, prof.repeat_bytes // 4)

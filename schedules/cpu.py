@@ -6,16 +6,20 @@ the math is never touched here, only where and how each block runs.
 Strategy, forward (the compute reduces each row in chunks, see
 ``forward_chunk``):
 
-1. Every per-chunk reduction (``ce_chunk_max``, ``_expsum``, ``_wxsum``,
-   ``_wsum``) is split by the vector width and rfactored, so it runs as
-   independent vector accumulators (two native vectors: two dependency
-   chains).
+1. Every per-chunk reduction (``ce_chunk_max``, ``_expsum``, ``_wxsum``; the
+   probability targets' ``_wsum``) is split by the vector width and
+   rfactored, so it runs as independent vector accumulators (two native
+   vectors: two dependency chains). A class weight's sum (``ce_wsum``) runs
+   once, vectorised, before the rows.
 2. The mask and row-weight blocks are inlined (a block with no block
    producer would be recomputed for every row by ``reverse_compute_at``).
 3. The chunk reductions move under the chunk loop of ``ce_rowstats`` (which
    merges them): a chunk is read from memory by its first reduction and from
-   L1 by the others. All per-row blocks move under the row loop, which runs
-   in parallel over the cores.
+   L1 by the others. For bfloat16 rows, or rows not starting on a cache line
+   (``forward_stage``), the compute copies the chunk to float32 first
+   (``ce_chunk_logits``): converted once, read aligned by every reduction.
+   All per-row blocks move under the row loop, which runs in parallel over
+   the cores.
 4. ``log_prob`` (seed API) is written in one more vectorised pass over the
    row, which hits L2.
 5. The serial row totals (``ce_total_*``) stay at the root: N floats, a fixed
@@ -69,6 +73,7 @@ from ._common import (
     sample_knobs,
     sweep_accumulators,
     vector_accumulators,
+    vector_row_independent,
     vectorize_gradient_by_chunk,
     vectorize_inner,
 )
@@ -203,6 +208,7 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
         sch.parallel(sch.get_loops(blk)[0])
     row_loops = parallel_rows(sch, row, knobs.row_grain)
     vector_accumulators(sch, stages, outer=row_loops + 1, unroll=knobs.unroll)
+    vector_row_independent(sch, vector_lanes(target) * knobs.accumulators)
     init_row_totals(sch)
     for blk in present_blocks(sch, [LOG_PROB, CHUNK_LOGITS]):
         vectorize_inner(sch, blk, vector_lanes(target) * knobs.accumulators)
@@ -219,6 +225,7 @@ def schedule_backward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     inline_row_helpers(sch)
     grad, row = place_grad_coefficients(sch)
     parallel_rows(sch, row, knobs.row_grain)
+    vector_row_independent(sch, vector_lanes(target) * knobs.accumulators)
     init_row_totals(sch)
     vectorize_inner(sch, grad, vector_lanes(target) * knobs.accumulators)
     return sch
@@ -255,6 +262,7 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     sweep = row_sweep(sch, row_lanes(chunk, lanes))
     parallel_rows(sch, sweep.row, knobs.row_grain)
     sweep_accumulators(sch, sweep)
+    vector_row_independent(sch, lanes)
     init_row_totals(sch)
     for blk in present_blocks(sch, [CHUNK_LOGITS, CHUNK_EXP]):
         vectorize_inner(sch, blk, lanes)

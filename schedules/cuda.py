@@ -14,8 +14,10 @@ Forward (and the vocabulary-shard statistics):
    plus shared memory), merged over chunks by the compute's online-softmax
    reducer. Accumulation is float32.
 4. ``log_prob`` (seed API) is written from a second, coalesced pass, which
-   reads the staged row when the row is one chunk (else the logits again:
-   the chunk staged last is not the row).
+   reads the staged row when the row is one chunk, or when the whole row
+   fits shared memory (``stages_whole_row``: then it is staged whole and its
+   chunks reduced from there); else the logits again (the chunk staged last
+   is not the row, and ``lse`` is known only after the last chunk).
 5. Sums over rows run in one block with a cross-thread reduction: a fixed
    order, so results are deterministic (no atomics). Consecutive
    single-block stages (the sums, the loss finalisers) are one kernel, so a
@@ -67,6 +69,7 @@ from ..kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES
 from ._common import (
     COMBINE_ROWS,
     ROW_GRAD_COEFS,
+    ROW_INDEPENDENT,
     ROW_PRODUCERS,
     ROW_TOTALS,
     SHARD_GATHERS,
@@ -75,6 +78,7 @@ from ._common import (
     inline_capped_chunk,
     inline_row_helpers,
     is_per_row,
+    join_row,
     place_grad_coefficients,
     place_row_stages,
     present_blocks,
@@ -83,6 +87,19 @@ from ._common import (
 )
 
 VECTOR_BYTES = 16  # one 128-bit load or store per thread
+# Shared memory per SM by compute capability (KB; CUDA programming guide): a row
+# the log_prob forward stages whole (``stages_whole_row``) takes at most half,
+# less 2 KB (the reductions' scratch, the 1 KB the driver reserves per block), so
+# that 2 blocks share an SM. Above ``STATIC_STAGE_BYTES`` it is dynamic shared
+# memory (``shared.dyn``; TVM's runtime raises the kernel's dynamic shared
+# memory limit at launch), static below (48 KB at most).
+SMEM_PER_SM_KB = {"sm_80": 164, "sm_87": 164, "sm_86": 100, "sm_89": 100, "sm_90": 228,
+                  "sm_100": 228, "sm_120": 100}
+STATIC_STAGE_BYTES = 40 * 1024
+# Threads of the one block that sums the class weights (``ce_wsum``) before the
+# row kernel: latency-bound (one SM), so as many loads in flight as a block
+# holds (nvcc unrolls each thread's loop ~20 loads deep: ~80 KB in flight).
+WIDE_BLOCK = 1024
 # TVM's StorageRewrite folds each chunk reduction's one-element ``local`` result
 # into a buffer that LowerThreadAllreduce then maps to its ``volatile`` shared
 # slot: every use of the chunk max became a shared load the compiler may not
@@ -208,7 +225,9 @@ def _bind_single_block_reductions(sch, threads: int) -> None:
     """The stages that are not per row (sums over rows, ``ce_wsum`` over classes,
     the loss finalisers, the mean's norms) run in one block, each reduction
     cross-thread; consecutive ones (in program order) are fused into one kernel
-    (``merge``), and a sum read only inside its kernel stays in registers."""
+    (``merge``), and a sum read only inside its kernel stays in registers. A
+    kernel of row-independent sums alone (``ce_wsum`` before the row kernel)
+    gets ``WIDE_BLOCK`` threads: one block streams all of ``w``."""
     groups, run = [], []
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         if is_per_row(sch, block) and sch.get(block).name_hint != MEAN_NORMS:
@@ -221,6 +240,7 @@ def _bind_single_block_reductions(sch, threads: int) -> None:
         groups.append(run)
     for group in groups:
         names = [sch.get(b).name_hint for b in group]
+        width = WIDE_BLOCK if set(names) <= set(ROW_INDEPENDENT) else threads
         loops = []
         for block in group:
             loop = sch.get_loops(block)[0]
@@ -231,7 +251,7 @@ def _bind_single_block_reductions(sch, threads: int) -> None:
         sch.bind(outer, "blockIdx.x")
         for block in group:
             if sch.get(block).name_hint in ROW_TOTALS + (WSUM,):
-                _, tx = sch.split(sch.get_loops(block)[-1], [None, threads])
+                _, tx = sch.split(sch.get_loops(block)[-1], [None, width])
                 sch.bind(tx, "threadIdx.x")
         if not any(sch.get(block).name_hint in ROW_TOTALS + (WSUM,) for block in group):
             _, tx = sch.split(outer, [None, 1])
@@ -258,20 +278,51 @@ def _bind_row_blocks(sch, row, rows_per_block: int) -> None:
     sch.bind(ty, "threadIdx.y")
 
 
+def staged_row_bytes(target: Target) -> int:
+    """The largest row the log_prob forward stages whole on ``target``'s arch
+    (``SMEM_PER_SM_KB``; an unknown arch: the smallest listed)."""
+    per_sm = SMEM_PER_SM_KB.get(str(target.attrs.get("arch", "")), min(SMEM_PER_SM_KB.values()))
+    return (per_sm // 2 - 2) * 1024
+
+
+def stages_whole_row(classes: int, chunk: int, dtype: str, log_prob: bool,
+                     limit: int) -> bool:
+    """Whether the forward stages the whole row in shared memory, not chunk by
+    chunk: when the row is one chunk; and for the ``log_prob`` forward when
+    the row fits ``limit`` bytes (``staged_row_bytes``) and every row starts
+    16-byte aligned, so that ``log_prob`` is written from the staged row: the
+    logits read once, 2 passes over HBM instead of 3 (C = 32000 bf16 on
+    sm_90: 64 KB per block, 3 blocks per SM).
+
+    Not for rows that are not 16-byte aligned (C = 50257 bf16, 98 KB): staged
+    with 2-byte loads at 2 blocks per SM, ~4 KB are in flight per SM where
+    ~23 KB are needed (4.3 TB/s over 132 SMs, ~0.7 us latency); the chunked
+    forward keeps 5 blocks per SM loading. Rows over ``limit`` (C = 128256
+    bf16: 250 KB, more than a block may hold; C = 50257 fp32: 196 KB, one
+    block per SM) are chunked."""
+    if chunk == classes:
+        return True
+    row_bytes = classes * DTYPE_BYTES[dtype]
+    return log_prob and row_bytes <= limit and row_bytes % VECTOR_BYTES == 0
+
+
 def schedule_forward(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     """``forward`` on a given schedule (before ``finish``)."""
     func = sch.mod["main"]
     inline_row_helpers(sch)
     inline_capped_chunk(sch)  # the chunk is in shared memory already: tanh per read
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
-    whole_row = _chunk(sch) == classes  # log_prob reads the staged row too: one read
+    # log_prob reads the staged row too: one read
+    whole_row = stages_whole_row(classes, _chunk(sch), dtype, has_stage(sch, LOG_PROB),
+                                 staged_row_bytes(target))
     row, chunk_loop, stages = place_row_stages(sch, lanes=1)
     names = list(stages)
     readers = [sch.get_sblock(n) for n in names if n != CHUNK_WSUM]
     if whole_row:
         readers += present_blocks(sch, (LOG_PROB,))
-    staged = sch.cache_read(readers[0], _read_index(sch, readers[0], "x"), "shared",
-                            consumer_blocks=readers)
+    dynamic = whole_row and classes * DTYPE_BYTES[dtype] > STATIC_STAGE_BYTES
+    staged = sch.cache_read(readers[0], _read_index(sch, readers[0], "x"),
+                            "shared.dyn" if dynamic else "shared", consumer_blocks=readers)
     sch.compute_at(staged, row if whole_row else chunk_loop)
     per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
     _keep_on_chip(sch, func, names + [ROWSTATS, ROW_TARGET_LOGIT, *ROW_PRODUCERS] + per_row_only)
@@ -377,7 +428,8 @@ def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     after = [sch.get(b).name_hint for b in blocks].index(X_GRAD) + 1
     for blk in blocks[after:]:  # the per-row terms after the gradient (loss, z-loss, hits)
         if is_per_row(sch, blk) and not _under(sch, blk, sweep.row):
-            sch.reverse_compute_at(blk, sweep.row)
+            sweep.row = join_row(sch, blk, sweep.row)
+    sweep.chunk = sch.get_loops(sch.get_sblock(ROWSTATS))[1]
     names = list(sweep.stages)
     readers = [sch.get_sblock(n) for n in names if n != CHUNK_WSUM]
     whole_row = classes == chunk  # the gradient reads the staged row too: one read

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+import ce_tvm
 from ce_tvm import launch
 from ce_tvm.build import compile_spec, cuda_binary, lower_and_compile, scheduled_func
 from ce_tvm.compute import Variant
@@ -139,13 +140,23 @@ def test_cuda_kernels_take_their_scratch_from_the_caller(op, variant):
     assert {str(p.dtype) for p in slots} == {"float32"}
 
 
-def test_fewer_launches():
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fewer_launches(weighted):
     """Sums over rows and the finalisers run fused: a mean forward is one row
-    kernel and one single-block kernel (7 launches before issue 19)."""
-    spec = KernelSpec("forward", "bfloat16", 5003, Variant("mean", True, False), "cuda",
+    kernel and one single-block kernel (7 launches before issue 19); with a
+    class weight, one more single-block kernel before the rows sums the
+    weights once (``ce_wsum``), where each row block summed them before."""
+    spec = KernelSpec("forward", "bfloat16", 5003, Variant("mean", weighted, False), "cuda",
                       (("arch", "sm_90"),))
     source = lower_and_compile(spec).mod.imports[0].inspect_source()
-    assert source.count("__global__") == 2 * 2  # declaration + definition each
+    pieces = source.split("__global__")[1:]  # declarations, then definitions
+    assert len(pieces) == 2 * (2 + weighted)
+    kernels = pieces[len(pieces) // 2:]
+    wsum_kernels = [k for k in kernels if "ce_wsum" in k]
+    if weighted:  # one block of 1024 threads streams w once; the row kernel reads the sum
+        assert "__launch_bounds__(1024)" in wsum_kernels[0].split("{")[0]
+        assert "weight_ptr[" in wsum_kernels[0] and "ce_wsum_ptr[0] =" in wsum_kernels[0]
+        assert all("ce_wsum_ptr[0] =" not in k for k in kernels[1:])
 
 
 @pytest.mark.parametrize("rows", [1, 17, 1000])
@@ -187,6 +198,50 @@ def test_training_kernel_matches_reference_on_gpu(dtype, classes, reduction, wei
                                   reduction, -100, 0.1, 1e-3)
     assert_close(out.loss.cpu().reshape(1), ref_loss, TOL[dtype], "loss")
     assert_close(grad.cpu(), ref_grad, TOL[dtype], "x grad")
+
+
+def test_log_prob_forward_writes_from_the_row_staged_whole_when_it_fits():
+    """The log_prob forward (seed API) stages a row of 32000 bf16 (64 KB) whole in
+    dynamic shared memory and writes ``log_prob`` from it: no second read of
+    ``x``. A row of 50257 bf16 (not 16-byte aligned) and one of 128256 bf16
+    (250 KB) are staged chunk by chunk, and ``log_prob`` re-reads ``x``."""
+    def source(classes):
+        spec = KernelSpec("forward", "bfloat16", classes, Variant("mean", True, True), "cuda",
+                          (("arch", "sm_90"),))
+        return lower_and_compile(spec).mod.imports[0].inspect_source()
+
+    def x_reads(src):  # statements that read the logits from global memory
+        return [line for line in src.splitlines() if "x_ptr" in line and "__global__" not in line]
+
+    staged = source(32000)
+    assert "extern __shared__" in staged
+    assert len(x_reads(staged)) == 2  # the staging copy, the target's logit
+    for classes in (50257, 128256):
+        chunked = source(classes)
+        assert "extern __shared__" not in chunked
+        assert len(x_reads(chunked)) > 2  # the log_prob pass reads x again
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("classes", [1001, 32000, 50257])
+def test_log_prob_forward_matches_reference_on_gpu(dtype, classes):
+    """The seed API's forward (``log_prob`` written): one-chunk rows, rows staged
+    whole in dynamic shared memory (32000 bf16: 64 KB), chunked rows."""
+    import reference
+    from checks import TOL, assert_close
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(33, classes, generator=gen) * 3).to(dtype)
+    y = torch.randint(0, classes, (33,), generator=gen)
+    y[::5] = -100
+    w = torch.rand(classes, generator=gen) + 0.5
+    loss, log_prob, _, _ = ce_tvm.cross_entropy_loss(x.cuda(), y.cuda(), w.cuda(),
+                                                     label_smoothing=0.1)
+    ref_loss, ref_log_prob, _, _ = reference.forward(
+        x.double().numpy(), y.numpy(), w.double().numpy(), "mean", -100, 0.1, 0.0)
+    assert_close(loss.cpu().reshape(1), ref_loss, TOL[dtype], "loss")
+    assert_close(log_prob.cpu(), ref_log_prob, TOL[dtype], "log_prob")
 
 
 @needs_gpu

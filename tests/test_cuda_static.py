@@ -12,13 +12,17 @@ Budgets, per element of the row kernel's element loops (sm_90), and why:
   fourth pass; the backward one (load, exp, coefficients, store; 4 block
   sweeps unrolled per iteration); the training kernel the forward's chunk
   passes, then the backward's (the logits read again, ``exp`` again).
-  Measured on the cuda2 branch (weighted forwards and training kernel,
-  unweighted backward; bf16/fp32, C = 50257/128256): forward 40-42, log_prob
-  forward 41-52, backward 13-26 (the high end is the scalar loop of rows not
-  16-byte aligned: C = 50257), training kernel 52-61 (its gradient's last,
+  Measured on the cuda3 branch (weighted forwards and training kernel,
+  unweighted backward; bf16/fp32, C = 50257/128256): forward 32-36, log_prob
+  forward 35-45, backward 13-26 (the high end is the scalar loop of rows not
+  16-byte aligned: C = 50257), training kernel 47-54 (its gradient's last,
   overlapping chunk runs in a scalar loop of its own; the tool charges every
   element the costlier of the two gradient loops). Budgets leave ~20%
-  headroom. Before issue 19's second round (main 2380dd4, polynomial exp,
+  headroom. The class weights' sum is reduced once per launch (``ce_wsum``,
+  a kernel of its own before the rows), no longer in every row's chunk loop:
+  the weighted forward went from 40-42 to 32-36 (cuda2's budgets: forward 50,
+  log_prob forward 62, training 74; short rows 150/156/216). Before issue
+  19's second round (main 2380dd4, polynomial exp,
   one load in flight): forward 56-58, log_prob forward 60-71, backward
   27-50; before its first round the forward was 100-120 and the log_prob
   forward 106-131 (the chunk max re-read from a volatile shared slot: 9-13
@@ -36,8 +40,9 @@ Budgets, per element of the row kernel's element loops (sm_90), and why:
   and their sums live across the unrolled passes).
 - Short rows (C = 1001: 4 elements per thread) run without loops; the whole
   kernel over its 4 elements per thread is bounded instead (per-row
-  reductions dominate there): measured forward 124, log_prob forward 130
-  (the row is read once, from shared memory), backward 70, training 180.
+  reductions dominate there): measured forward 106, log_prob forward 118
+  (the row is read once, from shared memory), backward 70, training 174
+  (cuda2: 124, 130, 70, 180).
 
 The weighted forward and training kernel are measured (the unweighted ones
 share their element loops).
@@ -57,9 +62,9 @@ needs_tools = pytest.mark.skipif(
     shutil.which("nvcc") is None or cuda_static.disassembler() is None,
     reason="needs nvcc and nvdisasm/cuobjdump (pip install nvidia-cuda-nvdisasm)")
 
-BUDGET = {"forward": 50, "forward-lp": 62, "backward": 32, "train": 74}  # insn/el, loops
-SHORT_ROW_BUDGET = {"forward": 150, "forward-lp": 156, "backward": 85,
-                    "train": 216}  # C = 1001, no loops
+BUDGET = {"forward": 43, "forward-lp": 54, "backward": 32, "train": 65}  # insn/el, loops
+SHORT_ROW_BUDGET = {"forward": 128, "forward-lp": 142, "backward": 85,
+                    "train": 209}  # C = 1001, no loops
 MAX_BROADCAST_LDS = {"train": 0.4}  # else 0.25
 MAX_REGISTERS = {"train": 80}  # else 64
 MAX_STATIC_SMEM = 48 * 1024

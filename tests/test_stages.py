@@ -5,7 +5,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from tvm import s_tir
+from tvm import s_tir, tirx
 
 from ce_tvm import compute
 from ce_tvm.compute import Variant
@@ -101,3 +101,38 @@ def test_a_stage_the_variant_lacks_is_skipped_and_a_required_one_is_not():
     shard = s_tir.Schedule(compute.shard_combine_func(10, "float32", Variant("sum")))
     with pytest.raises(s_tir.ScheduleError):  # a forward phase on a kernel without row stats
         _common.place_row_stages(shard, lanes=1)
+
+
+@pytest.mark.parametrize("declare", [
+    lambda v: compute.forward_func(10, "float32", v, 4),
+    lambda v: compute.train_func(10, "float32", v, 4),
+    lambda v: compute.backward_func(10, "float32", v)], ids=["forward", "train", "backward"])
+def test_class_weight_sum_is_one_stage_over_the_classes(declare):
+    """``sum_c w[c]`` does not depend on the row: one ``ce_wsum`` over the
+    classes, no per-row chunk sum (``ce_chunk_wsum``)."""
+    names = block_names(declare(Variant("mean", True, False)))
+    assert compute.WSUM in names and compute.CHUNK_WSUM not in names
+    assert compute.WSUM not in block_names(declare(Variant("mean", False, False)))
+
+
+def test_probability_target_mass_keeps_its_per_row_sum():
+    names = block_names(compute.prob_forward_func(10, "float32", Variant("mean", True, False), 4))
+    assert compute.CHUNK_WSUM in names and compute.WSUM not in names
+
+
+@pytest.mark.parametrize("op", ["forward", "train", "backward"])
+def test_cpu_reduces_the_class_weight_sum_once_before_the_parallel_rows(op):
+    """The CPU schedule leaves ``ce_wsum`` at the root, ahead of the row loop
+    that runs in parallel, and vectorised (its lanes summed at the end)."""
+    from ce_tvm.build import KernelSpec, scheduled_func
+
+    variant = Variant("mean", True, grad_source="logits") if op == "backward" else Variant(
+        "mean", True, False)
+    func = scheduled_func(KernelSpec(op, "float32", 1024, variant, "llvm"))
+    script = func.script()
+    first_parallel = script.index("T.parallel(")
+    assert script.index('T.sblock("ce_wsum_rf_update")') < first_parallel
+    assert script.index('T.sblock("ce_wsum")') < first_parallel
+    sch = s_tir.Schedule(func)
+    loops = sch.get_loops(sch.get_sblock("ce_wsum_rf_update"))
+    assert sch.get(loops[-1]).kind == tirx.ForKind.VECTORIZED
