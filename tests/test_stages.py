@@ -136,3 +136,22 @@ def test_cpu_reduces_the_class_weight_sum_once_before_the_parallel_rows(op):
     sch = s_tir.Schedule(func)
     loops = sch.get_loops(sch.get_sblock("ce_wsum_rf_update"))
     assert sch.get(loops[-1]).kind == tirx.ForKind.VECTORIZED
+
+
+@pytest.mark.parametrize("dtype,classes,staged", [
+    ("float32", 1024, False),  # rows start on a cache line: reduced in place
+    ("float32", 1001, True),  # rows start anywhere: every L1 pass would straddle lines
+    ("bfloat16", 1024, True),  # 16-bit rows: converted to float32 once
+])
+def test_cpu_forward_stages_the_chunk_when_rows_are_16_bit_or_unaligned(dtype, classes, staged):
+    """The CPU asks for ``ce_chunk_logits`` (``forward_stage``) where it pays;
+    every chunk reduction (the max included) then reads it instead of ``x``."""
+    from ce_tvm.build import KernelSpec, scheduled_func
+
+    func = scheduled_func(KernelSpec("forward", dtype, classes, Variant("mean", False, False),
+                                     "llvm"))
+    sch = s_tir.Schedule(func)
+    for name in ("ce_chunk_max_rf_update", "ce_chunk_expsum_rf_update",
+                 "ce_chunk_wxsum_rf_update"):
+        reads = {r.source.name for r in sch.get(sch.get_sblock(name)).reads}
+        assert (compute.CHUNK_LOGITS in reads) == staged and ("x" in reads) != staged, reads
