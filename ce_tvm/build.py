@@ -67,8 +67,8 @@ def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc
             chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(),
                              **spec.schedule_options())
         staged = getattr(schedule, "forward_stage", None)
-        if spec.op == "forward" and staged is not None:
-            return compute.forward_func(*args, chunk, stage=staged(
+        if spec.op in ("forward", "shard_stats") and staged is not None:
+            return chunked[spec.op](*args, chunk, stage=staged(
                 spec.classes, spec.dtype, spec.tvm_target(), **spec.schedule_options()))
         return chunked[spec.op](*args, chunk)
     whole = {"shard_combine": compute.shard_combine_func, "backward": compute.backward_func,

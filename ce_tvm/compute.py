@@ -555,9 +555,10 @@ def forward_func(classes: int, dtype: str, variant: Variant,
 
 
 def shard_stats_func(classes: int, dtype: str, variant: Variant,
-                     chunk: int | None = None) -> tirx.PrimFunc:
+                     chunk: int | None = None, stage: bool = False) -> tirx.PrimFunc:
     """Per-row statistics of one vocabulary shard ``x[N, C_r]`` (columns
-    ``[shard_offset, shard_offset + C_r)`` of the full logits).
+    ``[shard_offset, shard_offset + C_r)`` of the full logits), chunked and
+    staged (``stage``) as in ``forward_func``.
 
     Arguments: ``x``, ``target[N]`` (global class ids), ``weight[C_r]``
     (weighted only), ``shard_offset``, ``softcap`` (capped variant only);
@@ -569,7 +570,7 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
     offset = te.var("shard_offset", "int64")
     cap = _scalars(acc, variant.softcap)[3:]
     logit = Logits(x, acc, cap)
-    st = _row_stats(logit, _class_weights(w), n_rows, classes, acc, chunk)
+    st = _row_stats(logit, _class_weights(w), n_rows, classes, acc, chunk, stage=stage)
     rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
     local = te.compute((n_rows,), lambda n: y[n] - offset, name=SHARD_LOCAL)
 

@@ -155,3 +155,15 @@ def test_cpu_forward_stages_the_chunk_when_rows_are_16_bit_or_unaligned(dtype, c
                  "ce_chunk_wxsum_rf_update"):
         reads = {r.source.name for r in sch.get(sch.get_sblock(name)).reads}
         assert (compute.CHUNK_LOGITS in reads) == staged and ("x" in reads) != staged, reads
+
+
+@pytest.mark.parametrize("op,staged", [("shard_stats", True), ("prob_forward", False)])
+def test_cpu_stages_a_shards_chunk_but_not_a_probability_targets(op, staged):
+    """A vocabulary shard's statistics are staged like the forward; probability
+    targets, which stream the targets beside the logits, are not (it costs them)."""
+    from ce_tvm.build import KernelSpec, scheduled_func
+
+    sch = s_tir.Schedule(scheduled_func(KernelSpec(op, "bfloat16", 1024,
+                                                   Variant("mean", False, False), "llvm")))
+    reads = {r.source.name for r in sch.get(sch.get_sblock("ce_chunk_max_rf_update")).reads}
+    assert (compute.CHUNK_LOGITS in reads) == staged, reads
