@@ -34,8 +34,11 @@ from .paths import LAUNCHERS, cache_dir, check_permissions, make_private_dir
 log = logging.getLogger("ce_tvm")
 
 LAUNCHER_SOURCE = r"""
-#include <omp.h>
 #include <stdint.h>
+/* declared here rather than by <omp.h>, which a compiler may ship without */
+int omp_get_max_threads(void);
+int omp_get_num_threads(void);
+int omp_get_thread_num(void);
 typedef struct { void* sync_handle; int32_t num_task; } TVMParallelGroupEnv;
 typedef int (*FTVMParallelLambda)(int task_id, TVMParallelGroupEnv* penv, void* cdata);
 
