@@ -49,24 +49,33 @@ def _inputs(n: int, c: int, dtype):
     return x, y, w
 
 
+def _against_torch(label: str, n: int, c: int, dtype, loss_and_grad) -> dict:
+    """``loss_and_grad(x, y, w)`` on the seeded inputs against F.cross_entropy
+    (loss and autograd gradient, smoothing 0.1); prints and returns the row."""
+    x, y, w = _inputs(n, c, dtype)
+    loss, grad = loss_and_grad(x, y, w)
+    xr = x.float().requires_grad_()
+    ref = F.cross_entropy(xr, y, w, label_smoothing=0.1)
+    ref.backward()
+    loss_err = abs(loss.float().item() - ref.item()) / abs(ref.item())
+    grad_err = ((grad.float() - xr.grad).abs().max() / xr.grad.abs().max()).item()
+    ok = loss_err <= TOL[dtype] and grad_err <= 2 * TOL[dtype]
+    print(f"  {'ok ' if ok else 'BAD'} {label}{n}x{c} {dtype}: "
+          f"loss {loss_err:.1e} grad {grad_err:.1e}")
+    return dict(n=n, c=c, dtype=str(dtype), loss_rel_err=loss_err, grad_rel_err=grad_err,
+                ok=ok)
+
+
+def _autograd(x, y, w):
+    """``(loss, grad)`` of ``ce_tvm.cross_entropy`` through autograd."""
+    xa = x.clone().requires_grad_()
+    loss = ce_tvm.cross_entropy(xa, y, w, label_smoothing=0.1)
+    loss.backward()
+    return loss, xa.grad
+
+
 def check_correctness(grid) -> list[dict]:
-    rows = []
-    for (n, c), dtype in grid:
-        x, y, w = _inputs(n, c, dtype)
-        xa = x.clone().requires_grad_()
-        loss = ce_tvm.cross_entropy(xa, y, w, label_smoothing=0.1)
-        loss.backward()
-        xr = x.float().requires_grad_()
-        ref = F.cross_entropy(xr, y, w, label_smoothing=0.1)
-        ref.backward()
-        loss_err = abs(loss.float().item() - ref.item()) / abs(ref.item())
-        grad_err = ((xa.grad.float() - xr.grad).abs().max() / xr.grad.abs().max()).item()
-        ok = loss_err <= TOL[dtype] and grad_err <= 2 * TOL[dtype]
-        rows.append(dict(n=n, c=c, dtype=str(dtype), loss_rel_err=loss_err,
-                         grad_rel_err=grad_err, ok=ok))
-        print(f"  {'ok ' if ok else 'BAD'} {n}x{c} {dtype}: "
-              f"loss {loss_err:.1e} grad {grad_err:.1e}")
-    return rows
+    return [_against_torch("", n, c, dtype, _autograd) for (n, c), dtype in grid]
 
 
 def _train_kernel(x, y, w, reduction="mean"):
@@ -77,21 +86,8 @@ def _train_kernel(x, y, w, reduction="mean"):
 
 def check_training_kernel(grid) -> list[dict]:
     """The one-pass training kernel against F.cross_entropy (loss and autograd grad)."""
-    rows = []
-    for (n, c), dtype in grid:
-        x, y, w = _inputs(n, c, dtype)
-        loss, grad = _train_kernel(x, y, w)
-        xr = x.float().requires_grad_()
-        ref = F.cross_entropy(xr, y, w, label_smoothing=0.1)
-        ref.backward()
-        loss_err = abs(loss.float().item() - ref.item()) / abs(ref.item())
-        grad_err = ((grad.float() - xr.grad).abs().max() / xr.grad.abs().max()).item()
-        ok = loss_err <= TOL[dtype] and grad_err <= 2 * TOL[dtype]
-        rows.append(dict(n=n, c=c, dtype=str(dtype), loss_rel_err=loss_err,
-                         grad_rel_err=grad_err, ok=ok))
-        print(f"  {'ok ' if ok else 'BAD'} train kernel {n}x{c} {dtype}: "
-              f"loss {loss_err:.1e} grad {grad_err:.1e}")
-    return rows
+    return [_against_torch("train kernel ", n, c, dtype, _train_kernel)
+            for (n, c), dtype in grid]
 
 
 def time_training(shapes) -> list[dict]:
