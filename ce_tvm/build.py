@@ -57,6 +57,10 @@ def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFu
         return _declare(spec, schedule, chunk)
 
 
+# The ops whose compute may stage its chunk (``forward_stage`` of the schedule decides).
+STAGED_OPS = ("forward", "shard_stats")
+
+
 def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc:
     args = (spec.classes, spec.dtype, spec.variant)
     chunked = {"forward": compute.forward_func, "train": compute.train_func,
@@ -66,11 +70,11 @@ def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc
         if chunk is None:
             chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(),
                              **spec.schedule_options())
-        staged = getattr(schedule, "forward_stage", None)
-        if spec.op in ("forward", "shard_stats") and staged is not None:
-            return chunked[spec.op](*args, chunk, stage=staged(
-                spec.classes, spec.dtype, spec.tvm_target(), **spec.schedule_options()))
-        return chunked[spec.op](*args, chunk)
+        stage_of = getattr(schedule, "forward_stage", None)
+        staged = {"stage": stage_of(spec.classes, spec.dtype, spec.tvm_target(),
+                                    **spec.schedule_options())
+                  } if spec.op in STAGED_OPS and stage_of is not None else {}
+        return chunked[spec.op](*args, chunk, **staged)
     whole = {"shard_combine": compute.shard_combine_func, "backward": compute.backward_func,
              "prob_backward": compute.prob_backward_func,
              "prob_target_grad": compute.prob_target_grad_func}
