@@ -133,6 +133,7 @@ ROW_MASS = "ce_row_mass"
 ROW_REF = "ce_row_ref"
 TARGET_GRAD = "target_grad"
 CHUNK_LOGITS = "ce_chunk_logits"
+LOGITS = "x"  # the input logits
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
@@ -156,7 +157,7 @@ def _logits_inputs(classes: int, dtype: str, weighted: bool, probs: bool = False
     or with ``probs`` ``[N, C]`` probabilities in the logits' dtype."""
     acc = accum_dtype(dtype)
     n_rows = _rows()
-    x = te.placeholder((n_rows, _int64(classes)), dtype, name="x")
+    x = te.placeholder((n_rows, _int64(classes)), dtype, name=LOGITS)
     if probs:
         y = te.placeholder((n_rows, _int64(classes)), dtype, name="target")
     else:
@@ -295,8 +296,11 @@ class ChunkLayout:
         return tirx.min(k * _int64(self.chunk), _int64(self.classes - self.chunk))
 
     def fresh(self, k, j):
-        """Whether entry ``j`` of chunk ``k`` is not counted by an earlier chunk."""
-        return j.astype("int32") >= (k * _int64(self.chunk) - self.start(k)).astype("int32")
+        """Whether entry ``j`` of chunk ``k`` is not counted by an earlier chunk:
+        every entry of a chunk but the last, the last's from ``overlap`` on."""
+        overlap = self.n_chunks * self.chunk - self.classes
+        return tirx.any(tirx.likely(k < _int64(self.n_chunks - 1)),
+                        j.astype("int32") >= tirx.const(overlap, "int32"))
 
     def last_full(self) -> int:
         """Columns ``[0, last_full)`` lie in chunk ``c // chunk`` at offset ``c % chunk``;

@@ -15,9 +15,9 @@ Strategy, forward (the compute reduces each row in chunks, see
    producer would be recomputed for every row by ``reverse_compute_at``).
 3. The chunk reductions move under the chunk loop of ``ce_rowstats`` (which
    merges them): a chunk is read from memory by its first reduction and from
-   L1 by the others. For bfloat16 rows, or rows not starting on a cache line
-   (``forward_stage``), the compute copies the chunk to float32 first
-   (``ce_chunk_logits``): converted once, read aligned by every reduction.
+   L1 by the others, while the ``exp`` loop prefetches the next chunk
+   (``prefetch_ahead``). For 16-bit rows (``forward_stage``) the compute
+   copies the chunk to float32 first (``ce_chunk_logits``): converted once.
    All per-row blocks move under the row loop, which runs in parallel over
    the cores.
 4. ``log_prob`` (seed API) is written in one more vectorised pass over the
@@ -57,7 +57,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
-from ..compute import CHUNK_EXP, CHUNK_LOGITS, CHUNK_MAX, LOG_PROB
+from ..compute import CHUNK_EXP, CHUNK_EXPSUM, CHUNK_LOGITS, CHUNK_MAX, LOG_PROB, LOGITS
 from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
@@ -84,7 +84,11 @@ MAX_CHUNK = 6144
 MIN_CHUNK_VECTORS = 8
 # Chunks are multiples of this many native vectors (whatever the accumulators).
 CHUNK_VECTORS = 2
-CACHE_LINE = 64  # bytes
+# TVM's LoopPartition also splits constant-extent loops on ``likely``
+# conditions: the chunk loop of a row whose last chunk overlaps the one before
+# (C = 50257) runs its other chunks without the overlap test
+# (``compute.ChunkLayout.fresh``), the last one peeled after them.
+PASS_CONFIG = {"s_tir.LoopPartition": {"partition_const_loop": True}}
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,9 @@ class CPUKnobs:
     vectors per step of the element-wise loops; 2 hides the 4-cycle FP add
     latency behind a second chain (measured on znver4/5). ``unroll``: vector
     steps per iteration of the forward's chunk reductions. ``row_grain``: rows
-    per parallel task. ``prefetch``: how many chunks ahead the training kernel
-    prefetches the logits (0: none). The chunk itself is a knob of the
+    per parallel task. ``prefetch``: how many chunks ahead the ``exp`` loop
+    prefetches the logits (0: none; a knob of the training kernel, the
+    forward keeps one). The chunk itself is a knob of the
     compute (``forward_chunk``'s ``max_chunk``; ``knob_space``).
     """
 
@@ -186,14 +191,14 @@ def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX
 def forward_stage(classes: int, dtype: str, target: Target) -> bool:
     """Whether the forward (and a vocabulary shard's statistics) copy each chunk
     to float32 before its reductions (``compute.forward_func``'s ``stage``):
-    when the rows are not float32 (one conversion instead of one per pass) or
-    do not start on a cache line (C = 50257: every vector load of the two
-    passes from L1 would straddle two lines; 4096x50257 fp32, 2 cores:
-    49 -> 36 ms; shard statistics 4096x25129 fp32 24.3 -> 19.3 ms). Aligned
-    float32 rows are reduced in place (staging costs them ~10%); so are the
+    when the rows are not float32 (one conversion instead of one per pass).
+    float32 rows are reduced in place, aligned or not: staging cost aligned
+    ones ~10%, and since the overlap test left all but the last chunk
+    (``PASS_CONFIG``) it costs C = 50257 more than the straddled loads do
+    (in cache, 2 cores: 0.182 vs 0.157 ns per element per core). So are the
     probability targets' rows, which stream the targets beside the logits
     (staging cost them 14-20%)."""
-    return dtype != "float32" or classes * 4 % CACHE_LINE != 0
+    return dtype != "float32"
 
 
 def forward(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
@@ -211,6 +216,9 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
         sch.parallel(sch.get_loops(blk)[0])
     row_loops = parallel_rows(sch, row, knobs.row_grain)
     vector_accumulators(sch, stages, outer=row_loops + 1, unroll=knobs.unroll)
+    steps = sch.get_loops(stages[CHUNK_EXPSUM][0])[row_loops + 1:-1]
+    if steps:  # absent when the chunk is one vector
+        prefetch_ahead(sch, steps[0], chunk * knobs.prefetch)
     vector_row_independent(sch, vector_lanes(target) * knobs.accumulators)
     init_row_totals(sch)
     for blk in present_blocks(sch, [LOG_PROB, CHUNK_LOGITS]):
@@ -247,7 +255,7 @@ def per_row(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 
 def train(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
     """Schedule ``ce_tvm.compute.train_func`` for ``target``; returns the scheduled
-    PrimFunc, marked for ``TIR_PIPELINE`` to prefetch the next chunk."""
+    PrimFunc."""
     return schedule_train(s_tir.Schedule(func), target, knobs).mod["main"]
 
 
@@ -256,9 +264,8 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     ``ce_chunk_exp`` keeps ``exp(x - chunk_max)`` in a per-row float32 scratch
     (L1 while the chunk is reduced, L2 after), then ``x_grad`` under the same
     row loop, reading the scratch back chunk by chunk. The logits are read
-    from memory once and the gradient written once. The root block carries
-    the prefetch distance (``PREFETCH_ATTR``, elements) when ``knobs.prefetch``
-    asks for one: an annotation, so a tuning trace replays it."""
+    from memory once and the gradient written once. The ``exp`` loop
+    prefetches the chunk ``knobs.prefetch`` ahead (``prefetch_ahead``)."""
     inline_row_helpers(sch)
     chunk = _chunk(sch)
     lanes = vector_lanes(target) * knobs.accumulators
@@ -270,23 +277,33 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
     for blk in present_blocks(sch, [CHUNK_LOGITS, CHUNK_EXP]):
         vectorize_inner(sch, blk, lanes)
     vectorize_gradient_by_chunk(sch, chunk, lanes)
-    if knobs.prefetch:
-        sch.annotate(sch.get_sblock("root"), PREFETCH_ATTR, chunk * knobs.prefetch)
+    if chunk % lanes == 0 and chunk > lanes:  # a loop of vector steps to prefetch in
+        prefetch_ahead(sch, sch.get_loops(sch.get_sblock(CHUNK_EXP))[-2], chunk * knobs.prefetch)
     return sch
 
 
 # --- Prefetching the next chunk -------------------------------------------
-# The training kernel alternates between streaming a chunk in from memory
-# (its max) and computing on it from L1 (exp, sums): the hardware prefetcher
-# does not run far enough ahead, so memory idles while exp computes. A
-# software prefetch of the next chunk (the next row's first, after the last:
-# rows are contiguous) in the exp loop overlaps the two. No schedule
-# primitive emits prefetches, so a pass after TVM's lowering adds them to
-# the loops that store ``ce_chunk_exp``, in functions that carry the attribute.
+# A row's chunk is streamed in from memory by its first pass (a copy when the
+# chunk is staged, else its max) and then computed on from L1 (exp, sums):
+# the hardware prefetcher does not run far enough ahead, so memory idles
+# while ``exp`` computes. A software prefetch of the next chunk (the next
+# row's first, after the last: rows are contiguous) in the ``exp`` loop
+# overlaps the two (4096x32000 fp32 forward, 2 cores: 16.5 -> 12.5 ms). No
+# schedule primitive emits prefetches: the schedule annotates the loop
+# (``PREFETCH_ATTR``, a traced instruction, so a tuning record replays it) and
+# a pass after TVM's lowering adds the prefetches to it.
 
 PREFETCH_ATTR = "ce_tvm_prefetch_distance"
 TIR_PIPELINE = "ce_tvm_llvm"
 _LINE_BYTES = 64
+
+
+def prefetch_ahead(sch, loop, distance: int) -> None:
+    """Mark ``loop`` (a chunk's vector-step loop that reads the chunk, from the
+    logits or their staged copy) to prefetch the logits ``distance`` elements
+    ahead of what each iteration reads (0: no prefetch)."""
+    if distance:
+        sch.annotate(loop, PREFETCH_ATTR, distance)
 
 
 def _chunk(sch) -> int:
@@ -315,64 +332,86 @@ def _depends_on(expr, var) -> bool:
     return any(v.same_as(var) for v in _collect(expr, tirx.Var))
 
 
-def _with_prefetch(loop, distance: int):
-    """``loop`` with prefetches of ``distance`` elements ahead of its logits
-    loads, one per cache line an iteration reads, when it is the vector loop
-    of ``ce_chunk_exp`` (its body is the lane loop, or a vector store)."""
-    body = loop.body
-    lanes_loop = body if isinstance(body, tirx.For) else None
-    stores = [st for st in _collect(body, tirx.BufferStore) if st.buffer.name == CHUNK_EXP]
-    vector = [st for st in stores if isinstance(st.indices[-1], tirx.Ramp)]
-    if not stores or (lanes_loop is None and not vector):
-        return loop
-    loads = [ld for ld in _collect(body, tvm.ir.expr.TensorLoad)
-             if ld.source.name != CHUNK_EXP
-             and _depends_on(_unbound(ld.indices[-1], body), loop.loop_var)]
-    if not loads:
-        return loop
-    logits = loads[0]
-    first = _unbound(logits.indices[-1], body)
-    if isinstance(first, tirx.Ramp):
-        first, span = first.base, int(first.lanes)
-    elif lanes_loop is None:  # a vector store of scalar loads (float64's exact tanh)
-        return loop
+def _first_index(load, body, inner=()):
+    """The flat index of the first element ``load`` reads: ``Bind``s of ``body``
+    substituted, a ``Ramp``'s base, the loop variables ``inner`` at 0."""
+    index = _unbound(load.indices[-1], body)
+    if isinstance(index, tirx.Ramp):
+        index = index.base
+    zeros = {v: tirx.const(0, v.ty) for v in inner}
+    return tvm_ffi.structural_map(index, [(tirx.Var, lambda v: zeros.get(v, v))])
+
+
+def _loads(node, name: str) -> list:
+    return [ld for ld in _collect(node, tvm.ir.expr.TensorLoad) if ld.source.name == name]
+
+
+def _staged_chunk(stmt):
+    """``(logits buffer, where the chunk starts in it)`` when ``stmt`` copies a
+    chunk of the logits into ``ce_chunk_logits``, else ``None``."""
+    for store in _collect(stmt, tirx.BufferStore):
+        sources = _loads(store.value, LOGITS)
+        if store.buffer.name == CHUNK_LOGITS and sources:
+            start = _first_index(sources[0], stmt) - _first_index(store, stmt)
+            return sources[0].source, tvm.sym.Analyzer().simplify(start)
+    return None
+
+
+def _with_prefetch(loop, staged):
+    """``loop`` (marked by ``prefetch_ahead``) with prefetches, at the top of
+    each iteration, of every cache line of the logits ``PREFETCH_ATTR``
+    elements ahead of those it reads. ``staged``: ``_staged_chunk`` of the
+    copy before it, used when the loop reads the staged chunk."""
+    distance = int(loop.annotations[PREFETCH_ATTR])
+    body, var = loop.body, loop.loop_var
+    inner = [f.loop_var for f in _collect(body, tirx.For)]
+    direct = [ld for ld in _loads(body, LOGITS)
+              if _depends_on(_first_index(ld, body, inner), var)]
+    if direct:
+        logits, first = direct[0].source, _first_index(direct[0], body, inner)
+        elem_bits = tvm.runtime.DataType(str(direct[0].ty)).bits
+    elif staged is not None and _loads(body, CHUNK_LOGITS):
+        (logits, start), read = staged, _loads(body, CHUNK_LOGITS)[0]
+        first = start + _first_index(read, body, inner)
+        elem_bits = tvm.runtime.DataType(str(logits.dtype)).bits
     else:
-        span = int(lanes_loop.extent)
-        first = tvm_ffi.structural_map(first, [(tirx.Var, lambda v: (
-            tirx.const(0, v.ty) if v.same_as(lanes_loop.loop_var) else v))])
-    elem_bytes = max(1, tvm.runtime.DataType(str(logits.ty)).bits // 8)
-    per_line = max(1, _LINE_BYTES // elem_bytes)
-    ahead = [first + tirx.const(distance + o, first.ty) for o in range(0, span, per_line)]
+        return loop
+    step = tvm.sym.Analyzer().simplify(tvm_ffi.structural_map(first, [(tirx.Var, lambda v: (
+        v + tirx.const(1, v.ty) if v.same_as(var) else v))]) - first)
+    if not isinstance(step, tirx.IntImm):
+        return loop
+    per_line = max(1, _LINE_BYTES * 8 // elem_bits)
     fetches = [tirx.Evaluate(tirx.call_intrin(
-        "void", "tirx.prefetch", tirx.address_of(tirx.BufferLoad(logits.source, [i])), 0, 3, 1))
-        for i in ahead]
-    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
-                    tirx.SeqStmt(fetches + [body]), loop.thread_binding, loop.annotations)
+        "void", "tirx.prefetch", tirx.address_of(tirx.BufferLoad(
+            logits, [first + tirx.const(distance + o, first.ty)])), 0, 3, 1))
+        for o in range(0, int(step.value), per_line)]
+    return tirx.For(var, loop.min, loop.extent, loop.kind, tirx.SeqStmt(fetches + [body]),
+                    loop.thread_binding, loop.annotations)
+
+
+def _prefetch_in(seq):
+    """``_with_prefetch`` on the marked loops of a statement sequence."""
+    staged, out = None, []
+    for stmt in seq.seq:
+        staged = _staged_chunk(stmt) or staged
+        if isinstance(stmt, tirx.For) and PREFETCH_ATTR in stmt.annotations:
+            stmt = _with_prefetch(stmt, staged)
+        out.append(stmt)
+    return tirx.SeqStmt(out)
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
-def mark_prefetch(func, mod, ctx):
-    """Move the root block's ``PREFETCH_ATTR`` (``schedule_train``) to the function's
-    attributes, where ``prefetch_next_chunk`` finds it after lowering."""
-    root = getattr(func.body, "block", None)  # the root SBlock, before lowering
-    if root is None or PREFETCH_ATTR not in root.annotations:
-        return func
-    return func.with_attr(PREFETCH_ATTR, int(root.annotations[PREFETCH_ATTR]))
-
-
-@tvm.tirx.transform.prim_func_pass(opt_level=0)
-def prefetch_next_chunk(func, mod, ctx):
-    """Add ``_with_prefetch`` to functions marked with ``PREFETCH_ATTR``."""
-    distance = func.attrs.get(PREFETCH_ATTR) if func.attrs is not None else None
-    if distance is None:
+def prefetch_marked_loops(func, mod, ctx):
+    """Add prefetches to the loops ``prefetch_ahead`` marked (after lowering)."""
+    if not any(PREFETCH_ATTR in f.annotations for f in _collect(func.body, tirx.For)):
         return func
     return func.with_body(tvm_ffi.structural_map(
-        func.body, [(tirx.For, lambda loop: _with_prefetch(loop, int(distance)))], order="post"))
+        func.body, [(tirx.SeqStmt, _prefetch_in)], order="post"))
 
 
 def _pipeline():
     lower, finalize_host, finalize_device = tvm.tirx.compilation_pipeline.PIPELINE_MAP["s_tir"]()
-    return (tvm.transform.Sequential([mark_prefetch, lower, prefetch_next_chunk]),
+    return (tvm.transform.Sequential([lower, prefetch_marked_loops]),
             finalize_host, finalize_device)
 
 

@@ -139,11 +139,11 @@ def test_cpu_reduces_the_class_weight_sum_once_before_the_parallel_rows(op):
 
 
 @pytest.mark.parametrize("dtype,classes,staged", [
-    ("float32", 1024, False),  # rows start on a cache line: reduced in place
-    ("float32", 1001, True),  # rows start anywhere: every L1 pass would straddle lines
+    ("float32", 1024, False),  # float32 rows are reduced in place
+    ("float32", 1001, False),  # aligned or not
     ("bfloat16", 1024, True),  # 16-bit rows: converted to float32 once
 ])
-def test_cpu_forward_stages_the_chunk_when_rows_are_16_bit_or_unaligned(dtype, classes, staged):
+def test_cpu_forward_stages_the_chunk_when_rows_are_16_bit(dtype, classes, staged):
     """The CPU asks for ``ce_chunk_logits`` (``forward_stage``) where it pays;
     every chunk reduction (the max included) then reads it instead of ``x``."""
     from ce_tvm.build import KernelSpec, scheduled_func
@@ -167,3 +167,58 @@ def test_cpu_stages_a_shards_chunk_but_not_a_probability_targets(op, staged):
                                                    Variant("mean", False, False), "llvm")))
     reads = {r.source.name for r in sch.get(sch.get_sblock("ce_chunk_max_rf_update")).reads}
     assert (compute.CHUNK_LOGITS in reads) == staged, reads
+
+
+
+def _lowered(spec, after: str):
+    """The module of ``spec``'s CPU build right after the pass named ``after``."""
+    import tvm
+
+    from ce_tvm.build import scheduled_func
+    from ce_tvm.schedules import cpu
+
+    seen = []
+
+    @tvm.instrument.pass_instrument
+    class Capture:
+        def run_after_pass(self, mod, info):
+            if info.name == after:
+                seen.append(mod["main"])
+
+    with tvm.transform.PassContext(opt_level=3, instruments=[Capture()], config=cpu.PASS_CONFIG):
+        tvm.compile(scheduled_func(spec), target=spec.tvm_target(),
+                    tir_pipeline=cpu.TIR_PIPELINE)
+    assert seen, f"the build ran no pass {after}"
+    return seen[-1]
+
+
+def _prefetched_buffers(func) -> list[str]:
+    import tvm
+
+    from ce_tvm.schedules import cpu
+
+    return [call.args[0].args[0].source.name for call in cpu._collect(func.body, tvm.ir.expr.Call)
+            if call.op.name == "tirx.prefetch"]
+
+
+@pytest.mark.parametrize("op,dtype", [("forward", "float32"), ("forward", "bfloat16"),
+                                      ("train", "float32")])
+def test_cpu_exp_loop_prefetches_the_next_chunk_of_the_logits(op, dtype):
+    """The loop that computes ``exp`` on a chunk prefetches the logits of the
+    next one (``prefetch_ahead``), also when it reads a staged copy (bf16)."""
+    from ce_tvm.build import KernelSpec
+
+    spec = KernelSpec(op, dtype, 12800, Variant("mean", False, False), "llvm")
+    fetched = _prefetched_buffers(_lowered(spec, "prefetch_marked_loops"))
+    assert fetched and set(fetched) == {compute.LOGITS}, fetched
+
+
+def test_cpu_overlap_test_runs_on_the_last_chunk_only():
+    """C = 12289 is cut into 3 chunks, the last overlapping the one before:
+    TVM's LoopPartition peels it (``PASS_CONFIG``), so no ``likely`` overlap test
+    is left in the loops (the first chunks run without it)."""
+    from ce_tvm.build import KernelSpec, scheduled_func
+
+    spec = KernelSpec("forward", "float32", 12289, Variant("mean", False, False), "llvm")
+    assert "likely" in scheduled_func(spec).script()
+    assert "likely" not in _lowered(spec, "s_tir.LoopPartition").script()

@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from tvm import tirx
 
 import ce_tvm
 from ce_tvm import nn as ce_nn
@@ -172,8 +173,8 @@ def test_every_knob_value_replays_and_matches_torch(ops, tmp_path, monkeypatch):
 
 
 def test_train_record_keeps_the_prefetch_marker():
-    """The prefetch distance is an annotation in the trace: replayed on the
-    symbolic-N kernel it marks the function, and the build emits prefetches."""
+    """The prefetch distance is a loop annotation in the trace: replayed on the
+    symbolic-N kernel it marks the ``exp`` loop, and the build emits prefetches."""
     spec = KernelSpec("train", "float32", 4099, TRAIN.variant)
     space = CPU.knob_space("train", 4099, "float32", spec.tvm_target())
     for prefetch in (0, 2):
@@ -183,9 +184,10 @@ def test_train_record_keeps_the_prefetch_marker():
         cands = tuning.Candidates(spec, 16, space)
         cands.build(knobs)
         cands.traces[tuning._key(knobs)][1].apply_to_schedule(sch, remove_postproc=False)
-        marked = CPU.mark_prefetch(tuning.tvm.IRModule({"main": sch.mod["main"]}))["main"]
-        assert (marked.attrs or {}).get(CPU.PREFETCH_ATTR) == (
-            knobs["chunk"] * prefetch if prefetch else None)
+        marks = [int(loop.annotations[CPU.PREFETCH_ATTR])
+                 for loop in CPU._collect(sch.mod["main"].body, tirx.For)
+                 if CPU.PREFETCH_ATTR in loop.annotations]
+        assert marks == ([knobs["chunk"] * prefetch] if prefetch else [])
         llvm_ir = tuning.compile_scheduled(sch.mod["main"], spec, entry=None).mod.inspect_source(
             "ll")
         assert ("@llvm.prefetch" in llvm_ir) == bool(prefetch)
