@@ -299,8 +299,9 @@ class ChunkLayout:
         """Whether entry ``j`` of chunk ``k`` is not counted by an earlier chunk:
         every entry of a chunk but the last, the last's from ``overlap`` on."""
         overlap = self.n_chunks * self.chunk - self.classes
-        return tirx.any(tirx.likely(k < _int64(self.n_chunks - 1)),
-                        j.astype("int32") >= tirx.const(overlap, "int32"))
+        first = tirx.Select(tirx.likely(k < _int64(self.n_chunks - 1)),
+                            tirx.const(0, "int32"), tirx.const(overlap, "int32"))
+        return j.astype("int32") >= first
 
     def last_full(self) -> int:
         """Columns ``[0, last_full)`` lie in chunk ``c // chunk`` at offset ``c % chunk``;
