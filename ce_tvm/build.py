@@ -46,14 +46,16 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> lis
 
 def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFunc:
     """The compute of ``spec``, unscheduled (forward rows chunked, the forward's
-    chunk staged, and ``exp`` scaled and NaN-tested, as the schedule asks:
-    ``forward_chunk``, ``forward_stage``, ``exp_scaling``, ``EXP_NAN_TEST``).
+    chunk staged, ``exp`` scaled and NaN-tested, and the overlap test written,
+    as the schedule asks: ``forward_chunk``, ``forward_stage``, ``exp_scaling``,
+    ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``).
     The row chunk is ``chunk`` if given, else the tuning record's, else the schedule's."""
     schedule = schedule_module(spec.target)
     scaling = getattr(schedule, "exp_scaling", lambda target: "bits")(spec.tvm_target())
     if chunk is None and spec.tuned:
         chunk = records.record_knobs(spec.tuned).get("chunk")
-    with fastmath.scaling(scaling, nan_test=getattr(schedule, "EXP_NAN_TEST", False)):
+    with fastmath.scaling(scaling, nan_test=getattr(schedule, "EXP_NAN_TEST", False)), \
+            compute.last_chunk_peeled(getattr(schedule, "PEELS_LAST_CHUNK", False)):
         return _declare(spec, schedule, chunk)
 
 

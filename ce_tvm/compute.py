@@ -87,6 +87,8 @@ and ``zloss_scale`` are scalar kernel arguments.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 from tvm import te, tirx
@@ -268,6 +270,24 @@ def _softmax_merge(n_outputs: int):
     return te.comm_reducer(combine, identity, name=f"softmax_merge{n_outputs}")
 
 
+_LAST_CHUNK_PEELED = contextvars.ContextVar("ce_tvm_last_chunk_peeled", default=False)
+
+
+@contextlib.contextmanager
+def last_chunk_peeled(peeled: bool = True):
+    """Declare computes inside the block for a lowering that peels a row's last
+    chunk off its chunk loop (TVM's LoopPartition on ``likely`` conditions,
+    ``partition_const_loop``): the overlap test (``ChunkLayout.fresh``) is then
+    written so that it vanishes from the other chunks. Otherwise it is one
+    compare per element against a per-chunk bound, which costs less where it
+    stays in every chunk. The predicate is the same either way."""
+    token = _LAST_CHUNK_PEELED.set(peeled)
+    try:
+        yield
+    finally:
+        _LAST_CHUNK_PEELED.reset(token)
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """How a row of ``classes`` is cut into ``n_chunks`` chunks of ``chunk``.
@@ -298,10 +318,11 @@ class ChunkLayout:
     def fresh(self, k, j):
         """Whether entry ``j`` of chunk ``k`` is not counted by an earlier chunk:
         every entry of a chunk but the last, the last's from ``overlap`` on."""
-        overlap = self.n_chunks * self.chunk - self.classes
-        first = tirx.Select(tirx.likely(k < _int64(self.n_chunks - 1)),
-                            tirx.const(0, "int32"), tirx.const(overlap, "int32"))
-        return j.astype("int32") >= first
+        overlap = tirx.const(self.n_chunks * self.chunk - self.classes, "int32")
+        not_last = k < _int64(self.n_chunks - 1)
+        if _LAST_CHUNK_PEELED.get():  # vanishes from the chunks before the last
+            return tirx.any(tirx.likely(not_last), j.astype("int32") >= overlap)
+        return j.astype("int32") >= tirx.Select(not_last, tirx.const(0, "int32"), overlap)
 
     def last_full(self) -> int:
         """Columns ``[0, last_full)`` lie in chunk ``c // chunk`` at offset ``c % chunk``;
