@@ -55,7 +55,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm.target.codegen import llvm_get_vector_width, target_has_features
+from tvm.target.codegen import llvm_get_vector_width
 
 from ..compute import CHUNK_EXP, CHUNK_EXPSUM, CHUNK_LOGITS, CHUNK_MAX, LOG_PROB, LOGITS
 from ._common import (
@@ -151,21 +151,6 @@ def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | 
     schedule = {"forward": schedule_forward, "backward": schedule_backward,
                 "train": schedule_train}[op]
     return schedule(sch, target, CPUKnobs(**knobs))
-
-
-def exp_scaling(target: Target) -> str:
-    """How ``ce_tvm.fastmath.exp`` applies ``2**k`` on ``target``: AVX-512's
-    ``vscalefps`` (``tirx.ldexp``, lowered below) where it exists, else exponent bits."""
-    return "ldexp" if target_has_features("avx512f", target) else "bits"
-
-
-def _ldexp_to_llvm(call):
-    """``tirx.ldexp`` as LLVM's ``ldexp`` intrinsic (exact, like the libm call it
-    replaces): one ``vscalefps`` per vector on AVX-512 instead of a scalar call."""
-    return tirx.call_llvm_pure_intrin(call.ty, "llvm.ldexp", *call.args)
-
-
-tirx.register_intrin_lowering("tirx.ldexp", target="llvm", f=_ldexp_to_llvm, level=99)
 
 
 def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
@@ -334,14 +319,18 @@ def _depends_on(expr, var) -> bool:
     return any(v.same_as(var) for v in _collect(expr, tirx.Var))
 
 
-def _first_index(load, body, inner=()):
-    """The flat index of the first element ``load`` reads: ``Bind``s of ``body``
-    substituted, a ``Ramp``'s base, the loop variables ``inner`` at 0."""
-    index = _unbound(load.indices[-1], body)
+def _first_index(access, buffer, body, inner=()):
+    """The flat index, in scalars, of the first element a load or store of
+    ``buffer`` reads or writes: ``Bind``s of ``body`` substituted, a ``Ramp``'s
+    base, the loop variables ``inner`` at 0 (a buffer of vectors, as
+    ``StorageRewrite`` may leave a staged chunk, counts its lanes)."""
+    index = _unbound(access.indices[-1], body)
     if isinstance(index, tirx.Ramp):
         index = index.base
     zeros = {v: tirx.const(0, v.ty) for v in inner}
-    return tvm_ffi.structural_map(index, [(tirx.Var, lambda v: zeros.get(v, v))])
+    index = tvm_ffi.structural_map(index, [(tirx.Var, lambda v: zeros.get(v, v))])
+    lanes = tvm.runtime.DataType(str(buffer.dtype)).lanes
+    return index * tirx.const(lanes, index.ty) if lanes > 1 else index
 
 
 def _loads(node, name: str) -> list:
@@ -354,8 +343,11 @@ def _staged_chunk(stmt):
     for store in _collect(stmt, tirx.BufferStore):
         sources = _loads(store.value, LOGITS)
         if store.buffer.name == CHUNK_LOGITS and sources:
-            start = _first_index(sources[0], stmt) - _first_index(store, stmt)
-            return sources[0].source, tvm.sym.Analyzer().simplify(start)
+            logits = sources[0].source
+            start = tvm.sym.Analyzer().simplify(_first_index(sources[0], logits, stmt)
+                                                - _first_index(store, store.buffer, stmt))
+            copy_loops = [f.loop_var for f in _collect(stmt, tirx.For)]
+            return None if any(_depends_on(start, v) for v in copy_loops) else (logits, start)
     return None
 
 
@@ -368,21 +360,20 @@ def _with_prefetch(loop, staged):
     body, var = loop.body, loop.loop_var
     inner = [f.loop_var for f in _collect(body, tirx.For)]
     direct = [ld for ld in _loads(body, LOGITS)
-              if _depends_on(_first_index(ld, body, inner), var)]
+              if _depends_on(_first_index(ld, ld.source, body, inner), var)]
     if direct:
-        logits, first = direct[0].source, _first_index(direct[0], body, inner)
-        elem_bits = tvm.runtime.DataType(str(direct[0].ty)).bits
+        logits = direct[0].source
+        first = _first_index(direct[0], logits, body, inner)
     elif staged is not None and _loads(body, CHUNK_LOGITS):
         (logits, start), read = staged, _loads(body, CHUNK_LOGITS)[0]
-        first = start + _first_index(read, body, inner)
-        elem_bits = tvm.runtime.DataType(str(logits.dtype)).bits
+        first = start + _first_index(read, read.source, body, inner)
     else:
         return loop
     step = tvm.sym.Analyzer().simplify(tvm_ffi.structural_map(first, [(tirx.Var, lambda v: (
         v + tirx.const(1, v.ty) if v.same_as(var) else v))]) - first)
     if not isinstance(step, tirx.IntImm):
         return loop
-    per_line = max(1, _LINE_BYTES * 8 // elem_bits)
+    per_line = max(1, _LINE_BYTES * 8 // tvm.runtime.DataType(str(logits.dtype)).bits)
     fetches = [tirx.Evaluate(tirx.call_intrin(
         "void", "tirx.prefetch", tirx.address_of(tirx.BufferLoad(
             logits, [first + tirx.const(distance + o, first.ty)])), 0, 3, 1))
