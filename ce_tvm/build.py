@@ -15,7 +15,7 @@ import tvm
 
 from . import compute, fastmath, records
 from .kinds import REDUCTIONS, Variant
-from .spec import KernelSpec, schedule_name
+from .spec import KernelSpec, schedule_name, tuned_variants
 
 log = logging.getLogger("ce_tvm")
 
@@ -42,6 +42,16 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> lis
     probs = [KernelSpec(op, dtype, classes, Variant(r, w, False), target, options)
              for op, r, w in itertools.product(PROB_OPS, REDUCTIONS, (False, True))]
     return fwd + train + bwd + probs
+
+
+def ahead_of_time_specs(target: str, dtype: str, classes: int,
+                        options: tuple = ()) -> list[KernelSpec]:
+    """The kernels a call of one shape may load (``ce-tvm compile``, bundles):
+    ``all_specs`` and, where tuning records apply (CPU), each tuned variant."""
+    specs = all_specs(target, dtype, classes, options)
+    if target == "llvm":
+        specs += [t for spec in specs for t in tuned_variants(spec)]
+    return specs
 
 
 def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFunc:

@@ -26,9 +26,9 @@ import shutil
 from pathlib import Path
 
 from . import cache
-from .build import all_specs
+from .build import ahead_of_time_specs
 from .paths import BUNDLE_MANIFEST, make_private_dir, sha256_file
-from .spec import __version__, tuned_variants
+from .spec import __version__
 from .targets import write_host_descriptor
 from .tvmlib import RUNTIME_LIBS, runtime_source
 
@@ -50,15 +50,6 @@ Check it with `ce-tvm cache verify --dir {out}`. Keep its files private
 """
 
 
-def bundle_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> list:
-    """The kernels of one shape: every variant (``all_specs``) and, where
-    tuning records apply (CPU), each tuned variant too."""
-    specs = all_specs(target, dtype, classes, options)
-    if target == "llvm":
-        specs += [t for spec in specs for t in tuned_variants(spec)]
-    return specs
-
-
 def make_bundle(out: Path, *, target: str, dtype: str, classes: list[int],
                 arch: str | None = None, progress=print) -> dict:
     """Build the bundle in ``out`` (kernels already there or in the cache, and
@@ -67,7 +58,7 @@ def make_bundle(out: Path, *, target: str, dtype: str, classes: list[int],
     make_private_dir(out)
     kernels = []
     for c in classes:
-        for spec in bundle_specs(target, dtype, c, options):
+        for spec in ahead_of_time_specs(target, dtype, c, options):
             lib = out / spec.file_name()
             if cache.check_module(lib, spec) is not None:
                 _add_kernel(spec, out)

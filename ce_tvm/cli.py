@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import bench, cache, records
-from .build import all_specs
+from .build import ahead_of_time_specs
 from .bundle import make_bundle
 from .kinds import DTYPES, Variant
 from .spec import KernelSpec
@@ -25,7 +25,7 @@ TRAINING_DTYPES = tuple(d for d in DTYPES if d != "float64")
 def cmd_compile(args) -> int:
     options = {"ascend": (("profile", args.profile),), "cuda": (("arch", args.arch),)}.get(
         args.target, ())
-    specs = all_specs(args.target, args.dtype, args.classes, options)
+    specs = ahead_of_time_specs(args.target, args.dtype, args.classes, options)
     out = Path(args.out) if args.out else None
     t0 = time.perf_counter()
     for spec in specs:
