@@ -402,9 +402,39 @@ def prefetch_marked_loops(func, mod, ctx):
         func.body, [(tirx.SeqStmt, _prefetch_in)], order="post"))
 
 
+# TVM's LLVM codegen builds a ``Ramp`` lane by lane, and LLVM turns a 32-lane
+# int32 one into about ten shuffles; ``Broadcast(base) + Ramp(0, stride)`` (a
+# constant) is two instructions. The one-hot test of the gradient compares
+# such a ramp of column indices with the target in every vector (bf16 training
+# kernel in cache: 0.25 -> 0.225 ns per element per core). Only comparisons
+# are rewritten: a ramp that indexes a buffer must stay one (a contiguous access).
+_COMPARISONS = (tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE)
+
+
+def _as_offsets(value):
+    if (isinstance(value, tirx.Ramp) and str(value.ty).startswith("int32")
+            and not (isinstance(value.base, tirx.IntImm) and value.base.value == 0)):
+        lanes = int(value.lanes)
+        return tirx.Broadcast(value.base, lanes) + tirx.Ramp(
+            tirx.const(0, "int32"), value.stride, lanes)
+    return value
+
+
+def _compare_offsets(cmp):
+    a, b = _as_offsets(cmp.a), _as_offsets(cmp.b)
+    return cmp if a.same_as(cmp.a) and b.same_as(cmp.b) else type(cmp)(a, b)
+
+
+@tvm.tirx.transform.prim_func_pass(opt_level=0)
+def compared_ramps_as_offsets(func, mod, ctx):
+    """Compare int32 ramps as a broadcast base plus a constant ramp (see above)."""
+    return func.with_body(tvm_ffi.structural_map(
+        func.body, [(kind, _compare_offsets) for kind in _COMPARISONS], order="post"))
+
+
 def _pipeline():
     lower, finalize_host, finalize_device = tvm.tirx.compilation_pipeline.PIPELINE_MAP["s_tir"]()
-    return (tvm.transform.Sequential([lower, prefetch_marked_loops]),
+    return (tvm.transform.Sequential([lower, prefetch_marked_loops, compared_ramps_as_offsets]),
             finalize_host, finalize_device)
 
 

@@ -222,3 +222,30 @@ def test_cpu_overlap_test_runs_on_the_last_chunk_only():
     spec = KernelSpec("forward", "float32", 12289, Variant("mean", False, False), "llvm")
     assert "likely" in scheduled_func(spec).script()
     assert "likely" not in _lowered(spec, "s_tir.LoopPartition").script()
+
+
+@pytest.mark.parametrize("op", ["train", "backward"])
+def test_cpu_one_hot_compares_a_broadcast_plus_a_constant_ramp(op):
+    """The gradient's one-hot test compares column indices with the target: the
+    CPU pipeline writes the int32 ramp of columns as a broadcast base plus a
+    constant ramp (two instructions, not LLVM's shuffles), and only there."""
+    import tvm
+
+    from ce_tvm.build import KernelSpec
+    from ce_tvm.schedules import cpu
+
+    variant = Variant("mean", False, False) if op == "train" else Variant(
+        "mean", False, grad_source="logits")
+    spec = KernelSpec(op, "bfloat16", 12800, variant, "llvm")
+    before = _lowered(spec, "prefetch_marked_loops")
+    after = _lowered(spec, "compared_ramps_as_offsets")
+
+    def compared_ramps(func):
+        return [side for kind in cpu._COMPARISONS for cmp in cpu._collect(func.body, kind)
+                for side in (cmp.a, cmp.b) if isinstance(side, tirx.Ramp)
+                and not (isinstance(side.base, tirx.IntImm) and side.base.value == 0)]
+
+    assert compared_ramps(before) and not compared_ramps(after)
+    indexed = [ld for ld in cpu._collect(after.body, tvm.ir.expr.TensorLoad)
+               if isinstance(ld.indices[-1], tirx.Ramp)]
+    assert indexed  # vector loads keep their ramp index
