@@ -359,14 +359,14 @@ def _with_prefetch(loop, staged):
     distance = int(loop.annotations[PREFETCH_ATTR])
     body, var = loop.body, loop.loop_var
     inner = [f.loop_var for f in _collect(body, tirx.For)]
-    direct = [ld for ld in _loads(body, LOGITS)
-              if _depends_on(_first_index(ld, ld.source, body, inner), var)]
+    direct = [(ld.source, first) for ld in _loads(body, LOGITS)
+              if _depends_on(first := _first_index(ld, ld.source, body, inner), var)]
+    reads = _loads(body, CHUNK_LOGITS)
     if direct:
-        logits = direct[0].source
-        first = _first_index(direct[0], logits, body, inner)
-    elif staged is not None and _loads(body, CHUNK_LOGITS):
-        (logits, start), read = staged, _loads(body, CHUNK_LOGITS)[0]
-        first = start + _first_index(read, read.source, body, inner)
+        logits, first = direct[0]
+    elif staged is not None and reads:
+        logits, start = staged
+        first = start + _first_index(reads[0], reads[0].source, body, inner)
     else:
         return loop
     step = tvm.sym.Analyzer().simplify(tvm_ffi.structural_map(first, [(tirx.Var, lambda v: (
@@ -384,12 +384,15 @@ def _with_prefetch(loop, staged):
 
 def _prefetch_in(seq):
     """``_with_prefetch`` on the marked loops of a statement sequence."""
+    def marked(stmt):
+        return isinstance(stmt, tirx.For) and PREFETCH_ATTR in stmt.annotations
+
+    if not any(marked(stmt) for stmt in seq.seq):
+        return seq
     staged, out = None, []
     for stmt in seq.seq:
         staged = _staged_chunk(stmt) or staged
-        if isinstance(stmt, tirx.For) and PREFETCH_ATTR in stmt.annotations:
-            stmt = _with_prefetch(stmt, staged)
-        out.append(stmt)
+        out.append(_with_prefetch(stmt, staged) if marked(stmt) else stmt)
     return tirx.SeqStmt(out)
 
 
