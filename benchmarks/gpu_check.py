@@ -10,13 +10,13 @@ against the recompute path (forward + backward) with the copy floor.
 ``--sanitize`` runs only a small grid (with N = 0, offset views and the
 training kernel), for compute-sanitizer.
 
-    python benchmarks/gpu_check.py [--json gpu_check.json] [--quick] [--sanitize] [--bundle DIR]
+    python benchmarks/gpu_check.py [--json gpu_check.json] [--quick] [--sanitize] [--bundle DIR]...
 
 With ``--bundle DIR`` (made by ``ce-tvm bundle --target cuda``) the kernels and
 the TVM runtime come from the bundle, so the host needs PyTorch and
-apache-tvm-ffi but not apache-tvm; only the bundle's dtype and class counts
-are checked and timed, and the dlight baseline (which needs the compiler) is
-left out.
+apache-tvm-ffi but not apache-tvm; only the bundles' dtypes and class counts
+are checked and timed (``--bundle`` repeats: one bundle per dtype), and the
+dlight baseline (which needs the compiler) is left out.
 """
 
 from __future__ import annotations
@@ -286,16 +286,32 @@ def time_edge_cases() -> list[dict]:
     return rows
 
 
+def _bundle_shapes(directories: list[str]) -> tuple[list, list]:
+    """The correctness grid (256 rows of every dtype and C the bundles hold) and
+    the timed shapes (those of at least 32000 classes)."""
+    grid, timed = [], []
+    for directory in directories:
+        with open(f"{directory}/bundle.json") as f:
+            bundle = json.load(f)
+        dtype = getattr(torch, bundle["dtype"])
+        grid += [((256, c), dtype) for c in bundle["classes"]]
+        timed += [(8192 if c < 100000 else 4096, c, dtype)
+                  for c in bundle["classes"] if c >= 32000]
+        print(f"bundle {directory}: {bundle['dtype']}, C in {bundle['classes']}")
+    return grid, timed
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default="gpu_check.json")
     p.add_argument("--quick", action="store_true", help="time the first shape only")
     p.add_argument("--sanitize", action="store_true",
                    help="only the small grid run under compute-sanitizer (gpu_check.sh)")
-    p.add_argument("--bundle", help="run the kernels of this bundle (ce-tvm bundle --target cuda)")
+    p.add_argument("--bundle", action="append", default=[],
+                   help="run the kernels of this bundle (ce-tvm bundle --target cuda); repeatable")
     args = p.parse_args(argv)
-    if args.bundle:
-        ce_tvm.use_bundle(args.bundle)
+    for directory in reversed(args.bundle):
+        ce_tvm.use_bundle(directory)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
@@ -305,12 +321,7 @@ def main(argv=None) -> int:
     grid = [(s, d) for s in GRID for d in TOL]
     timed = TIMED
     if args.bundle:
-        with open(f"{args.bundle}/bundle.json") as f:
-            bundle = json.load(f)
-        dtype = getattr(torch, bundle["dtype"])
-        grid = [((n, c), dtype) for n, c in [(256, c) for c in bundle["classes"]]]
-        timed = [(8192 if c < 100000 else 4096, c, dtype) for c in bundle["classes"]]
-        print(f"bundle {args.bundle}: {bundle['dtype']}, C in {bundle['classes']}")
+        grid, timed = _bundle_shapes(args.bundle)
     print("correctness against F.cross_entropy (weight, ignore_index, smoothing 0.1):")
     correctness = check_correctness(grid)
     print("one-pass training kernel against F.cross_entropy (weight, ignore_index, 0.1):")
