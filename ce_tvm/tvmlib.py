@@ -8,6 +8,14 @@ installed ``apache-tvm`` when it can be imported (the same files ``import
 tvm`` loads, so a later cache miss that compiles shares them), else from a
 bundle (``ce-tvm bundle``) among the module directories, checked against the
 SHA-256 sums of its ``bundle.json``.
+
+Importing this module (``import ce_tvm`` does) sets
+``TVM_FFI_DISABLE_TORCH_C_DLPACK=1`` unless the user set it: tvm-ffi, on its
+first import with a torch that lacks ``Tensor.__dlpack_c_exchange_api__``
+(torch 2.11, say; 2.13 has it), would otherwise compile a torch C++ extension
+(with nvcc where CUDA is available): minutes, once per torch build, with no
+output. Without it tensors take the DLPack protocol's Python path, at no
+measurable cost per call; with a torch that has the attribute nothing changes.
 """
 
 from __future__ import annotations
@@ -17,9 +25,12 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from .paths import BUNDLE_MANIFEST, bundle_dirs, check_permissions, sha256_file
+
+os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
 
 RUNTIME_LIBS = {"llvm": ("libtvm_runtime.so",),
                 "cuda": ("libtvm_runtime.so", "libtvm_runtime_cuda.so")}

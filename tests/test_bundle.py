@@ -234,3 +234,38 @@ def test_cuda_runtime_gets_the_bundled_binary_without_the_compiler(cuda_bundle, 
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "callback ok" in done.stdout
+
+
+
+OLD_TORCH_PROBE = BLOCK_TVM + textwrap.dedent("""
+    import os, torch, torch.nn.functional as F
+    del torch.Tensor.__dlpack_c_exchange_api__  # as in torch 2.11, the GPU host's
+    import ce_tvm
+    c = int(sys.argv[1])
+    x = torch.randn(6, c, requires_grad=True)
+    y = torch.tensor([0, 3, c - 1, -100, 5, 2])
+    loss = ce_tvm.cross_entropy(x, y, label_smoothing=0.1)
+    loss.backward()
+    xr = x.detach().clone().requires_grad_()
+    ref = F.cross_entropy(xr, y, label_smoothing=0.1)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(x.grad, xr.grad)
+    cache = os.environ["TVM_FFI_CACHE_DIR"]
+    print(os.environ["TVM_FFI_DISABLE_TORCH_C_DLPACK"],
+          sorted(os.listdir(cache)) if os.path.isdir(cache) else [])
+""")
+
+
+def test_bundle_host_with_an_older_torch_builds_no_tvm_ffi_addon(bundle, tmp_path):
+    """Where torch lacks ``Tensor.__dlpack_c_exchange_api__``, tvm-ffi's first
+    import would compile a torch extension for minutes (it did on the GPU host,
+    torch 2.11, running from a bundle): ``import ce_tvm`` asks it not to, and
+    tensors take the DLPack protocol instead, with the same results."""
+    env = {k: v for k, v in os.environ.items() if k != "TVM_FFI_DISABLE_TORCH_C_DLPACK"}
+    env.update(CE_TVM_MODULE_DIR=str(bundle), CE_TVM_CACHE=str(tmp_path / "cache"),
+               TVM_FFI_CACHE_DIR=str(tmp_path / "tvm-ffi"))
+    done = subprocess.run([sys.executable, "-c", OLD_TORCH_PROBE, str(C)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1", "[]"]

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU check on a host without apache-tvm (the device machine lent to some
+# sessions: torch with CUDA, no TVM, no network), with the kernels from bundles.
+#   benchmarks/gpu_bundle_check.sh prepare [DIR]  # here (apache-tvm, nvcc): bundles + wheel
+#   benchmarks/gpu_bundle_check.sh run [DIR]      # there, from the repository root
+# DIR (default .gpu, ignored by git: carry it) holds one bundle per dtype, sized
+# for gpu_check.py (its grid, timed shapes and sanitizer grid; about 45 MB), and
+# the apache-tvm-ffi wheel for the host's Python (PY, default 3.12).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+step="${1:?prepare or run}"
+dir="${2:-.gpu}"
+arch="${ARCH:-sm_90}"
+if [ "$step" = prepare ]; then
+  set -e
+  bundle() { ce-tvm bundle --target cuda --arch "$arch" --dtype "$1" "${@:3}" --out "$dir/$2"; }
+  bundle bfloat16 bf16 --classes 1001 --classes 5000 --classes 32000 --classes 50257 \
+    --classes 128256
+  bundle float32 fp32 --classes 9000 --classes 32000
+  bundle float16 fp16 --classes 32000
+  python -m pip download -q --no-deps --only-binary=:all: --python-version "${PY:-3.12}" \
+    --implementation cp --platform manylinux_2_28_x86_64 -d "$dir/whl" \
+    "apache-tvm-ffi==0.1.14.post1"
+  du -sh "$dir"
+  exit 0
+fi
+[ "$step" = run ] || { echo "usage: $0 prepare|run [DIR]"; exit 2; }
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv
+python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+site=/tmp/ce_tvm_site
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
+  "$dir"/whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+  --target "$site" .
+export PYTHONPATH="$site"
+# gpu_check.sh calls `python`: the python3 that holds torch (a venv's, kept as one).
+mkdir -p /tmp/ce_tvm_bin
+printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >/tmp/ce_tvm_bin/python
+chmod +x /tmp/ce_tvm_bin/python
+export PATH="/tmp/ce_tvm_bin:$PATH"
+# libtvm_runtime_cuda.so links libcudart.so.13: torch's wheel or the toolkit has it.
+cudart=$(python3 -c "import glob, os, site; print(':'.join(sorted({os.path.dirname(p) for d in
+  site.getsitepackages() + ['/usr/local/cuda'] for p in glob.glob(d + '/**/libcudart.so.13*',
+  recursive=True)})))")
+export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+chmod -R go-w "$dir"
+bundles=()
+for b in "$dir"/*/bundle.json; do bundles+=(--bundle "$(dirname "$b")"); done
+SANITIZE_TIMEOUT_S="${SANITIZE_TIMEOUT_S:-120}" timeout "${CHECK_TIMEOUT_S:-480}" \
+  bash benchmarks/gpu_check.sh "${bundles[@]}" --json "${OUT:-.}/gpu_check.json"
+echo "gpu_check.sh: exit $?"
