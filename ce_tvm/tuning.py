@@ -38,11 +38,13 @@ from pathlib import Path
 
 import torch
 import tvm
+import tvm_ffi
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
 from . import records
 from .build import SCHEDULE_OF_OP, KernelSpec, declared_func, schedule_module
+from .omp_pool import use_torch_pool
 from .runtime import configure_thread_pool
 from .tensors import TORCH_DTYPES
 
@@ -62,14 +64,36 @@ def _random_args(func, spec: KernelSpec):
 
 def compile_scheduled(scheduled, spec: KernelSpec, entry: str | None = "main"):
     """Function ``entry`` of a scheduled PrimFunc (or IRModule) of ``spec``, built
-    as ``build`` builds (the schedule module's pipeline and pass options); the
-    Executable when ``entry`` is ``None``."""
+    as ``build`` builds (the schedule module's pipeline and pass options) and,
+    on the CPU, loaded as the runtime loads it (``_loaded_as_the_runtime_runs_it``);
+    the Executable when ``entry`` is ``None``."""
     schedule = schedule_module(spec.target)
     pipeline = getattr(schedule, "TIR_PIPELINE", None)
     with tvm.transform.PassContext(opt_level=3, config=getattr(schedule, "PASS_CONFIG", {})):
         ex = tvm.compile(scheduled, target=spec.tvm_target(),
                          **({"tir_pipeline": pipeline} if pipeline else {}))
-    return ex if entry is None else ex[entry]
+    if entry is None:
+        return ex
+    return _loaded_as_the_runtime_runs_it(ex, entry) if spec.target == "llvm" else ex[entry]
+
+
+_exports: dict = {}
+
+
+def _loaded_as_the_runtime_runs_it(ex, entry: str):
+    """``ex[entry]`` exported, loaded from disk and pointed at torch's OpenMP
+    threads (``omp_pool.use_torch_pool``), as ``runtime.kernel`` runs a CPU
+    kernel. In memory it would run its parallel loop on TVM's thread pool,
+    where rows per task and prefetch distance rank differently: records tuned
+    that way lost to the hand schedule once run through the runtime."""
+    if "dir" not in _exports:
+        _exports["dir"] = tempfile.TemporaryDirectory(prefix="ce_tvm_tune_")
+        _exports["count"] = itertools.count()
+    path = Path(_exports["dir"].name) / f"candidate{next(_exports['count'])}.so"
+    ex.export_library(str(path))
+    fn = tvm_ffi.load_module(str(path))[entry]
+    use_torch_pool(path)
+    return fn
 
 
 def time_ms(fns: list, args, runs: int = 5) -> list[float]:

@@ -2,10 +2,12 @@
 trip (every knob value replayed and checked against torch), record lookup
 order, ``tune --list``, and never-slower builds."""
 
+import ctypes
 import json
 import logging
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from tvm import tirx
 
 import ce_tvm
 from ce_tvm import nn as ce_nn
-from ce_tvm import records, runtime, tuning
+from ce_tvm import omp_pool, records, runtime, tuning
 from ce_tvm.build import schedule_module
 from ce_tvm.compute import Variant
 from ce_tvm.launch import _spec
@@ -74,6 +76,34 @@ def test_knobs_are_recorded_by_sampling_instructions():
     other = tuning.s_tir.Schedule(cands.fixed(space["chunk"][0]))
     with pytest.raises(ValueError, match="chunk"):  # the drawn chunk must be the declared one
         CPU.schedule_knobs(other, "train", target, space, knobs)
+
+
+def test_cpu_candidates_run_on_the_pool_the_runtime_uses():
+    """A CPU candidate is timed as ``runtime.kernel`` runs kernels: loaded from
+    disk, its parallel loop on torch's OpenMP threads (``omp_pool``), not on
+    TVM's pool, where knobs rank differently; and it computes the same."""
+    launcher = omp_pool.launcher_address()
+    if launcher is None:
+        pytest.skip("no OpenMP launcher here: the runtime uses TVM's pool too")
+    space = CPU.knob_space("train", 4099, "float32", TRAIN.tvm_target())
+    spec = KernelSpec("train", "float32", 4099, TRAIN.variant)
+    cands = tuning.Candidates(spec, 16, space)
+    hand = {k: v[0] for k, v in space.items()}
+    fn = cands.build(hand)
+    built = max(Path(tuning._exports["dir"].name).glob("candidate*.so"),
+                key=lambda p: p.stat().st_mtime_ns)
+    pointer = ctypes.c_void_p.in_dll(ctypes.CDLL(str(built)), omp_pool.LAUNCH_POINTER)
+    assert pointer.value == launcher
+    in_memory = tuning.compile_scheduled(cands.schedule(hand), spec, entry=None)["main"]
+    func = cands.fixed(space["chunk"][0])
+    args = tuning._random_args(func, spec)
+    before, expected = [a.clone() for a in args], [a.clone() for a in args]
+    fn(*args)
+    in_memory(*expected)
+    for got, want in zip(args, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    grad = [p.name for p in func.params].index("x_grad")
+    assert not torch.equal(args[grad], before[grad])  # the kernel ran
 
 
 @pytest.mark.parametrize("op", ["forward", "train", "backward"])
