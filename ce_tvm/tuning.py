@@ -7,14 +7,18 @@ candidate is one value per knob: the compute is declared with its ``chunk``
 ``sample_categorical`` fixed to the candidate's value, so the schedule's
 trace records each knob and replays without the search.
 
-The search runs at a fixed row count N (the record's; a symbolic-N kernel
-replays the trace) and measures ``trials`` candidates: coordinate descent
-from the hand schedule's knobs (each knob's other values in turn, moving to
-any faster candidate), and once no single change helps, a random unmeasured
-candidate, from which the descent goes on if it is faster. ``exhaustive``
-then measures every candidate of the grid too. The search's pick and the
-grid's best are measured against the hand schedule once more, interleaved;
-the record keeps the faster and applies only when it beat the hand schedule
+The search runs at a fixed row count N (the record's): a candidate's trace
+is recorded on the compute with N and the scalars bound (the record's
+workload), and the candidate is timed as the runtime would run it: the trace
+replayed on the symbolic-N compute, loaded from disk, on torch's OpenMP
+threads (``Candidates.build``, ``compile_scheduled``). It measures
+``trials`` candidates: coordinate descent from the hand schedule's knobs
+(each knob's other values in turn, moving to any faster candidate), and once
+no single change helps, a random unmeasured candidate, from which the
+descent goes on if it is faster. ``exhaustive`` then measures every
+candidate of the grid too. The search's pick and the grid's best are
+measured against the hand schedule once more, interleaved; the record keeps
+the faster and applies only when it beat the hand schedule
 (``records.MIN_SPEEDUP``). meta_schedule provides the sampling instructions,
 traces and the record format; its search is not used (its mutators do not
 change categorical decisions, so on this space it would sample at random).
@@ -140,10 +144,10 @@ class Candidates:
         return self._fixed[chunk]
 
     def hand(self):
-        """The hand schedule, compiled."""
-        func = self.fixed(None)
+        """The hand schedule, compiled as the runtime runs it (N symbolic)."""
         schedule = getattr(schedule_module(self.spec.target), SCHEDULE_OF_OP[self.spec.op])
-        return compile_scheduled(schedule(func, self.spec.tvm_target()), self.spec)
+        return compile_scheduled(schedule(declared_func(self.spec), self.spec.tvm_target()),
+                                 self.spec)
 
     def chunk(self, knobs: dict) -> int | None:
         spec = self.spec
@@ -161,15 +165,32 @@ class Candidates:
         return getattr(module, "finish", lambda f: f)(sch.mod["main"])
 
     def build(self, knobs: dict):
-        """The candidate ``knobs``, compiled."""
-        return compile_scheduled(self.schedule(knobs), self.spec)
+        """The candidate ``knobs``, compiled. At a row count, as the build compiles
+        its record: the trace replayed on the symbolic-N compute, whose scalars
+        are arguments. The fixed-N function the trace was recorded on binds N
+        and the scalars (``records.fixed_rows``), so LLVM optimises it otherwise:
+        rows per task ranked differently on it than in the runtime's kernel."""
+        scheduled = self.schedule(knobs)
+        if self.rows is None:
+            return compile_scheduled(scheduled, self.spec)
+        sch = s_tir.Schedule(declared_func(self.spec, self.chunk(knobs)))
+        self.traces[_key(knobs)][1].apply_to_schedule(sch, remove_postproc=False)
+        return compile_scheduled(sch.mod["main"], self.spec)
+
+    def arguments(self, knobs: dict) -> list:
+        """Random tensors of ``rows`` rows and ``records.TUNING_SCALARS``, in the
+        order of the symbolic-N kernel's arguments (those the runtime passes)."""
+        if self.args is None:
+            tensors = iter(_random_args(self.fixed(self.chunk(knobs)), self.spec))
+            self.args = [next(tensors) if hasattr(p, "shape") else records.TUNING_SCALARS[p.name]
+                         for p in declared_func(self.spec, self.chunk(knobs)).params]
+        return self.args
 
     def measure(self, knobs: dict, label: str) -> float:
         key = _key(knobs)
         if key not in self.measured:
-            if self.args is None:
-                self.args = _random_args(self.fixed(self.chunk(knobs)), self.spec)
-            self.measured[key] = time_ms([self.build(knobs)], self.args, runs=CANDIDATE_RUNS)[0]
+            self.measured[key] = time_ms([self.build(knobs)], self.arguments(knobs),
+                                         runs=CANDIDATE_RUNS)[0]
             best = min(self.measured.values())
             self.echo(f"    {label} {_show(knobs)}: {self.measured[key]:.3f} ms"
                       f"{'  (best so far)' if self.measured[key] == best else ''}")
@@ -249,13 +270,6 @@ def compile_grid(spec: KernelSpec, rows: int | None = None) -> tuple[list[dict],
     return points, compile_scheduled(tvm.IRModule(funcs), spec, entry=None)
 
 
-def _replay(cands: Candidates, knobs: dict) -> None:
-    """Replay the trace of ``knobs`` on the symbolic-N kernel and compile it."""
-    sch = s_tir.Schedule(declared_func(cands.spec, cands.chunk(knobs)))
-    cands.traces[_key(knobs)][1].apply_to_schedule(sch, remove_postproc=False)
-    compile_scheduled(sch.mod["main"], cands.spec)
-
-
 # Runs of one candidate's measurement (its best time counts).
 CANDIDATE_RUNS = 8
 # Runs of the final, interleaved measurement of the hand schedule and the winners.
@@ -297,7 +311,7 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
     # Equal knobs are one candidate, measured once; the hand schedule's knobs are
     # the hand schedule (the same code: a record of them is not applied).
     unique = [k for k in {_key(k): k for k in contenders.values()}.values() if k != hand]
-    final = time_ms([cands.hand()] + [cands.build(k) for k in unique], cands.args,
+    final = time_ms([cands.hand()] + [cands.build(k) for k in unique], cands.arguments(hand),
                     runs=FINAL_RUNS)
     by_key = {_key(hand): final[0], **{_key(k): t for k, t in zip(unique, final[1:])}}
     times = {name: by_key[_key(k)] for name, k in contenders.items()}
@@ -312,11 +326,6 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
                "knobs": knobs, "best_ms": best_ms, "speedup": hand_ms / best_ms,
                "applied": knobs != hand and hand_ms >= records.MIN_SPEEDUP * best_ms,
                "measured": [{"knobs": dict(k), "ms": v} for k, v in cands.measured.items()]}
-    if summary["applied"]:
-        try:  # a trace that does not replay on the symbolic-N kernel is never applied
-            _replay(cands, knobs)
-        except Exception as err:  # noqa: BLE001 - recorded in the summary instead
-            summary.update(applied=False, replay_error=str(err).splitlines()[-1][:300])
     echo(f"  {spec.name()}: hand {hand_ms:.3f} ms, best {best_ms:.3f} ms ({_show(knobs)}): "
          f"{'applied' if summary['applied'] else 'not applied (hand schedule kept)'}")
     save(out, cands, summary)

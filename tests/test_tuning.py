@@ -17,7 +17,7 @@ from tvm import tirx
 import ce_tvm
 from ce_tvm import nn as ce_nn
 from ce_tvm import omp_pool, records, runtime, tuning
-from ce_tvm.build import schedule_module
+from ce_tvm.build import declared_func, schedule_module
 from ce_tvm.compute import Variant
 from ce_tvm.launch import _spec
 from ce_tvm.spec import KernelSpec, tuned_spec
@@ -78,32 +78,41 @@ def test_knobs_are_recorded_by_sampling_instructions():
         CPU.schedule_knobs(other, "train", target, space, knobs)
 
 
-def test_cpu_candidates_run_on_the_pool_the_runtime_uses():
-    """A CPU candidate is timed as ``runtime.kernel`` runs kernels: loaded from
-    disk, its parallel loop on torch's OpenMP threads (``omp_pool``), not on
-    TVM's pool, where knobs rank differently; and it computes the same."""
+def test_cpu_candidates_run_as_the_runtime_runs_them():
+    """A CPU candidate is timed as ``runtime.kernel`` runs its record: the trace
+    replayed on the symbolic-N compute (runtime scalars as arguments), loaded
+    from disk, its parallel loop on torch's OpenMP threads (``omp_pool``), not
+    on TVM's pool, where knobs rank differently; and it computes the same."""
     launcher = omp_pool.launcher_address()
     if launcher is None:
         pytest.skip("no OpenMP launcher here: the runtime uses TVM's pool too")
     space = CPU.knob_space("train", 4099, "float32", TRAIN.tvm_target())
     spec = KernelSpec("train", "float32", 4099, TRAIN.variant)
     cands = tuning.Candidates(spec, 16, space)
-    hand = {k: v[0] for k, v in space.items()}
-    fn = cands.build(hand)
+    knobs = {"chunk": space["chunk"][1], "accumulators": 4, "prefetch": 2, "row_grain": 8}
+    fn = cands.build(knobs)
     built = max(Path(tuning._exports["dir"].name).glob("candidate*.so"),
                 key=lambda p: p.stat().st_mtime_ns)
     pointer = ctypes.c_void_p.in_dll(ctypes.CDLL(str(built)), omp_pool.LAUNCH_POINTER)
     assert pointer.value == launcher
-    in_memory = tuning.compile_scheduled(cands.schedule(hand), spec, entry=None)["main"]
-    func = cands.fixed(space["chunk"][0])
-    args = tuning._random_args(func, spec)
-    before, expected = [a.clone() for a in args], [a.clone() for a in args]
+    symbolic = declared_func(spec, space["chunk"][1])
+    sch = tuning.s_tir.Schedule(symbolic)
+    CPU.schedule_knobs(sch, "train", TRAIN.tvm_target(), space, knobs)
+    in_memory = tuning.compile_scheduled(sch.mod["main"], spec, entry=None)["main"]
+    args = cands.arguments(knobs)
+    assert len(args) == len(symbolic.params)  # N and the scalars are arguments
+    before, expected = [_copy(a) for a in args], [_copy(a) for a in args]
     fn(*args)
     in_memory(*expected)
+    grad = [p.name for p in symbolic.params].index("x_grad")
     for got, want in zip(args, expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    grad = [p.name for p in func.params].index("x_grad")
+        if isinstance(got, torch.Tensor):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(args[grad], before[grad])  # the kernel ran
+
+
+def _copy(arg):
+    return arg.clone() if isinstance(arg, torch.Tensor) else arg
 
 
 @pytest.mark.parametrize("op", ["forward", "train", "backward"])
