@@ -170,7 +170,7 @@ class Candidates:
         are arguments. The fixed-N function the trace was recorded on binds N
         and the scalars (``records.fixed_rows``), so LLVM optimises it otherwise:
         rows per task ranked differently on it than in the runtime's kernel."""
-        scheduled = self.schedule(knobs)
+        scheduled = self.schedule(knobs)  # records the trace
         if self.rows is None:
             return compile_scheduled(scheduled, self.spec)
         sch = s_tir.Schedule(declared_func(self.spec, self.chunk(knobs)))
