@@ -25,7 +25,7 @@ if [ "$step" = prepare ]; then
   exit 0
 fi
 [ "$step" = run ] || { echo "usage: $0 prepare|run [DIR]"; exit 2; }
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 GPU_CHECK_TRACE_EVERY_S="${GPU_CHECK_TRACE_EVERY_S:-60}"
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 site=/tmp/ce_tvm_site

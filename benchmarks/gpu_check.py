@@ -22,16 +22,23 @@ dlight baseline (which needs the compiler) is left out.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
 import sys
 
-import torch
-import torch.nn.functional as F
+# Every GPU_CHECK_TRACE_EVERY_S seconds, every thread's stack on stderr: device
+# time is short, and a run that hangs (session 6's printed nothing) shows where.
+if int(os.environ.get("GPU_CHECK_TRACE_EVERY_S", "0")) > 0:
+    faulthandler.dump_traceback_later(int(os.environ["GPU_CHECK_TRACE_EVERY_S"]), repeat=True)
 
-import ce_tvm
-from ce_tvm import launch
-from ce_tvm.ops import scale_unit_gradient
-from ce_tvm.options import LossOptions
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ce_tvm  # noqa: E402
+from ce_tvm import launch  # noqa: E402
+from ce_tvm.ops import scale_unit_gradient  # noqa: E402
+from ce_tvm.options import LossOptions  # noqa: E402
 
 GRID = [(64, 17), (256, 1001), (512, 32000), (128, 128256), (64, 256000)]
 TIMED = [(8192, 128256, torch.bfloat16), (4096, 32000, torch.float32),
