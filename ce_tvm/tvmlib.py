@@ -12,10 +12,13 @@ SHA-256 sums of its ``bundle.json``.
 Importing this module (``import ce_tvm`` does) sets
 ``TVM_FFI_DISABLE_TORCH_C_DLPACK=1`` unless the user set it: tvm-ffi, on its
 first import with a torch that lacks ``Tensor.__dlpack_c_exchange_api__``
-(torch 2.11, say; 2.13 has it), would otherwise compile a torch C++ extension
-(with nvcc where CUDA is available): minutes, once per torch build, with no
-output. Without it tensors take the DLPack protocol's Python path, at no
-measurable cost per call; with a torch that has the attribute nothing changes.
+(torch 2.11, say; 2.13 has it), would otherwise compile a torch C++ extension,
+with nvcc where CUDA is available, once per torch build and with no output
+(most likely what kept session 6's GPU check silent for eight minutes).
+Without it tensors take the DLPack protocol's Python path, at no measurable
+cost per call. With torch 2.13 nothing changes: the flag also skips tvm-ffi's
+patch that gives older torch streams ``__cuda_stream__``, which 2.13's have
+and ce_tvm does not use (``tvm_ffi.use_torch_stream`` reads ``cuda_stream``).
 """
 
 from __future__ import annotations
