@@ -45,8 +45,21 @@ cudart=$(python3 -c "import glob, os, site; print(':'.join(sorted({os.path.dirna
   recursive=True)})))")
 export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 chmod -R go-w "$dir"
-bundles=()
-for b in "$dir"/*/bundle.json; do bundles+=(--bundle "$(dirname "$b")"); done
+bundles=() dirs=()
+for b in "$dir"/*/bundle.json; do bundles+=(--bundle "$(dirname "$b")"); dirs+=("$(dirname "$b")"); done
+# A one-call smoke test first (its own time limit): a run that fails or hangs
+# here costs a minute of device time, not the whole check.
+CE_TVM_MODULE_DIR="$(IFS=:; echo "${dirs[*]}")" timeout "${SMOKE_TIMEOUT_S:-120}" python3 -X \
+  faulthandler -c "
+import faulthandler, torch, torch.nn.functional as F
+faulthandler.dump_traceback_later(30, repeat=True)
+import ce_tvm
+x = torch.randn(64, 32000, device='cuda').to(torch.bfloat16).requires_grad_()
+y = torch.randint(0, 32000, (64,), device='cuda')
+loss = ce_tvm.cross_entropy(x, y)
+loss.backward()
+print('smoke: loss', loss.item(), 'torch', F.cross_entropy(x.float(), y).item())
+" || { echo "smoke test failed: the check is skipped"; exit 1; }
 SANITIZE_TIMEOUT_S="${SANITIZE_TIMEOUT_S:-120}" timeout "${CHECK_TIMEOUT_S:-480}" \
   bash benchmarks/gpu_check.sh "${bundles[@]}" --json "${OUT:-.}/gpu_check.json"
 echo "gpu_check.sh: exit $?"
