@@ -45,8 +45,9 @@ cudart=$(python3 -c "import glob, os, site; print(':'.join(sorted({os.path.dirna
   recursive=True)})))")
 export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 chmod -R go-w "$dir"
-bundles=() dirs=()
-for b in "$dir"/*/bundle.json; do bundles+=(--bundle "$(dirname "$b")"); dirs+=("$(dirname "$b")"); done
+dirs=() bundles=()
+for b in "$dir"/*/bundle.json; do dirs+=("$(dirname "$b")"); done
+for d in "${dirs[@]}"; do bundles+=(--bundle "$d"); done
 # A one-call smoke test first (its own time limit): a run that fails or hangs
 # here costs a minute of device time, not the whole check.
 CE_TVM_MODULE_DIR="$(IFS=:; echo "${dirs[*]}")" timeout "${SMOKE_TIMEOUT_S:-120}" python3 -X \

@@ -133,21 +133,27 @@ class Candidates:
     echo: object = print
     measured: dict = field(default_factory=dict)  # _key(knobs) -> ms
     traces: dict = field(default_factory=dict)  # _key(knobs) -> (fixed func, trace)
+    _declared: dict = field(default_factory=dict)  # chunk -> the symbolic-N compute
     _fixed: dict = field(default_factory=dict)  # chunk -> the fixed-N compute
     args: list = None
 
+    def declared(self, chunk: int | None):
+        """The compute declared with ``chunk`` (``None``: the schedule's), N symbolic."""
+        if chunk not in self._declared:
+            self._declared[chunk] = declared_func(self.spec, chunk)
+        return self._declared[chunk]
+
     def fixed(self, chunk: int | None):
-        """The compute declared with ``chunk``, N bound to ``rows`` (unless ``None``)."""
+        """``declared(chunk)`` with N bound to ``rows`` (unless ``None``)."""
         if chunk not in self._fixed:
-            func = declared_func(self.spec, chunk)
+            func = self.declared(chunk)
             self._fixed[chunk] = func if self.rows is None else records.fixed_rows(func, self.rows)
         return self._fixed[chunk]
 
     def hand(self):
         """The hand schedule, compiled as the runtime runs it (N symbolic)."""
         schedule = getattr(schedule_module(self.spec.target), SCHEDULE_OF_OP[self.spec.op])
-        return compile_scheduled(schedule(declared_func(self.spec), self.spec.tvm_target()),
-                                 self.spec)
+        return compile_scheduled(schedule(self.declared(None), self.spec.tvm_target()), self.spec)
 
     def chunk(self, knobs: dict) -> int | None:
         spec = self.spec
@@ -173,7 +179,7 @@ class Candidates:
         scheduled = self.schedule(knobs)  # records the trace
         if self.rows is None:
             return compile_scheduled(scheduled, self.spec)
-        sch = s_tir.Schedule(declared_func(self.spec, self.chunk(knobs)))
+        sch = s_tir.Schedule(self.declared(self.chunk(knobs)))
         self.traces[_key(knobs)][1].apply_to_schedule(sch, remove_postproc=False)
         return compile_scheduled(sch.mod["main"], self.spec)
 
@@ -183,7 +189,7 @@ class Candidates:
         if self.args is None:
             tensors = iter(_random_args(self.fixed(self.chunk(knobs)), self.spec))
             self.args = [next(tensors) if hasattr(p, "shape") else records.TUNING_SCALARS[p.name]
-                         for p in declared_func(self.spec, self.chunk(knobs)).params]
+                         for p in self.declared(self.chunk(knobs)).params]
         return self.args
 
     def measure(self, knobs: dict, label: str) -> float:
