@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Regenerate the shipped CPU tuning records (tuning_logs/) for the committed
 # shapes, searching and measuring the whole knob grid (--exhaustive), with one
-# JSON report per shape in benchmarks/results/. Run it on a quiet machine of
+# JSON report per shape in benchmarks/results/<CPU key>/. Run it on a quiet machine of
 # the kind the records are for (the records are keyed by CPU and core count).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLI=${CE_TVM_CLI:-.venv/bin/ce-tvm}
-mkdir -p benchmarks/results
+PY=${CE_TVM_PYTHON:-.venv/bin/python}
+# the reports go beside the records' key (llvm-znver5-2c, ...): one folder per CPU
+KEY=$("$PY" -c "from ce_tvm import records, targets; print(records.target_key(targets.target_description('llvm')))")
+mkdir -p "benchmarks/results/$KEY"
 for dtype in float32 bfloat16; do
   for shape in 4096x32000 8192x50257 2048x128256; do
     rows=${shape%x*} classes=${shape#*x}
     "$CLI" tune --target llvm --dtype "$dtype" --classes "$classes" --rows "$rows" \
       --trials 16 --exhaustive --retune --log-dir tuning_logs \
-      --json "benchmarks/results/tuning-$dtype-$shape.json"
+      --json "benchmarks/results/$KEY/tuning-$dtype-$shape.json"
   done
 done

@@ -61,7 +61,8 @@ def test_every_space_has_at_least_12_candidates_and_starts_at_the_hand_schedule(
     if op != "backward":
         assert space["chunk"][0] == CPU.forward_chunk(50257, "bfloat16", target)
         assert len(set(space["chunk"])) == len(space["chunk"]) >= 3
-    assert space["accumulators"][0] == CPU.CPUKnobs().accumulators
+    assert space["accumulators"][0] == CPU.hand_knobs(op, target).accumulators
+    assert len(set(space["accumulators"])) == len(space["accumulators"])
 
 
 def test_knobs_are_recorded_by_sampling_instructions():
