@@ -49,13 +49,13 @@ a merged (max, sum) reducer (``rfactor`` rejects unregistered reducers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm.target.codegen import llvm_get_vector_width
+from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
 from ..compute import CHUNK_EXP, CHUNK_EXPSUM, CHUNK_LOGITS, CHUNK_MAX, LOG_PROB, LOGITS
 from ._common import (
@@ -117,39 +117,44 @@ class CPUKnobs:
 MAX_CHUNK_CHOICES = (2048, 4096, MAX_CHUNK, 12288)
 
 
+# The knobs' choices per op (``chunk`` aside); ``knob_space`` puts the hand value first.
+_KNOB_CHOICES = {
+    "forward": {"accumulators": (2, 1, 4), "unroll": (1, 2, 4), "row_grain": (1, 8)},
+    "train": {"accumulators": (2, 1, 4), "prefetch": (1, 0, 2), "row_grain": (1, 8)},
+    "backward": {"accumulators": (2, 1, 4, 8), "row_grain": (1, 4, 16)},
+}
+
+
 def knob_space(op: str, classes: int, dtype: str, target: Target) -> dict:
     """The knobs of ``op``'s schedule at this shape and their choices (``{name: choices}``),
-    the hand schedule's value first. ``chunk`` is the chunk the compute is
-    declared with (a tuned kernel re-declares it); the backward has none."""
-    if op not in ("forward", "train", "backward"):
+    the hand schedule's value first (``hand_knobs``). ``chunk`` is the chunk the
+    compute is declared with (a tuned kernel re-declares it); the backward has none."""
+    if op not in _KNOB_CHOICES:
         raise ValueError(f"no tunable schedule for {op!r}")
-    hand = forward_chunk(classes, dtype, target)
-    chunks = (hand,) + tuple(sorted({forward_chunk(classes, dtype, target, m)
-                                     for m in MAX_CHUNK_CHOICES} - {hand}))
-    acc = hand_knobs(op, target).accumulators
-    accumulators = (acc,) + tuple(a for a in (2, 1, 4, 8)[:4 if op == "backward" else 3]
-                                  if a != acc)
-    if op == "forward":
-        return {"chunk": chunks, "accumulators": accumulators, "unroll": (1, 2, 4),
-                "row_grain": (1, 8)}
-    if op == "train":
-        return {"chunk": chunks, "accumulators": accumulators, "prefetch": (1, 0, 2),
-                "row_grain": (1, 8)}
-    return {"accumulators": accumulators, "row_grain": (1, 4, 16)}
+    space = {}
+    if op != "backward":
+        hand_chunk = forward_chunk(classes, dtype, target)
+        space["chunk"] = (hand_chunk,) + tuple(sorted(
+            {forward_chunk(classes, dtype, target, m) for m in MAX_CHUNK_CHOICES} - {hand_chunk}))
+    hand = asdict(hand_knobs(op, target))
+    for name, choices in _KNOB_CHOICES[op].items():
+        space[name] = (hand[name],) + tuple(c for c in choices if c != hand[name])
+    return space
 
 
 def hand_knobs(op: str, target: Target) -> CPUKnobs:
-    """The hand schedule's knobs of ``op`` on ``target``: ``CPUKnobs()``, but one
-    accumulator for the forward where a vector register holds 8 float32 lanes
-    (AVX2). There the 16 registers cannot hold the ``exp``'s constants and a
-    second chain's temporaries: LLVM spills, and the polynomial's independent
-    vectors already hide the add latency. Measured on a 2-core AVX2 EPYC
-    (LLVM: znver1): every forward's tuning search picked one
-    (``benchmarks/results/llvm-znver1-2c``), and in cache the fp32 C = 32000
-    forward takes 1.2 instead of 1.34-1.41 ns per element per core; the
-    training kernel's searches kept two."""
-    if op == "forward" and vector_lanes(target) <= 8:
-        return CPUKnobs(accumulators=1)
+    """The hand schedule's knobs of ``op`` on ``target``: ``CPUKnobs()``, but for
+    the forward on x86 without AVX-512 one accumulator, unrolled twice. There a
+    ``vector_lanes`` step of 16 float32 lanes is two ymm registers (LLVM reports
+    a 512-bit width for AVX2 CPUs too), so two accumulators make four chains,
+    and the 16 registers cannot hold their temporaries beside the ``exp``'s
+    constants: LLVM spills. Measured by the tuner on a 2-core AVX2 EPYC (LLVM:
+    znver1; ``tuning_logs/llvm-znver1-2c/*/summary.json``): at all six bench
+    shapes this beat the default by 5-7% (bf16) and 11-16% (fp32); the
+    training kernel's searches kept the default."""
+    if (op == "forward" and target_has_features("avx2", target)
+            and not target_has_features("avx512f", target)):
+        return CPUKnobs(accumulators=1, unroll=2)
     return CPUKnobs()
 
 
@@ -212,7 +217,7 @@ def forward(func, target: Target, knobs: CPUKnobs | None = None):
                            knobs or hand_knobs("forward", target)).mod["main"]
 
 
-def schedule_forward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
+def schedule_forward(sch, target: Target, knobs: CPUKnobs):
     """``forward`` on a given schedule (the tuning search's ``schedule_knobs`` calls it)."""
     inline_row_helpers(sch)
     chunk = _chunk(sch)
@@ -238,7 +243,7 @@ def backward(func, target: Target, knobs: CPUKnobs | None = None):
                            knobs or hand_knobs("backward", target)).mod["main"]
 
 
-def schedule_backward(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
+def schedule_backward(sch, target: Target, knobs: CPUKnobs):
     """``backward`` on a given schedule (the tuning search's ``schedule_knobs`` calls it)."""
     inline_row_helpers(sch)
     grad, row = place_grad_coefficients(sch)
@@ -267,7 +272,7 @@ def train(func, target: Target, knobs: CPUKnobs | None = None):
                            knobs or hand_knobs("train", target)).mod["main"]
 
 
-def schedule_train(sch, target: Target, knobs: CPUKnobs = CPUKnobs()):
+def schedule_train(sch, target: Target, knobs: CPUKnobs):
     """One sweep per row (``row_sweep``): the forward's chunk loop, where
     ``ce_chunk_exp`` keeps ``exp(x - chunk_max)`` in a per-row float32 scratch
     (L1 while the chunk is reduced, L2 after), then ``x_grad`` under the same

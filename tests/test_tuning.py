@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tvm import tirx
+from tvm.target import Target
 
 import ce_tvm
 from ce_tvm import nn as ce_nn
@@ -63,6 +64,20 @@ def test_every_space_has_at_least_12_candidates_and_starts_at_the_hand_schedule(
         assert len(set(space["chunk"])) == len(space["chunk"]) >= 3
     assert space["accumulators"][0] == CPU.hand_knobs(op, target).accumulators
     assert len(set(space["accumulators"])) == len(space["accumulators"])
+
+
+@pytest.mark.parametrize("mcpu, forward_accumulators", [("znver1", 1), ("haswell", 1),
+                                                        ("znver5", 2), ("skylake-avx512", 2)])
+def test_hand_schedule_keeps_one_forward_accumulator_on_avx2(mcpu, forward_accumulators):
+    """AVX2 (16 registers of 8 float32 lanes): fewer chains, no spills; AVX-512: two.
+    The search starts from the hand schedule's knobs."""
+    target = Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    hand = CPU.hand_knobs("forward", target)
+    assert hand.accumulators == forward_accumulators
+    assert CPU.hand_knobs("train", target) == CPU.hand_knobs("backward", target) == CPU.CPUKnobs()
+    space = CPU.knob_space("forward", 32000, "float32", target)
+    assert (space["accumulators"][0], space["unroll"][0]) == (hand.accumulators, hand.unroll)
+    assert sorted(space["unroll"]) == [1, 2, 4] and sorted(space["accumulators"]) == [1, 2, 4]
 
 
 def test_knobs_are_recorded_by_sampling_instructions():
