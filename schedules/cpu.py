@@ -95,7 +95,8 @@ PEELS_LAST_CHUNK = True
 
 @dataclass(frozen=True)
 class CPUKnobs:
-    """Tunable constants of the CPU schedule (the defaults are the hand schedule).
+    """Tunable constants of the CPU schedule (the defaults are the hand schedule but
+    where ``hand_knobs`` says otherwise).
 
     ``accumulators``: vector accumulators per row reduction, and native
     vectors per step of the element-wise loops; 2 hides the 4-cycle FP add
