@@ -57,7 +57,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
-from ..compute import CHUNK_EXP, CHUNK_EXPSUM, CHUNK_LOGITS, CHUNK_MAX, LOG_PROB, LOGITS
+from ..compute import CHUNK_EXP, CHUNK_EXPSUM, CHUNK_LOGITS, CHUNK_MAX, LOG_PROB, LOGITS, X_GRAD
 from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
@@ -279,7 +279,8 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs):
     (L1 while the chunk is reduced, L2 after), then ``x_grad`` under the same
     row loop, reading the scratch back chunk by chunk. The logits are read
     from memory once and the gradient written once. The ``exp`` loop
-    prefetches the chunk ``knobs.prefetch`` ahead (``prefetch_ahead``)."""
+    prefetches the chunk ``knobs.prefetch`` ahead (``prefetch_ahead``) and,
+    for writing, the gradient's lines of the chunk it computes."""
     inline_row_helpers(sch)
     chunk = _chunk(sch)
     lanes = vector_lanes(target) * knobs.accumulators
@@ -306,6 +307,14 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs):
 # schedule primitive emits prefetches: the schedule annotates the loop
 # (``PREFETCH_ATTR``, a traced instruction, so a tuning record replays it) and
 # a pass after TVM's lowering adds the prefetches to it.
+#
+# The training kernel writes a row's gradient after its sweep. Each line it
+# stores to is first read from memory (write-allocate) when the stores reach
+# it, and that loop has little compute to hide the wait behind. The same ``exp``
+# loop therefore also prefetches, for writing (``prefetchw``), the gradient's
+# lines at the elements it reads; the row's gradient then waits in L2
+# (in-process A/B, 2-core AVX2 EPYC: fp32 1024x32000 31.4 -> 27.4 ms,
+# 4096x32000, 1024x50257 and 512x128256 3% faster; bf16 within noise).
 
 PREFETCH_ATTR = "ce_tvm_prefetch_distance"
 TIR_PIPELINE = "ce_tvm_llvm"
@@ -378,11 +387,13 @@ def _staged_chunk(stmt):
     return None
 
 
-def _with_prefetch(loop, staged):
+def _with_prefetch(loop, staged, grad=None):
     """``loop`` (marked by ``prefetch_ahead``) with prefetches, at the top of
     each iteration, of every cache line of the logits ``PREFETCH_ATTR``
     elements ahead of those it reads. ``staged``: ``_staged_chunk`` of the
-    copy before it, used when the loop reads the staged chunk."""
+    copy before it, used when the loop reads the staged chunk. ``grad``: the
+    gradient buffer of a training kernel (same shape as the logits), whose
+    lines at the elements the loop reads are fetched for writing."""
     distance = int(loop.annotations[PREFETCH_ATTR])
     body, var = loop.body, loop.loop_var
     inner = [f.loop_var for f in _collect(body, tirx.For)]
@@ -405,12 +416,18 @@ def _with_prefetch(loop, staged):
         "void", "tirx.prefetch", tirx.address_of(tirx.BufferLoad(
             logits, [first + tirx.const(distance + o, first.ty)])), 0, 3, 1))
         for o in range(0, int(step.value), per_line)]
+    if grad is not None:
+        grad_line = max(1, _LINE_BYTES * 8 // tvm.runtime.DataType(str(grad.dtype)).bits)
+        fetches += [tirx.Evaluate(tirx.call_intrin(
+            "void", "tirx.prefetch", tirx.address_of(tirx.BufferLoad(
+                grad, [first + tirx.const(o, first.ty)])), 1, 3, 1))
+            for o in range(0, int(step.value), grad_line)]
     return tirx.For(var, loop.min, loop.extent, loop.kind, tirx.SeqStmt(fetches + [body]),
                     loop.thread_binding, loop.annotations)
 
 
-def _prefetch_in(seq):
-    """``_with_prefetch`` on the marked loops of a statement sequence."""
+def _prefetch_in(seq, grad=None):
+    """``_with_prefetch`` on the marked loops of a statement sequence (``grad``: as there)."""
     def marked(stmt):
         return isinstance(stmt, tirx.For) and PREFETCH_ATTR in stmt.annotations
 
@@ -419,17 +436,20 @@ def _prefetch_in(seq):
     staged, out = None, []
     for stmt in seq.seq:
         staged = _staged_chunk(stmt) or staged
-        out.append(_with_prefetch(stmt, staged) if marked(stmt) else stmt)
+        out.append(_with_prefetch(stmt, staged, grad) if marked(stmt) else stmt)
     return tirx.SeqStmt(out)
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
 def prefetch_marked_loops(func, mod, ctx):
-    """Add prefetches to the loops ``prefetch_ahead`` marked (after lowering)."""
+    """Add prefetches to the loops ``prefetch_ahead`` marked (after lowering); in
+    a training kernel also of the gradient's lines (``_with_prefetch``)."""
     if not any(PREFETCH_ATTR in f.annotations for f in _collect(func.body, tirx.For)):
         return func
+    grads = [st.buffer for st in _collect(func.body, tirx.BufferStore) if st.buffer.name == X_GRAD]
+    grad = grads[0] if grads else None
     return func.with_body(tvm_ffi.structural_map(
-        func.body, [(tirx.SeqStmt, _prefetch_in)], order="post"))
+        func.body, [(tirx.SeqStmt, lambda seq: _prefetch_in(seq, grad))], order="post"))
 
 
 # TVM's LLVM codegen builds a ``Ramp`` lane by lane, and LLVM turns a 32-lane

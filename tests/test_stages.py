@@ -192,13 +192,14 @@ def _lowered(spec, after: str):
     return seen[-1]
 
 
-def _prefetched_buffers(func) -> list[str]:
+def _prefetched_buffers(func, write: bool = False) -> list[str]:
+    """Names of the buffers ``func`` prefetches, for reading or (``write``) writing."""
     import tvm
 
     from ce_tvm.schedules import cpu
 
     return [call.args[0].args[0].source.name for call in cpu._collect(func.body, tvm.ir.expr.Call)
-            if call.op.name == "tirx.prefetch"]
+            if call.op.name == "tirx.prefetch" and int(call.args[1]) == int(write)]
 
 
 @pytest.mark.parametrize("op,dtype", [("forward", "float32"), ("forward", "bfloat16"),
@@ -211,6 +212,26 @@ def test_cpu_exp_loop_prefetches_the_next_chunk_of_the_logits(op, dtype):
     spec = KernelSpec(op, dtype, 12800, Variant("mean", False, False), "llvm")
     fetched = _prefetched_buffers(_lowered(spec, "prefetch_marked_loops"))
     assert fetched and set(fetched) == {compute.LOGITS}, fetched
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_training_exp_loop_fetches_the_gradient_lines_for_writing(dtype):
+    """The training kernel's ``exp`` loop also prefetches, for writing, the lines
+    of the gradient it stores after the row's sweep: as many lines as it fetches
+    of the logits (the gradient has their dtype), and nothing else for writing;
+    the forward fetches nothing for writing."""
+    from ce_tvm.build import KernelSpec
+
+    for op in ("train", "forward"):
+        spec = KernelSpec(op, dtype, 12800, Variant("mean", False, False), "llvm")
+        func = _lowered(spec, "prefetch_marked_loops")
+        written = _prefetched_buffers(func, write=True)
+        if op == "forward":
+            assert written == []
+        else:
+            assert written and set(written) == {compute.X_GRAD}
+            read = _prefetched_buffers(func)
+            assert len(written) == len(read), (written, read)
 
 
 def test_cpu_overlap_test_runs_on_the_last_chunk_only():
