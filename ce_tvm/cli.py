@@ -84,6 +84,16 @@ TUNED_VARIANTS = {"forward": lambda r: Variant(r, False, False),
                   "train": lambda r: Variant(r, False, False)}
 
 
+def record_spec(kernel_name: str) -> KernelSpec:
+    """The spec ``ce-tvm tune`` tunes under ``kernel_name`` (a record's
+    ``summary["kernel"]``, e.g. ``llvm-forward-float32-C32000-mean-nw-nolp``)."""
+    target, op, dtype, classes, reduction = kernel_name.split("-")[:5]
+    spec = KernelSpec(op, dtype, int(classes[1:]), TUNED_VARIANTS[op](reduction), target)
+    if spec.name() != kernel_name:
+        raise ValueError(f"{kernel_name!r} is not the name of a kernel ce-tvm tune tunes")
+    return spec
+
+
 def _tuned_specs(args) -> list[KernelSpec]:
     return [KernelSpec(op, args.dtype, args.classes, TUNED_VARIANTS[op](args.reduction),
                        args.target) for op in args.ops.split(",")]

@@ -356,3 +356,23 @@ def test_untuned_shape_says_how_to_tune_once(caplog, tmp_path, monkeypatch):
         tuned_spec(spec, 10)
     hints = [r for r in caplog.records if "ce-tvm tune" in r.getMessage()]
     assert len(hints) == 1 and "--classes 77" in hints[0].getMessage()
+
+
+SHIPPED_RECORDS = sorted(p.parent for p in records.PACKAGE_LOGS.glob("*/*/summary.json"))
+
+
+@pytest.mark.parametrize("directory", SHIPPED_RECORDS, ids=lambda d: f"{d.parent.name}/{d.name}")
+def test_shipped_record_replays_on_the_current_compute(directory, tmp_path, monkeypatch):
+    """Every record in the package is keyed to today's compute of its kernel and
+    its trace replays there: a compute change that leaves a record stale (the
+    build would warn and use the hand schedule) fails here. Re-tune it on its
+    machine, or re-key it (``benchmarks/rekey_tuning_logs.py``)."""
+    from ce_tvm.cli import record_spec
+
+    monkeypatch.setenv("CE_TVM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CE_TVM_TUNING_LOGS", raising=False)
+    summary = json.loads((directory / "summary.json").read_text())
+    spec = record_spec(summary["kernel"])
+    func = declared_func(spec, summary.get("knobs", {}).get("chunk"))
+    rid = f"{directory.parent.name}/{directory.name}"
+    records.apply_record(rid, func, spec.tvm_target())  # raises on a stale record
