@@ -31,7 +31,7 @@ from ce_tvm import build, records
 from ce_tvm.cli import record_spec
 
 
-def current_workload(directory: Path, summary: dict) -> tvm.IRModule:
+def current_workload(summary: dict) -> tvm.IRModule:
     """The function the record's kernel is tuned on, from today's compute."""
     spec = record_spec(summary["kernel"])
     func = build.declared_func(spec, summary.get("knobs", {}).get("chunk"))
@@ -41,7 +41,7 @@ def current_workload(directory: Path, summary: dict) -> tvm.IRModule:
 def rekey(directory: Path, note: str) -> bool:
     """Re-key one record if stale; whether it was. Raises if its trace no longer replays."""
     summary = json.loads((directory / "summary.json").read_text())
-    mod = current_workload(directory, summary)
+    mod = current_workload(summary)
     workloads = (directory / "database_workload.json").read_text().splitlines()
     if len(workloads) != 1:
         raise ValueError(f"{directory}: expected one workload, found {len(workloads)}")
