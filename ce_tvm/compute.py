@@ -288,6 +288,24 @@ def last_chunk_peeled(peeled: bool = True):
         _LAST_CHUNK_PEELED.reset(token)
 
 
+_ONE_HOT_BY_CHUNK = contextvars.ContextVar("ce_tvm_one_hot_by_chunk", default=False)
+
+
+@contextlib.contextmanager
+def one_hot_by_chunk(by_chunk: bool = True):
+    """Declare the training gradient inside the block for a schedule that loops
+    over its columns chunk by chunk, with a compiler that takes a loop-invariant
+    test out of the loop (LLVM): the one-hot term is then tested per column only
+    within the target's chunk, behind a test on the chunk. Otherwise it is one
+    compare per column (on CUDA the test on the chunk costs instructions). The
+    gradient is the same either way."""
+    token = _ONE_HOT_BY_CHUNK.set(by_chunk)
+    try:
+        yield
+    finally:
+        _ONE_HOT_BY_CHUNK.reset(token)
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """How a row of ``classes`` is cut into ``n_chunks`` chunks of ``chunk``.
@@ -877,12 +895,10 @@ def train_func(classes: int, dtype: str, variant: Variant,
             tail = c >= _int64(lay.last_full())
             k = tirx.Select(tail, _int64(lay.n_chunks - 1), tirx.floordiv(c, size))
             j = tirx.Select(tail, c - _int64(classes - lay.chunk), tirx.floormod(c, size))
-        # The one-hot term is tested per column only within the target's chunk of
-        # columns: the test on the chunk is invariant in a loop over one chunk, so
-        # a compiler can take it out of the loop (LLVM does, for float32).
-        onehot = tirx.if_then_else(
-            tirx.floordiv(c, size) == tirx.floordiv(index(n), size),
-            tirx.Select(_same_class(c, index(n)), hot[n], zero), zero)
+        onehot = tirx.Select(_same_class(c, index(n)), hot[n], zero)
+        if _ONE_HOT_BY_CHUNK.get():  # see one_hot_by_chunk
+            onehot = tirx.if_then_else(
+                tirx.floordiv(c, size) == tirx.floordiv(index(n), size), onehot, zero)
         return logit.scaled_by_slope(
             n, c, kept[n, k, j] * chunk_scale[n, k] - onehot - smooth[n] * wc(c)).astype(dtype)
 
