@@ -417,19 +417,21 @@ def _with_prefetch(loop, staged, grad=None):
         v + tirx.const(1, v.ty) if v.same_as(var) else v))]) - first)
     if not isinstance(step, tirx.IntImm):
         return loop
-    per_line = max(1, _LINE_BYTES * 8 // tvm.runtime.DataType(str(logits.dtype)).bits)
-    fetches = [tirx.Evaluate(tirx.call_intrin(
-        "void", "tirx.prefetch", tirx.address_of(tirx.BufferLoad(
-            logits, [first + tirx.const(distance + o, first.ty)])), 0, 3, 1))
-        for o in range(0, int(step.value), per_line)]
+    fetches = _line_prefetches(logits, first + tirx.const(distance, first.ty), step, write=False)
     if grad is not None:
-        grad_line = max(1, _LINE_BYTES * 8 // tvm.runtime.DataType(str(grad.dtype)).bits)
-        fetches += [tirx.Evaluate(tirx.call_intrin(
-            "void", "tirx.prefetch", tirx.address_of(tirx.BufferLoad(
-                grad, [first + tirx.const(o, first.ty)])), 1, 3, 1))
-            for o in range(0, int(step.value), grad_line)]
+        fetches += _line_prefetches(grad, first, step, write=True)
     return tirx.For(var, loop.min, loop.extent, loop.kind, tirx.SeqStmt(fetches + [body]),
                     loop.thread_binding, loop.annotations)
+
+
+def _line_prefetches(buffer, start, count, write: bool) -> list:
+    """Prefetches, for reading or writing, of every cache line of ``buffer``'s
+    ``count`` elements from flat index ``start``."""
+    per_line = max(1, _LINE_BYTES * 8 // tvm.runtime.DataType(str(buffer.dtype)).bits)
+    return [tirx.Evaluate(tirx.call_intrin(
+        "void", "tirx.prefetch", tirx.address_of(tirx.BufferLoad(
+            buffer, [start + tirx.const(o, start.ty)])), int(write), 3, 1))
+        for o in range(0, int(count.value), per_line)]
 
 
 def _prefetch_in(seq, grad=None):
