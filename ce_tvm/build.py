@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import tvm
 
 from . import compute, fastmath, records
+from .files import copy_file
 from .kinds import REDUCTIONS, Variant
 from .spec import KernelSpec, schedule_name, tuned_variants
 
@@ -149,15 +149,10 @@ def cuda_binary(executable, spec: KernelSpec) -> tuple[str, bytes] | None:
                                          arch=str(target.attrs["arch"]), compiler="nvcc")
 
 
-def export_atomically(executable, path: Path) -> None:
-    """Write the shared library to ``path`` so that readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        executable.export_library(tmp)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def export(executable, path: Path) -> None:
+    """Write the shared library to ``path``: linked in the system temp directory,
+    then moved in by ``files.copy_file`` (readers never see a partial file)."""
+    with tempfile.TemporaryDirectory(prefix="ce_tvm-export-") as scratch:
+        linked = Path(scratch) / path.name
+        executable.export_library(str(linked))
+        copy_file(linked, path)

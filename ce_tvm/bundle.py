@@ -5,7 +5,7 @@ without the TVM compiler.
 Layout::
 
     <dir>/bundle.json            what is inside: versions, target, shapes, kernels,
-                                 SHA-256 of each runtime library
+                                 size and SHA-256 of each runtime library
     <dir>/<stem>-<keyhash>.so    the kernels and their manifests (the cache's layout);
                                  CUDA kernels also a .cubin built with nvcc (the module
                                  keeps its source, which only TVM could compile)
@@ -21,13 +21,12 @@ permissions and SHA-256 sums before loading anything from a bundle.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from . import cache
 from .build import ahead_of_time_specs
-from .paths import BUNDLE_MANIFEST, make_private_dir, sha256_file
+from .files import copy_file, fingerprint, make_private_dir, manifest_path, write_file
+from .paths import BUNDLE_MANIFEST
 from .spec import __version__
 from .targets import write_host_descriptor
 from .tvmlib import RUNTIME_LIBS, runtime_source
@@ -70,16 +69,15 @@ def make_bundle(out: Path, *, target: str, dtype: str, classes: list[int],
     make_private_dir(out / "lib")
     sums = {}
     for name in RUNTIME_LIBS[target]:
-        _copy_private(directory / name, out / "lib" / name)
-        sums[name] = sha256_file(out / "lib" / name)
+        copy_file(directory / name, out / "lib" / name)
+        sums[name] = fingerprint(out / "lib" / name)
     make_private_dir(out / "licenses")
     for name in ("LICENSE", "NOTICE"):
-        _copy_private(directory.parent / name, out / "licenses" / f"apache-tvm-{name}")
+        copy_file(directory.parent / name, out / "licenses" / f"apache-tvm-{name}")
     manifest = {"ce_tvm": __version__, "tvm": version, "target": target, "arch": arch,
                 "dtype": dtype, "classes": classes, "kernels": kernels, "runtime_libs": sums}
-    cache.write_private(out / BUNDLE_MANIFEST,
-                        json.dumps(manifest, indent=1, sort_keys=True).encode())
-    cache.write_private(out / "README.md", README.format(
+    write_file(out / BUNDLE_MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    write_file(out / "README.md", README.format(
         target=target + (f" ({arch})" if arch else ""), dtype=dtype, classes=classes,
         ce_tvm=__version__, tvm=version, out=out.resolve()).encode())
     return manifest
@@ -89,17 +87,8 @@ def _add_kernel(spec, out: Path) -> None:
     """Copy ``spec``'s module from the cache when it is there and verified, else build it."""
     cached = cache.cache_dir() / spec.file_name()
     if cached.parent != out and cache.check_module(cached, spec) is None:
-        for path in (cached, cache.manifest_path(cached), cached.with_suffix(".cubin")):
+        for path in (cached, manifest_path(cached), cached.with_suffix(".cubin")):
             if path.exists():
-                _copy_private(path, out / path.name)
+                copy_file(path, out / path.name)
     else:
         cache.write_module(spec, out)
-
-
-def _copy_private(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    shutil.copyfile(src, tmp)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, dst)
-
-

@@ -11,7 +11,10 @@ precompiled directory it is an error naming the file and what differed.
 Builds take an exclusive ``flock`` on ``<stem>-<keyhash>.lock``, so
 concurrent processes build a missing module once; the kernel releases the
 lock when its holder dies, so a killed build never blocks the next one.
-Libraries are written to a temporary name and renamed into place.
+Every file is written through ``ce_tvm.files.replacing`` (a temporary file
+in the same directory, fsynced, renamed into place). When the cache cannot
+be written (full, read-only, not ours to write), a kernel is built into a
+directory of this process (``files.scratch_dir``) with a warning.
 
 Loading a shared library runs its code: directories and files that anyone
 but their owner can write are refused (``UnsafePermissionsError``, see
@@ -22,35 +25,30 @@ miss raises ``CompilerNotInstalledError`` saying how to get the kernel.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
-from .paths import (
-    LAUNCHERS,
-    cache_dir,
-    check_permissions,
+from .files import (
+    CacheWriteError,
+    ModuleIntegrityError,
+    build_lock,
+    content_problem,
     make_private_dir,
-    module_dirs,
-    sha256_file,
+    manifest_path,
+    read_manifest,
+    remove_leftovers,
+    scratch_dir,
+    seal,
+    write_file,
 )
+from .paths import LAUNCHERS, cache_dir, check_permissions, module_dirs
 from .spec import KernelSpec
 from .tvmlib import INSTALL_HINT, CompilerNotInstalledError, compiler_installed
 
 log = logging.getLogger("ce_tvm")
-
-
-class ModuleIntegrityError(RuntimeError):
-    """A precompiled module does not match its manifest or the expected key."""
-
-
-def manifest_path(lib: Path) -> Path:
-    return lib.with_suffix(".json")
 
 
 def check_module(lib: Path, spec: KernelSpec) -> str | None:
@@ -65,17 +63,15 @@ def check_module(lib: Path, spec: KernelSpec) -> str | None:
         if path.exists():
             check_permissions(path)
     try:
-        manifest = json.loads(manifest_path(lib).read_text())
+        manifest = read_manifest(lib)
     except (OSError, ValueError) as err:
         return f"unreadable manifest {manifest_path(lib)} ({err})"
     key = spec.key()
     if manifest.get("key") != key:
-        diff = sorted(k for k in key if manifest.get("key", {}).get(k) != key[k])
+        found = manifest.get("key") if isinstance(manifest.get("key"), dict) else {}
+        diff = sorted(k for k in key if found.get(k) != key[k])
         return f"manifest was written for another key (differs in: {', '.join(diff)})"
-    digest = sha256_file(lib)
-    if manifest.get("sha256") != digest:
-        return f"SHA-256 mismatch (manifest {manifest.get('sha256')}, file {digest})"
-    return None
+    return content_problem(lib, manifest)
 
 
 def write_module(spec: KernelSpec, directory: Path) -> Path:
@@ -88,36 +84,27 @@ def write_module(spec: KernelSpec, directory: Path) -> Path:
             f"({os.environ.get('CE_TVM_MODULE_DIR') or 'CE_TVM_MODULE_DIR is unset'}) nor in "
             f"the cache {cache_dir()}, and the TVM compiler is not installed to build it; "
             f"{INSTALL_HINT}")
-    from .build import compile_spec, cuda_binary, export_atomically
+    from .build import compile_spec, cuda_binary, export
 
     lib = directory / spec.file_name()
     executable = compile_spec(spec)
     compiled = cuda_binary(executable, spec)  # CUDA source checked (and kept) with nvcc
-    export_atomically(executable, lib)
-    manifest = {"key": spec.key(), "sha256": sha256_file(lib)}
+    export(executable, lib)
+    fields = {"key": spec.key()}
     if compiled is not None:
         source, binary = compiled
-        write_private(lib.with_suffix(".cubin"), binary)
-        manifest["cuda_binary"] = {"sha256": hashlib.sha256(binary).hexdigest(),
-                                   "source_sha256": hashlib.sha256(source.encode()).hexdigest()}
-    write_private(manifest_path(lib), json.dumps(manifest, indent=1, sort_keys=True).encode())
+        write_file(lib.with_suffix(".cubin"), binary)
+        fields["cuda_binary"] = {"sha256": hashlib.sha256(binary).hexdigest(),
+                                 "source_sha256": hashlib.sha256(source.encode()).hexdigest()}
+    seal(lib, **fields)
     return lib
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write ``path`` atomically with mode 0600."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def cuda_binary_of(lib: Path) -> tuple[str, bytes] | None:
     """``(SHA-256 of the CUDA source, cubin)`` stored beside a verified CUDA module
     (``write_module`` on a host without a GPU), checked against its manifest;
     ``None`` when the module has none."""
-    entry = json.loads(manifest_path(lib).read_text()).get("cuda_binary")
+    entry = read_manifest(lib).get("cuda_binary")
     if entry is None:
         return None
     path = lib.with_suffix(".cubin")
@@ -129,34 +116,6 @@ def cuda_binary_of(lib: Path) -> tuple[str, bytes] | None:
     return entry["source_sha256"], binary
 
 
-LOCK_TIMEOUT_S = float(os.environ.get("CE_TVM_LOCK_TIMEOUT", 900))
-
-
-@contextlib.contextmanager
-def build_lock(lib: Path, timeout_s: float = LOCK_TIMEOUT_S):
-    """Exclusive lock for building ``lib``, shared by every process using the directory.
-
-    An ``flock`` dies with its holder, so a lock left by a killed build never
-    blocks the next one; a live holder is waited for up to ``timeout_s``.
-    """
-    fd = os.open(lib.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"another process has held {lib.with_suffix('.lock')} for more than "
-                        f"{timeout_s:.0f} s (set CE_TVM_LOCK_TIMEOUT to wait longer)") from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)
-
-
 def find_precompiled(spec: KernelSpec) -> Path | None:
     """The module for ``spec`` in a precompiled directory, verified; ``None`` if absent."""
     for directory in module_dirs():
@@ -166,26 +125,44 @@ def find_precompiled(spec: KernelSpec) -> Path | None:
         if problem == "missing":
             continue
         if problem:
-            raise ModuleIntegrityError(f"refusing to load {lib}: {problem}")
+            raise ModuleIntegrityError(
+                f"refusing to load {lib}: {problem}. The directory is damaged: make it again "
+                "with `ce-tvm bundle` (or `ce-tvm compile --out`)")
         return lib
     return None
 
 
 def ensure_cached(spec: KernelSpec) -> Path:
-    """The verified cached module for ``spec``, built (once across processes) if needed."""
+    """The verified cached module for ``spec``, built (once across processes) if
+    needed; built for this process only when the cache cannot be written."""
     directory = cache_dir()
-    make_private_dir(directory)
+    lib = directory / spec.file_name()
+    try:
+        make_private_dir(directory)
+        if check_module(lib, spec) is None:
+            return lib
+        with build_lock(lib):
+            problem = check_module(lib, spec)
+            if problem is None:
+                return lib
+            if problem != "missing":
+                log.warning("ce_tvm: rebuilding cached module %s: %s", lib.name, problem)
+            remove_leftovers(lib)
+            log.info("ce_tvm: compiling %s", lib.name)
+            return write_module(spec, directory)
+    except CacheWriteError as err:
+        return _build_outside_cache(spec, err)
+
+
+def _build_outside_cache(spec: KernelSpec, err: CacheWriteError) -> Path:
+    """``spec``'s module in this process's scratch directory (built there if needed)."""
+    directory = scratch_dir()
     lib = directory / spec.file_name()
     if check_module(lib, spec) is None:
         return lib
-    with build_lock(lib):
-        problem = check_module(lib, spec)
-        if problem is None:
-            return lib
-        if problem != "missing":
-            log.warning("ce_tvm: rebuilding cached module %s: %s", lib.name, problem)
-        log.info("ce_tvm: compiling %s", lib.name)
-        return write_module(spec, directory)
+    log.warning("ce_tvm: the module cache cannot be written (%s); building %s for this "
+                "process only in %s", err, lib.name, directory)
+    return write_module(spec, directory)
 
 
 def entries(directory: Path) -> list[Path]:
@@ -197,14 +174,15 @@ def verify_entry(lib: Path) -> str | None:
     """``None`` when ``lib`` matches its manifest and the key in its name, else why not."""
     try:
         check_permissions(lib)
-        manifest = json.loads(manifest_path(lib).read_text())
+        manifest = read_manifest(lib)
     except (OSError, ValueError) as err:
         return str(err)
     key_hash = hashlib.sha256(json.dumps(manifest.get("key"), sort_keys=True).encode())
     if not lib.stem.endswith(key_hash.hexdigest()[:16]):
         return "manifest key does not match the file name"
-    if manifest.get("sha256") != sha256_file(lib):
-        return "SHA-256 mismatch"
+    problem = content_problem(lib, manifest)
+    if problem:
+        return problem
     try:
         cuda_binary_of(lib)
     except (OSError, ModuleIntegrityError) as err:

@@ -15,6 +15,7 @@ from pathlib import Path
 from . import bench, cache, records
 from .build import ahead_of_time_specs
 from .bundle import make_bundle
+from .files import make_private_dir
 from .kinds import DTYPES, Variant
 from .spec import KernelSpec
 from .targets import TARGETS, write_host_descriptor
@@ -30,7 +31,7 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     for spec in specs:
         if out is not None:
-            cache.make_private_dir(out)
+            make_private_dir(out)
             path = cache.write_module(spec, out)
         else:
             path = cache.ensure_cached(spec)

@@ -12,10 +12,14 @@ small launcher compiled here against the OpenMP runtime torch loaded, so
 TVM's parallel tasks run as one OpenMP team on torch's (already warm)
 threads: ``torch.set_num_threads`` sizes it.
 
-The launcher is compiled once per OpenMP runtime into ``launchers/`` of the
-module cache, under the cache's permission rules. Without a C compiler, with a torch that does not
-use OpenMP, off Linux, or with ``CE_TVM_THREAD_POOL=tvm``, modules keep TVM's
-pool (sized by ``ce_tvm.runtime.configure_thread_pool``).
+The launcher is compiled once per OpenMP runtime (in the system temp
+directory) and moved into ``launchers/`` of the module cache with a manifest
+(size, SHA-256), under the cache's rules: checked before it is mapped,
+rebuilt with a warning when damaged, built once across processes, and built
+for this process only when the cache cannot be written. Without a C
+compiler, with a torch that does not use OpenMP, off Linux, or with
+``CE_TVM_THREAD_POOL=tvm``, modules keep TVM's pool (sized by
+``ce_tvm.runtime.configure_thread_pool``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,17 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .paths import LAUNCHERS, cache_dir, check_permissions, make_private_dir
+from .files import (
+    CacheWriteError,
+    build_lock,
+    copy_file,
+    make_private_dir,
+    remove_leftovers,
+    scratch_dir,
+    seal,
+    sealed_problem,
+)
+from .paths import LAUNCHERS, cache_dir, check_permissions
 
 log = logging.getLogger("ce_tvm")
 
@@ -77,33 +91,57 @@ def torch_openmp_library() -> Path | None:
 
 
 def _compile_launcher(openmp: Path) -> Path | None:
-    """The launcher library for ``openmp`` in the cache (built on first use), or ``None``."""
+    """The verified launcher library for ``openmp`` in the cache (built on first
+    use, once across processes), or ``None`` when it cannot be compiled."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
     digest = hashlib.sha256(f"{LAUNCHER_SOURCE}\0{openmp}".encode()).hexdigest()[:16]
     directory = cache_dir() / LAUNCHERS  # beside the kernels, not among them
-    make_private_dir(cache_dir())
-    make_private_dir(directory)
     lib = directory / f"omp-launch-{digest}.so"
-    if not lib.exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            source = Path(tmp) / "launch.c"
-            source.write_text(LAUNCHER_SOURCE)
-            obj, built = Path(tmp) / "launch.o", Path(tmp) / "launch.so"
-            try:
-                subprocess.run([compiler, "-O2", "-fPIC", "-fopenmp", "-c", str(source),
-                                "-o", str(obj)], check=True, capture_output=True)
-                # linked against the runtime torch loaded (by path), not the compiler's own
-                subprocess.run([compiler, "-shared", str(obj), str(openmp), "-o", str(built),
-                                f"-Wl,-rpath,{openmp.parent}"], check=True, capture_output=True)
-            except (subprocess.CalledProcessError, OSError) as err:
-                log.info("ce_tvm: OpenMP launcher not built (%s); TVM's thread pool runs "
-                         "the kernels", getattr(err, "stderr", err))
-                return None
-            os.chmod(built, 0o600)
-            os.replace(built, lib)
-    check_permissions(lib)
+    try:
+        make_private_dir(directory)
+        if sealed_problem(lib) is None:
+            check_permissions(lib)
+            return lib
+        with build_lock(lib):
+            return _build_sealed(lib, compiler, openmp)
+    except CacheWriteError as err:
+        log.warning("ce_tvm: the module cache cannot be written (%s); building the OpenMP "
+                    "launcher for this process only", err)
+    try:
+        return _build_sealed(scratch_dir() / lib.name, compiler, openmp)
+    except CacheWriteError as err:
+        log.warning("ce_tvm: OpenMP launcher not built (%s); TVM's thread pool runs the "
+                    "kernels", err)
+        return None
+
+
+def _build_sealed(lib: Path, compiler: str, openmp: Path) -> Path | None:
+    """``lib`` verified against its manifest, (re)built there with one when it is not."""
+    problem = sealed_problem(lib)
+    if problem is None:
+        check_permissions(lib)
+        return lib
+    if problem != "missing":
+        log.warning("ce_tvm: rebuilding the OpenMP launcher %s: %s", lib, problem)
+    remove_leftovers(lib)
+    with tempfile.TemporaryDirectory(prefix="ce_tvm-launcher-") as tmp:
+        source = Path(tmp) / "launch.c"
+        source.write_text(LAUNCHER_SOURCE)
+        obj, built = Path(tmp) / "launch.o", Path(tmp) / "launch.so"
+        try:
+            subprocess.run([compiler, "-O2", "-fPIC", "-fopenmp", "-c", str(source),
+                            "-o", str(obj)], check=True, capture_output=True)
+            # linked against the runtime torch loaded (by path), not the compiler's own
+            subprocess.run([compiler, "-shared", str(obj), str(openmp), "-o", str(built),
+                            f"-Wl,-rpath,{openmp.parent}"], check=True, capture_output=True)
+        except (subprocess.CalledProcessError, OSError) as err:
+            log.info("ce_tvm: OpenMP launcher not built (%s); TVM's thread pool runs "
+                     "the kernels", getattr(err, "stderr", err))
+            return None
+        copy_file(built, lib)
+    seal(lib)
     return lib
 
 

@@ -65,11 +65,6 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def make_private_dir(path: Path) -> None:
-    """Create ``path`` (and parents) with mode 0700; refuse an existing unsafe one."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_permissions(path)
-
 def use_bundle(directory) -> None:
     """Load kernels (and, without apache-tvm, the TVM runtime) from the bundle
     ``directory`` (made by ``ce-tvm bundle``) before any other module directory.

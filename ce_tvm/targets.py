@@ -7,15 +7,18 @@ import contextvars
 import functools
 import hashlib
 import json
+import logging
 import os
 import platform
 from pathlib import Path
 
-from .paths import cache_dir, check_permissions, make_private_dir, module_dirs
+from .files import CacheWriteError, ModuleIntegrityError, make_private_dir, write_file
+from .paths import cache_dir, check_permissions, module_dirs
 from .tvmlib import INSTALL_HINT, CompilerNotInstalledError, compiler_installed
 
 TARGETS = ("llvm", "cuda", "ascend")
 DEFAULT_CUDA_ARCH = "sm_90"
+log = logging.getLogger("ce_tvm")
 
 
 @functools.cache
@@ -79,7 +82,14 @@ def host_cpu() -> str:
         path = directory / name
         if path.is_file():
             check_permissions(path)
-            return json.loads(path.read_text())["mcpu"]
+            try:
+                return _read_host_descriptor(path)
+            except (OSError, ValueError) as err:
+                if directory != cache_dir():
+                    raise ModuleIntegrityError(
+                        f"refusing to use {path}: {err}. The directory is damaged: make it "
+                        "again with `ce-tvm bundle` (or `ce-tvm compile --out`)") from None
+                log.warning("ce_tvm: rewriting the damaged host descriptor %s: %s", path, err)
     if not compiler_installed():
         raise CompilerNotInstalledError(
             f"no kernel for this CPU is available: no {name} (written with the kernels built "
@@ -87,19 +97,28 @@ def host_cpu() -> str:
     from tvm.target.codegen import llvm_get_system_cpu
 
     cpu = str(llvm_get_system_cpu())
-    write_host_descriptor(cache_dir(), cpu)
+    try:
+        write_host_descriptor(cache_dir(), cpu)
+    except CacheWriteError as err:  # it only saves the next process asking LLVM
+        log.info("ce_tvm: host descriptor not written: %s", err)
     return cpu
 
 
+def _read_host_descriptor(path: Path) -> str:
+    """The CPU name in the descriptor ``path``; ``ValueError`` when it is not one of ours."""
+    found = json.loads(path.read_text())
+    if (not isinstance(found, dict) or found.get("fingerprint") != cpu_fingerprint()
+            or not isinstance(found.get("mcpu"), str) or not found["mcpu"]):
+        raise ValueError("not a descriptor of this CPU")
+    return found["mcpu"]
+
+
 def write_host_descriptor(directory: Path, cpu: str | None = None) -> Path:
-    """Record this CPU's LLVM name in ``directory`` (atomically, mode 0600)."""
+    """Record this CPU's LLVM name in ``directory`` (``files.write_file``, mode 0600)."""
     make_private_dir(directory)
     path = directory / host_descriptor_name()
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"mcpu": cpu or host_cpu(), "fingerprint": cpu_fingerprint()}, f)
-    os.replace(tmp, path)
+    descriptor = {"mcpu": cpu or host_cpu(), "fingerprint": cpu_fingerprint()}
+    write_file(path, json.dumps(descriptor).encode())
     return path
 
 

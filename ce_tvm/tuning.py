@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from . import records
 from .build import SCHEDULE_OF_OP, KernelSpec, declared_func, schedule_module
+from .files import copy_file, write_file
 from .omp_pool import use_torch_pool
 from .runtime import configure_thread_pool
 from .tensors import TORCH_DTYPES
@@ -253,12 +253,10 @@ def save(out: Path, cands: Candidates, summary: dict) -> None:
         workload = db.commit_workload(tvm.IRModule({"main": func}))
         db.commit_tuning_record(ms.database.TuningRecord(
             trace, workload, [summary["best_ms"] / 1e3], cands.spec.tvm_target()))
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
         for name in ("database_workload.json", "database_tuning_record.json"):
-            shutil.copy(Path(tmp) / name, out / name)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            copy_file(Path(tmp) / name, out / name, mode=0o644)
+    write_file(out / "summary.json", json.dumps(summary, indent=1).encode(), mode=0o644)
     records.forget()
 
 
@@ -358,7 +356,7 @@ def tune_ascend_plan(spec: KernelSpec, rows: int, log_root: Path, echo=print) ->
                "speedup": hand_ms / best_ms, "applied": best != fixed, "plan": best.as_dict()}
     out = log_root / f"ascend-{profile}" / f"{spec.name()}-N{rows}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_file(out / "summary.json", json.dumps(summary, indent=1).encode(), mode=0o644)
     echo(f"  {spec.name()} N={rows}: {summary['space_size']} plans; fixed plan "
          f"{fixed.chunk} x {fixed.buffers} buffers {hand_ms * 1e3:.1f} us, best {best.chunk} x "
          f"{best.buffers} buffers {best_ms * 1e3:.1f} us")

@@ -31,7 +31,8 @@ import json
 import os
 from pathlib import Path
 
-from .paths import BUNDLE_MANIFEST, bundle_dirs, check_permissions, sha256_file
+from .files import ModuleIntegrityError, content_problem
+from .paths import BUNDLE_MANIFEST, bundle_dirs, check_permissions
 
 os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
 
@@ -63,8 +64,9 @@ def compiler_installed() -> bool:
 
 
 def runtime_source() -> tuple[Path, str, dict]:
-    """``(directory, TVM version, {library: SHA-256})`` of the TVM runtime to use:
-    the installed apache-tvm's (no sums: pip installed it), else the first bundle's."""
+    """``(directory, TVM version, {library: {"sha256", "size"}})`` of the TVM runtime
+    to use: the installed apache-tvm's (no sums: pip installed it), else the first
+    bundle's."""
     package = tvm_package_dir()
     if package is not None:
         return package / "lib", importlib.metadata.version("apache-tvm"), {}
@@ -101,9 +103,12 @@ def load_runtime(target: str) -> None:
                     f"{INSTALL_HINT}")
             check_permissions(directory)
             check_permissions(path)
-            if sha256_file(path) != sums[name]:
-                raise RuntimeError(f"refusing to load {path}: SHA-256 differs from "
-                                   f"{directory.parent / BUNDLE_MANIFEST}")
+            problem = content_problem(path, sums[name])
+            if problem:
+                raise ModuleIntegrityError(
+                    f"refusing to load {path}: {problem} against "
+                    f"{directory.parent / BUNDLE_MANIFEST}. The bundle is damaged: make it again "
+                    "with `ce-tvm bundle`")
         _loaded[name] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ce_tvm.build import ahead_of_time_specs
-from ce_tvm.cache import sha256_file
+from ce_tvm.paths import sha256_file
 from processes import CLI, PROBE, probe, run
 
 
@@ -58,7 +58,8 @@ def test_precompiled_directory_is_used_and_checked(tmp_path):
     assert libs(cache) == []  # nothing was built or copied into the cache
 
     lib = next(p for p in libs(modules) if "backward" in p.name and "-mean-nw-log_prob" in p.name)
-    lib.write_bytes(lib.read_bytes() + b"tampered")
+    data = lib.read_bytes()  # same size, one bit flipped: only the SHA-256 tells
+    lib.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
     done = subprocess.run([sys.executable, "-c", PROBE, "11"], capture_output=True, text=True,
                           env={**os.environ, "CE_TVM_CACHE": str(cache),
                                "CE_TVM_MODULE_DIR": str(modules)})

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import modules of its own layer or of layers below.
 LAYERS = [
     ("paths", "kinds"),  # where modules live and who may write them; dtypes and variants
+    ("files",),  # atomic writes, manifests and locks of the cache, bundles and tuning logs
     ("tvmlib", "omp_pool"),  # the TVM runtime library and the OpenMP launcher, without tvm
     ("fastmath", "targets"),
     ("compute",),
@@ -35,8 +36,8 @@ LAYERS = [
     ("integrations", "integrations.transformers"),
 ]
 # Modules that must not depend on torch or on meta_schedule (the search).
-NO_TORCH = ("paths", "kinds", "tvmlib", "omp_pool", "spec", "fastmath", "targets", "compute",
-            "options",
+NO_TORCH = ("paths", "kinds", "files", "tvmlib", "omp_pool", "spec", "fastmath", "targets",
+            "compute", "options",
             "records", "build", "cache",
             "schedules._common", "schedules.ascend_plan", "schedules.cpu", "schedules.cuda",
             "schedules.ascend")
@@ -44,9 +45,9 @@ SEARCH_ONLY = "tuning"
 # What ``import ce_tvm`` and a call served by an already-built kernel import: none of
 # them may import the tvm package (the compiler) when it is imported itself; only a
 # function that builds or tunes may (``tvm_ffi``, the FFI, is not the compiler).
-RUNTIME_PATH = ("paths", "kinds", "tvmlib", "targets", "options", "records", "spec", "cache",
-                "runtime", "tensors", "pool", "launch", "validation", "functional", "ops", "nn",
-                "distributed", "__init__", "custom_ops")
+RUNTIME_PATH = ("paths", "kinds", "files", "tvmlib", "targets", "options", "records", "spec",
+                "cache", "runtime", "tensors", "pool", "launch", "validation", "functional", "ops",
+                "nn", "distributed", "__init__", "custom_ops")
 
 
 SUBPACKAGES = {"schedules": ROOT / "schedules", "integrations": ROOT / "ce_tvm" / "integrations"}
