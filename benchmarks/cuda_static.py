@@ -309,8 +309,8 @@ OPS = {  # tool op -> (KernelSpec op, variant keywords)
 
 
 def _spec(op: str, dtype: str, classes: int, arch: str, weighted: bool, reduction: str):
-    from ce_tvm.build import KernelSpec
-    from ce_tvm.compute import Variant
+    from ce_tvm.compiler.build import KernelSpec
+    from ce_tvm.kernels.kinds import Variant
 
     spec_op, extra = OPS[op]
     return KernelSpec(spec_op, dtype, classes, Variant(reduction, weighted, **extra), "cuda",
@@ -320,7 +320,7 @@ def _spec(op: str, dtype: str, classes: int, arch: str, weighted: bool, reductio
 def cuda_source(op: str, dtype: str, classes: int, arch: str = "sm_90",
                 weighted: bool = False, reduction: str = "mean") -> str:
     """TVM's CUDA source for one shape, built as the runtime builds it."""
-    from ce_tvm.build import lower_and_compile
+    from ce_tvm.compiler.build import lower_and_compile
 
     spec = _spec(op, dtype, classes, arch, weighted, reduction)
     return lower_and_compile(spec).mod.imports[0].inspect_source()
@@ -332,7 +332,7 @@ def dynamic_shared_bytes(op: str, dtype: str, classes: int, arch: str = "sm_90",
     of the scheduled kernel allocates (ptxas reports static shared memory only)."""
     from tvm import s_tir, tirx
 
-    from ce_tvm.build import scheduled_func
+    from ce_tvm.compiler.build import scheduled_func
 
     func = scheduled_func(_spec(op, dtype, classes, arch, weighted, reduction))
     blocks = []

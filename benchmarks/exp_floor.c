@@ -4,7 +4,7 @@
    Prints, per 256-bit vector instruction: the FMA throughput (12 independent
    chains, distinct inputs so the compiler cannot merge them) and latency (one
    chain); then the time per element of a loop that sums exp(x - max) as the
-   kernels do (ce_tvm/fastmath.py, float32: one FMA to round x log2(e), one for
+   kernels do (ce_tvm/kernels/fastmath.py, float32: one FMA to round x log2(e), one for
    the reduced argument, a degree-5 Horner polynomial, the 2**k shift, a
    multiply-add into the sum), written by hand with intrinsics. 8 of its 12
    vector instructions per 8 lanes are FMAs or multiplies, so its floor is

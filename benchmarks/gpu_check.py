@@ -36,9 +36,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ce_tvm  # noqa: E402
-from ce_tvm import launch  # noqa: E402
-from ce_tvm.ops import scale_unit_gradient  # noqa: E402
-from ce_tvm.options import LossOptions  # noqa: E402
+from ce_tvm.ops import scale_unit_gradient
+from ce_tvm.runtime import launch
+from ce_tvm.runtime.options import LossOptions
 
 GRID = [(64, 17), (256, 1001), (512, 32000), (128, 128256), (64, 256000)]
 TIMED = [(8192, 128256, torch.bfloat16), (4096, 32000, torch.float32),
@@ -179,8 +179,9 @@ def dlight_forward_ms(x, y) -> float | None:
     import tvm
     from tvm.s_tir import dlight as dl
 
-    from ce_tvm.compute import Variant, forward_func
-    from ce_tvm.tensors import dtype_name
+    from ce_tvm.kernels.forward import forward_func
+    from ce_tvm.kernels.kinds import Variant
+    from ce_tvm.runtime.tensors import dtype_name
 
     n, c = x.shape
     major, minor = torch.cuda.get_device_capability()

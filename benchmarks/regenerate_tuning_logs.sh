@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 CLI=${CE_TVM_CLI:-.venv/bin/ce-tvm}
 PY=${CE_TVM_PYTHON:-.venv/bin/python}
 # the reports go beside the records' key (llvm-znver5-2c, ...): one folder per CPU
-KEY=$("$PY" -c "from ce_tvm import records, targets; print(records.target_key(targets.target_description('llvm')))")
+KEY=$("$PY" -c "from ce_tvm.store import records, targets; print(records.target_key(targets.target_description('llvm')))")
 mkdir -p "benchmarks/results/$KEY"
 for dtype in float32 bfloat16; do
   for shape in 4096x32000 8192x50257 2048x128256; do

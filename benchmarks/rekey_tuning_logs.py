@@ -2,7 +2,7 @@
 machine is not (whose searches cannot be rerun here).
 
 A record's trace is replayed only on the function whose structural hash it
-was tuned on (``ce_tvm.records.apply_record``), so any change to a kernel's
+was tuned on (``ce_tvm.store.records.apply_record``), so any change to a kernel's
 compute, even one that leaves its blocks and loops alone (a polynomial's
 degree, a select), makes the record stale: the build warns and falls back to
 the hand schedule. When the trace still replays on the new compute, this
@@ -27,8 +27,9 @@ import tvm_ffi
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
-from ce_tvm import build, records
-from ce_tvm.cli import record_spec
+from ce_tvm.compiler import build
+from ce_tvm.store import records
+from ce_tvm.tools.cli import record_spec
 
 
 def current_workload(summary: dict) -> tvm.IRModule:

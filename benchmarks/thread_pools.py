@@ -5,7 +5,7 @@ Usage: python benchmarks/thread_pools.py N C DTYPE
 Loads the forward and training kernels, then times each rep in turn: the
 probes (``x.sum()``, ``dst.copy_(x)``), and the no-grad forward and a training
 step with every loaded module pointed at the OpenMP launcher
-(``ce_tvm.omp_pool``), then at TVM's ``TVMBackendParallelLaunch``. Prints the
+(``ce_tvm.runtime.omp_pool``), then at TVM's ``TVMBackendParallelLaunch``. Prints the
 best of 7 reps and the ratios to the probes.
 """
 
@@ -16,8 +16,10 @@ import time
 import torch
 
 import ce_tvm
-from ce_tvm import omp_pool, runtime, tvmlib
-from ce_tvm.cache import module_path
+from ce_tvm.runtime import omp_pool
+from ce_tvm.runtime import registry as runtime
+from ce_tvm.runtime.cache import module_path
+from ce_tvm.store import tvmlib
 
 
 def main(n: int, c: int, dtype: str) -> None:

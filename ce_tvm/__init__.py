@@ -20,11 +20,11 @@ is imported on first use, and TVM's compiler only when a kernel must be built.
 
 import importlib
 
-from .spec import __version__
+from .store.spec import __version__
 
 _LAZY = {"CrossEntropyLoss": "nn", "cross_entropy": "nn", "cross_entropy_loss": "functional",
          "cross_entropy_loss_grad": "functional", "LinearCrossEntropyLoss": "linear",
-         "linear_cross_entropy": "linear", "schedule": "targets", "use_bundle": "paths",
+         "linear_cross_entropy": "linear", "schedule": "store.targets", "use_bundle": "store.paths",
          "TargetOutOfRangeError": "validation"}
 _SUBMODULES = ("distributed",)
 

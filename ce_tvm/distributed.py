@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import launch
 from . import validation as check
 from .ops import scale_unit_gradient
-from .options import LossOptions, store_on_module
+from .runtime import launch
+from .runtime.options import LossOptions, store_on_module
 
 _LAYOUTS: dict = {}
 

@@ -3,7 +3,7 @@
 ``linear_cross_entropy(input, linear_weight, target, ...)`` equals
 ``cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)``
 with the class dimension last, but the ``[N, V]`` logits never exist whole:
-``ce_tvm.linear_sweep`` goes through the rows in chunks.
+``ce_tvm.runtime.linear_sweep`` goes through the rows in chunks.
 
 Autograd, through the ``torch.library`` op ``ce_tvm::linear_cross_entropy``:
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import linear_sweep as sweep
 from . import validation as check
 from .custom_ops import custom_op
 from .ops import accuracy_like, loss_rows, options_of, schema_scalars, with_extras
-from .options import LossOptions, store_on_module
-from .tensors import TORCH_DTYPES
+from .runtime import linear_sweep as sweep
+from .runtime.options import LossOptions, store_on_module
+from .runtime.tensors import TORCH_DTYPES
 
 _OP_ARGS = 16  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
 

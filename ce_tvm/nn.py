@@ -19,7 +19,7 @@ from .ops import (
     schema_scalars,
     with_extras,
 )
-from .options import LossOptions, store_on_module
+from .runtime.options import LossOptions, store_on_module
 
 # Training with sum/mean computes the gradient in the forward sweep
 # (``ops.cross_entropy_train``); ``CE_TVM_TRAINING=recompute`` (or setting

@@ -27,11 +27,11 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from . import launch, pool
 from . import validation as check
 from .custom_ops import custom_op
-from .options import LossOptions
-from .tensors import accum_torch_dtype
+from .runtime import launch, pool
+from .runtime.options import LossOptions
+from .runtime.tensors import accum_torch_dtype
 
 
 def schema_scalars(options: LossOptions) -> dict:

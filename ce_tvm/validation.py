@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .options import LossOptions
-from .tensors import TORCH_DTYPES, accum_torch_dtype
+from .runtime.options import LossOptions
+from .runtime.tensors import TORCH_DTYPES, accum_torch_dtype
 
 TARGET_DTYPES = (torch.int64, torch.int32)
 KERNEL_DEVICES = ("cpu", "cuda")

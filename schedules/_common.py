@@ -1,7 +1,7 @@
 """Schedule steps shared by the target schedules, and the groups of compute
 stages they place (not a target itself).
 
-Stage names come from ``ce_tvm.compute`` only. A stage a schedule needs is
+Stage names come from ``ce_tvm.kernels`` only. A stage a schedule needs is
 looked up with ``sch.get_sblock`` (a missing one is an error); the groups
 below hold stages that only some declarations or variants of the compute
 have, looked up with ``present_blocks``.
@@ -15,7 +15,8 @@ import tvm_ffi
 from tvm import tirx
 from tvm.s_tir import ScheduleError
 
-from ..compute import (
+from ..kernels.common import matrix_param
+from ..kernels.stages import (
     CHUNK_BEATS,
     CHUNK_EXP,
     CHUNK_EXPSUM,
@@ -51,7 +52,6 @@ from ..compute import (
     WSUM,
     X_GRAD,
     ZLOSS,
-    matrix_param,
 )
 
 # Row reductions of the forward and shard statistics, reduced chunk by chunk;
@@ -103,13 +103,13 @@ def present_blocks(sch, names) -> list:
     """The blocks of the stages ``names`` that this function has, in order.
 
     For stages that only some declarations or variants of the compute have.
-    Every name must be a stage ``ce_tvm.compute`` declares (``STAGES``), so
+    Every name must be a stage ``ce_tvm.kernels`` declares (``STAGES``), so
     a stage renamed or removed there is an error here, never a block left
     unscheduled without a word.
     """
     unknown = [name for name in names if name not in STAGES]
     if unknown:
-        raise ValueError(f"not stages of ce_tvm.compute: {unknown}")
+        raise ValueError(f"not stages of ce_tvm.kernels: {unknown}")
     out = []
     for name in names:
         try:

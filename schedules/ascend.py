@@ -26,7 +26,8 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.target import Target
 
-from ..compute import CHUNK_EXP, CHUNK_WSUM, LOG_PROB, X_GRAD, matrix_param
+from ..kernels.common import matrix_param
+from ..kernels.stages import CHUNK_EXP, CHUNK_WSUM, LOG_PROB, X_GRAD
 from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
@@ -76,7 +77,7 @@ def _parallel_rows(sch, row, cores: int) -> None:
 
 
 def forward(func, target: Target, profile: str = "910b"):
-    """Schedule ``ce_tvm.compute.forward_func`` (built with ``forward_chunk``) from the plan."""
+    """Schedule ``ce_tvm.kernels.forward_func`` (built with ``forward_chunk``) from the plan."""
     prof = get_profile(profile)
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
@@ -106,7 +107,7 @@ def forward(func, target: Target, profile: str = "910b"):
 
 
 def train(func, target: Target, profile: str = "910b"):
-    """Schedule ``ce_tvm.compute.train_func`` from the plan: rows in one block
+    """Schedule ``ce_tvm.kernels.train_func`` from the plan: rows in one block
     per core, each row one sweep (``row_sweep``) over UB tiles.
 
     When the row fits the UB, the logits are staged once and ``ce_chunk_exp``
@@ -148,7 +149,7 @@ def train(func, target: Target, profile: str = "910b"):
 
 
 def backward(func, target: Target, profile: str = "910b"):
-    """Schedule ``ce_tvm.compute.backward_func``: per-row coefficients, then the
+    """Schedule ``ce_tvm.kernels.backward_func``: per-row coefficients, then the
     gradient tile by tile from a staged copy of ``log_prob`` (or the logits)."""
     prof = get_profile(profile)
     sch = s_tir.Schedule(func)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..compute import DTYPE_BYTES
+from ..kernels.kinds import DTYPE_BYTES
 
 OPS = ("forward", "backward", "train")
 

@@ -1,6 +1,6 @@
 """LLVM (CPU) schedule for the fused cross-entropy forward and backward.
 
-Expects the blocks that ``ce_tvm.compute`` names (see its module docstring);
+Expects the blocks that ``ce_tvm.kernels`` names (see its module docstring);
 the math is never touched here, only where and how each block runs.
 
 Strategy, forward (the compute reduces each row in chunks, see
@@ -57,7 +57,15 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
-from ..compute import CHUNK_EXP, CHUNK_EXPSUM, CHUNK_LOGITS, CHUNK_MAX, LOG_PROB, LOGITS, X_GRAD
+from ..kernels.stages import (
+    CHUNK_EXP,
+    CHUNK_EXPSUM,
+    CHUNK_LOGITS,
+    CHUNK_MAX,
+    LOG_PROB,
+    LOGITS,
+    X_GRAD,
+)
 from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
@@ -219,7 +227,7 @@ def forward_stage(classes: int, dtype: str, target: Target) -> bool:
 
 
 def forward(func, target: Target, knobs: CPUKnobs | None = None):
-    """Schedule ``ce_tvm.compute.forward_func`` for ``target``; returns the scheduled PrimFunc."""
+    """Schedule ``ce_tvm.kernels.forward_func`` for ``target``; returns the scheduled PrimFunc."""
     return schedule_forward(s_tir.Schedule(func), target,
                            knobs or hand_knobs("forward", target)).mod["main"]
 
@@ -245,7 +253,7 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs):
 
 
 def backward(func, target: Target, knobs: CPUKnobs | None = None):
-    """Schedule ``ce_tvm.compute.backward_func`` for ``target``; returns the scheduled PrimFunc."""
+    """Schedule ``ce_tvm.kernels.backward_func`` for ``target``; returns the scheduled PrimFunc."""
     return schedule_backward(s_tir.Schedule(func), target,
                            knobs or hand_knobs("backward", target)).mod["main"]
 
@@ -273,7 +281,7 @@ def per_row(func, target: Target, knobs: CPUKnobs = CPUKnobs()):
 
 
 def train(func, target: Target, knobs: CPUKnobs | None = None):
-    """Schedule ``ce_tvm.compute.train_func`` for ``target``; returns the scheduled
+    """Schedule ``ce_tvm.kernels.train_func`` for ``target``; returns the scheduled
     PrimFunc."""
     return schedule_train(s_tir.Schedule(func), target,
                            knobs or hand_knobs("train", target)).mod["main"]

@@ -1,6 +1,6 @@
 """CUDA schedule for the fused cross-entropy forward and backward.
 
-Expects the blocks that ``ce_tvm.compute`` names; the math is never touched.
+Expects the blocks that ``ce_tvm.kernels`` names; the math is never touched.
 
 Forward (and the vocabulary-shard statistics):
 
@@ -47,13 +47,14 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from ..compute import (
+from ..kernels.common import matrix_param
+from ..kernels.kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES, DTYPE_BYTES
+from ..kernels.stages import (
     CHUNK_EXP,
     CHUNK_EXPSUM,
     CHUNK_MAX,
     CHUNK_PSCALE,
     CHUNK_WSUM,
-    DTYPE_BYTES,
     LOG_PROB,
     LSE,
     MEAN_NORMS,
@@ -63,9 +64,7 @@ from ..compute import (
     ROWSTATS,
     WSUM,
     X_GRAD,
-    matrix_param,
 )
-from ..kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES
 from ._common import (
     COMBINE_ROWS,
     ROW_GRAD_COEFS,
@@ -493,7 +492,7 @@ def finish(func):
 def scratch_as_params(func):
     """``func`` with its global intermediate buffers (what TVM would take from its
     workspace pool) turned into trailing parameters: ``CUDA_SCRATCH_ROWS``
-    ``[N]`` slots, then ``CUDA_SCRATCH_SINGLES`` ``[1]`` slots (``ce_tvm.kinds``),
+    ``[N]`` slots, then ``CUDA_SCRATCH_SINGLES`` ``[1]`` slots (``ce_tvm.kernels.kinds``),
     the unused ones left unused, all in the accumulation dtype."""
     realize = func.body
     root = realize.block

@@ -11,7 +11,7 @@ from pathlib import Path
 # modules must come from disk.
 PROBE = textwrap.dedent("""
     import os, sys, torch, torch.nn.functional as F
-    import ce_tvm, ce_tvm.cache as cache
+    import ce_tvm, ce_tvm.runtime.cache as cache
     write_module = cache.write_module
     def reporting_write(spec, directory):
         if os.environ.get("FORBID_COMPILE"):

@@ -9,7 +9,7 @@ import torch
 
 import ce_tvm
 import reference
-from ce_tvm.compute import DTYPE_BYTES
+from ce_tvm.kernels.kinds import DTYPE_BYTES
 from ce_tvm.schedules import ascend_plan
 from checks import Case, assert_close, check_once
 from processes import CLI, run

@@ -18,8 +18,8 @@ import textwrap
 
 import pytest
 
-from ce_tvm.files import fingerprint
-from ce_tvm.paths import sha256_file
+from ce_tvm.store.files import fingerprint
+from ce_tvm.store.paths import sha256_file
 from processes import CLI, run
 
 C = 300
@@ -206,8 +206,8 @@ def check_cuda_bundle(cuda_bundle, classes):
 CALLBACK_PROBE = BLOCK_TVM + textwrap.dedent("""
     import tvm_ffi
     from pathlib import Path
-    from ce_tvm.cache import cuda_binary_of
-    from ce_tvm.tvmlib import provide_cuda_binary
+    from ce_tvm.runtime.cache import cuda_binary_of
+    from ce_tvm.store.tvmlib import provide_cuda_binary
     lib = Path(sys.argv[1])
     provide_cuda_binary(*cuda_binary_of(lib))
     compile_cuda = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
@@ -229,9 +229,9 @@ def test_cuda_runtime_gets_the_bundled_binary_without_the_compiler(cuda_bundle, 
     """TVM's CUDA runtime compiles a module's source through the global function
     tvm_callback_cuda_compile; without TVM the bundle's binary of exactly that source
     answers (no GPU here: the callback is called directly)."""
-    from ce_tvm.build import compile_spec, cuda_binary
-    from ce_tvm.kinds import Variant
-    from ce_tvm.spec import KernelSpec
+    from ce_tvm.compiler.build import compile_spec, cuda_binary
+    from ce_tvm.kernels.kinds import Variant
+    from ce_tvm.store.spec import KernelSpec
 
     spec = KernelSpec("forward", "bfloat16", CUDA_CLASSES[0], Variant("mean", False, False), "cuda",
                       (("arch", "sm_90"),))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ce_tvm.build import ahead_of_time_specs
-from ce_tvm.paths import sha256_file
+from ce_tvm.compiler.build import ahead_of_time_specs
+from ce_tvm.store.paths import sha256_file
 from processes import CLI, PROBE, probe, run
 
 

@@ -12,9 +12,9 @@ import torch
 
 import ce_tvm
 import reference
-from ce_tvm.cache import build_lock
-from ce_tvm.paths import UnsafePermissionsError, check_permissions
-from ce_tvm.spec import KernelSpec
+from ce_tvm.store.files import build_lock
+from ce_tvm.store.paths import UnsafePermissionsError, check_permissions
+from ce_tvm.store.spec import KernelSpec
 from checks import assert_close
 from processes import CLI, PROBE, probe, run
 
@@ -73,7 +73,8 @@ def test_four_processes_on_an_empty_cache_build_each_module_once(tmp_path):
 def test_lock_left_by_a_killed_build_does_not_block(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
-    spec_code = ("from ce_tvm.spec import KernelSpec; from ce_tvm.cache import build_lock; "
+    spec_code = ("from ce_tvm.store.spec import KernelSpec; "
+                 "from ce_tvm.store.files import build_lock; "
                  "import pathlib, time, sys; lib = pathlib.Path(sys.argv[1]) / "
                  "KernelSpec('forward', 'float32', 9).file_name(); "
                  "cm = build_lock(lib); cm.__enter__(); print('locked', flush=True); "

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 import ce_tvm
-from ce_tvm import launch
-from ce_tvm.build import compile_spec, cuda_binary, lower_and_compile, scheduled_func
-from ce_tvm.compute import Variant
-from ce_tvm.kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES
-from ce_tvm.spec import KernelSpec
+from ce_tvm.compiler.build import compile_spec, cuda_binary, lower_and_compile, scheduled_func
+from ce_tvm.kernels.kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES, Variant
+from ce_tvm.runtime import launch
+from ce_tvm.store.spec import KernelSpec
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def needs_gpu(test):
@@ -181,7 +180,7 @@ def test_training_kernel_matches_reference_on_gpu(dtype, classes, reduction, wei
     import numpy as np
 
     import reference
-    from ce_tvm.options import LossOptions
+    from ce_tvm.runtime.options import LossOptions
     from checks import TOL, assert_close
 
     gen = torch.Generator().manual_seed(0)
@@ -321,7 +320,7 @@ def test_softcap_and_accuracy_on_gpu(dtype, classes):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("classes", [1001, 50257])
 def test_training_kernel_isolates_nan_rows_on_gpu(dtype, classes):
-    from ce_tvm.options import LossOptions
+    from ce_tvm.runtime.options import LossOptions
 
     x = torch.randn(4, classes, device="cuda").to(dtype)
     x[2, 7] = float("nan")

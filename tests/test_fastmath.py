@@ -1,4 +1,4 @@
-"""Accuracy of the vectorised exp every schedule uses (ce_tvm.fastmath), for
+"""Accuracy of the vectorised exp every schedule uses (ce_tvm.kernels.fastmath), for
 its polynomial (exponent-bits) form and both polynomial lengths."""
 
 import numpy as np
@@ -7,8 +7,8 @@ import torch
 import tvm
 from tvm import te
 
-from ce_tvm import fastmath
-from ce_tvm.targets import tvm_target
+from ce_tvm.kernels import fastmath
+from ce_tvm.store.targets import tvm_target
 
 # Relative error bound by the precision the result is stored in.
 BOUND = {"float32": 4e-7, "bfloat16": 4e-6}

@@ -38,8 +38,8 @@ def probe(env: dict, log: str) -> None:
     import torch
 
     import ce_tvm
-    import ce_tvm.cache as cache
-    import ce_tvm.files as files
+    import ce_tvm.runtime.cache as cache
+    import ce_tvm.store.files as files
 
     write_module = cache.write_module
 
@@ -117,7 +117,7 @@ def launcher(cache: Path) -> Path:
 
 def assert_sound(cache: Path) -> None:
     """Every library in ``cache`` matches its manifest, and no temporary file is left."""
-    from ce_tvm.files import sealed_problem
+    from ce_tvm.store.files import sealed_problem
 
     for lib in [*cache.glob("*.so"), *(cache / "launchers").glob("*.so")]:
         assert sealed_problem(lib) is None, lib
@@ -254,7 +254,7 @@ def test_four_processes_start_on_an_empty_cache(tmp_path):
 
 
 def test_files_are_moved_into_place_only_by_the_helper():
-    # ce_tvm.files.replacing is the one place that renames or copies a file into
+    # ce_tvm.store.files.replacing is the one place that renames or copies a file into
     # a directory: anything else would bring back the cross-device rename.
     root = Path(__file__).resolve().parents[1]
     calls = ("os.replace(", "os.rename(", "shutil.copy", "shutil.move(", "mkstemp(")

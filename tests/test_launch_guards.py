@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
-from ce_tvm import launch
-from ce_tvm.options import LossOptions
-from ce_tvm.tensors import KERNEL_ALIGNMENT, is_aligned
+from ce_tvm.runtime import launch
+from ce_tvm.runtime.options import LossOptions
+from ce_tvm.runtime.tensors import KERNEL_ALIGNMENT, is_aligned
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device")])]

@@ -13,44 +13,60 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Lowest first. A module may import modules of its own layer or of layers below.
+# The packages, lowest first: a module imports only from its own package or those below.
+PACKAGES = ("kernels", "schedules", "store", "compiler", "runtime", "", "tools", "integrations")
+# Lowest first. A module may import modules of its own layer or of layers below; the
+# layers of one package are contiguous, in PACKAGES' order ("" is ce_tvm's top level).
 LAYERS = [
-    ("paths", "kinds"),  # where modules live and who may write them; dtypes and variants
-    ("files",),  # atomic writes, manifests and locks of the cache, bundles and tuning logs
-    ("tvmlib", "omp_pool"),  # the TVM runtime library and the OpenMP launcher, without tvm
-    ("fastmath", "targets"),
-    ("compute",),
-    ("options", "schedules._common", "schedules.ascend_plan"),
+    # the math, target-free
+    ("kernels.kinds", "kernels.fastmath"),  # dtypes, reductions, variants; the exp
+    ("kernels.stages",),
+    ("kernels.common",),
+    ("kernels.forward", "kernels.shards", "kernels.backward", "kernels.training",
+     "kernels.prob_targets"),
+    ("kernels",),
+    # one module per target
+    ("schedules._common", "schedules.ascend_plan"),
     ("schedules.cpu", "schedules.cuda", "schedules.ascend", "schedules"),
-    ("records",),  # tuning records, read side
-    ("spec",),  # KernelSpec and its cache key, without TVM
-    ("build",),
-    ("cache",),
-    ("runtime", "tensors", "pool", "custom_ops"),
-    ("launch",),
-    ("linear_sweep",),  # the chunked linear + loss sweep, on launch; no autograd
-    ("validation", "functional", "ops", "nn", "distributed", "linear", "__init__"),
-    ("peak_memory", "bench", "bench_linear", "demo", "tuning", "bundle"),  # tools, the search
-    ("cli",),
+    # a kernel's name and files, without the compiler or torch
+    ("store.paths",),  # where modules live and who may write them
+    ("store.files",),  # atomic writes, manifests and locks
+    ("store.tvmlib", "store.targets"),  # the TVM runtime library; target descriptions
+    ("store.records",),  # tuning records, read side
+    ("store.spec", "store"),  # KernelSpec and its cache key
+    ("compiler.build", "compiler"),
+    # kernels in a process
+    ("runtime.options", "runtime.omp_pool"),  # loss options; the OpenMP launcher
+    ("runtime.cache",),
+    ("runtime.registry", "runtime.tensors", "runtime.pool"),
+    ("runtime.launch",),
+    ("runtime.linear_sweep", "runtime"),  # the chunked linear + loss sweep; no autograd
+    # the torch surface
+    ("custom_ops", "validation"),
+    ("functional", "ops", "nn", "distributed", "linear", "__init__"),
+    # what users run beside the loss
+    ("tools.peak_memory",),
+    ("tools.bench_linear", "tools.tuning", "tools.bundle"),
+    ("tools.bench", "tools.demo"),
+    ("tools.cli", "tools"),
     # training frameworks, on the public surface (each imports its framework)
     ("integrations", "integrations.transformers"),
 ]
 # Modules that must not depend on torch or on meta_schedule (the search).
-NO_TORCH = ("paths", "kinds", "files", "tvmlib", "omp_pool", "spec", "fastmath", "targets",
-            "compute", "options",
-            "records", "build", "cache",
-            "schedules._common", "schedules.ascend_plan", "schedules.cpu", "schedules.cuda",
-            "schedules.ascend")
-SEARCH_ONLY = "tuning"
+NO_TORCH_PACKAGES = ("kernels", "schedules", "store", "compiler")
+NO_TORCH_MODULES = ("runtime.options", "runtime.omp_pool", "runtime.cache")
+SEARCH_ONLY = "tools.tuning"
 # What ``import ce_tvm`` and a call served by an already-built kernel import: none of
 # them may import the tvm package (the compiler) when it is imported itself; only a
 # function that builds or tunes may (``tvm_ffi``, the FFI, is not the compiler).
-RUNTIME_PATH = ("paths", "kinds", "files", "tvmlib", "targets", "options", "records", "spec",
-                "cache", "runtime", "tensors", "pool", "launch", "validation", "functional", "ops",
-                "nn", "distributed", "__init__", "custom_ops")
+RUNTIME_PATH = ("kernels", "kernels.kinds", "store", "store.paths", "store.files",
+                "store.tvmlib", "store.targets", "store.records", "store.spec", "runtime",
+                "runtime.options", "runtime.cache", "runtime.registry", "runtime.tensors",
+                "runtime.pool", "runtime.launch", "validation", "functional", "ops", "nn",
+                "distributed", "__init__", "custom_ops")
 
-
-SUBPACKAGES = {"schedules": ROOT / "schedules", "integrations": ROOT / "ce_tvm" / "integrations"}
+SUBPACKAGES = {"schedules": ROOT / "schedules",
+               **{p: ROOT / "ce_tvm" / p for p in PACKAGES if p and p != "schedules"}}
 
 
 def module_files() -> dict:
@@ -61,6 +77,11 @@ def module_files() -> dict:
         files.update({f"{package}.{p.stem}": p for p in directory.glob("*.py")})
         files[package] = files.pop(f"{package}.__init__")
     return files
+
+
+def package_name(module: str) -> str:
+    """The package a module belongs to (``""`` for ce_tvm's top level)."""
+    return module if module in SUBPACKAGES else module.rpartition(".")[0]
 
 
 def package_of(name: str) -> str:
@@ -122,9 +143,19 @@ def test_imports_point_downward():
     assert not upward, "\n".join(upward)
 
 
+def test_layers_follow_the_package_order():
+    order = [PACKAGES.index(package_name(m)) for layer in LAYERS for m in layer]
+    assert order == sorted(order)
+    assert all(len({package_name(m) for m in layer}) == 1 for layer in LAYERS)
+
+
 def test_only_the_cli_imports_the_search():
     importers = sorted(a for a, deps in package_graph().items() if SEARCH_ONLY in deps)
-    assert importers == ["cli"]
+    assert importers == ["tools.cli"]
+
+
+NO_TORCH = sorted(m for m in module_files()
+                  if package_name(m) in NO_TORCH_PACKAGES or m in NO_TORCH_MODULES)
 
 
 @pytest.mark.parametrize("name", NO_TORCH)

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 import ce_tvm
 import reference
-from ce_tvm import linear_sweep
-from ce_tvm.launch import ForwardOutputs
 from ce_tvm.linear import linear_cross_entropy_backward, linear_cross_entropy_forward
-from ce_tvm.options import LossOptions
+from ce_tvm.runtime import linear_sweep
+from ce_tvm.runtime.launch import ForwardOutputs
+from ce_tvm.runtime.options import LossOptions
 from checks import TOL, assert_close
 
 
@@ -379,8 +379,8 @@ def test_reference_of_this_file_is_cross_entropy_of_linear():
 def test_cuda_kernels_of_the_sweep_compile_with_nvcc(weighted):
     """The variants the sweep launches: forward ``none`` without ``log_prob``,
     backward ``sum``/``none`` from the logits."""
-    from ce_tvm.build import KernelSpec, compile_spec
-    from ce_tvm.compute import Variant
+    from ce_tvm.compiler.build import KernelSpec, compile_spec
+    from ce_tvm.kernels.kinds import Variant
 
     options = (("arch", "sm_90"),)
     for op, variant in (("forward", Variant("none", weighted, log_prob=False)),

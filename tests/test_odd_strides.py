@@ -3,7 +3,7 @@
 An empty batch built from NumPy (``torch.tensor(np.zeros((0, C)))``) has
 strides ``(0, 0)``, and a size-1 dimension may carry any stride; the
 kernels check strides exactly, so the runtime passes such tensors on as
-views with the canonical strides (``ce_tvm.runtime.canonical_strides``).
+views with the canonical strides (``ce_tvm.runtime.registry.canonical_strides``).
 Every entry point is checked here for inputs, targets, weights and upstream
 gradients; the vocab-parallel one in ``test_distributed.py``.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
-from ce_tvm.runtime import canonical_strides
+from ce_tvm.runtime.registry import canonical_strides
 from checks import TOL
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

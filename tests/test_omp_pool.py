@@ -1,4 +1,4 @@
-"""CPU kernels run their parallel loops on torch's OpenMP threads (``ce_tvm.omp_pool``)."""
+"""CPU kernels run their parallel loops on torch's OpenMP threads (``ce_tvm.runtime.omp_pool``)."""
 
 import ctypes
 import shutil
@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
-from ce_tvm import omp_pool, runtime
-from ce_tvm.cache import module_path
+from ce_tvm.runtime import omp_pool
+from ce_tvm.runtime import registry as runtime
+from ce_tvm.runtime.cache import module_path
 from processes import run
 
 # One training step and a no-grad forward on the pool CE_TVM_THREAD_POOL names.

@@ -3,7 +3,7 @@
 import torch
 
 import ce_tvm
-from ce_tvm.pool import BufferPool
+from ce_tvm.runtime.pool import BufferPool
 
 SHAPE = (512, 1024)  # 2 MiB of float32, above the pooling threshold
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import ce_tvm
 import reference
 from ce_tvm import nn as ce_nn
-from ce_tvm.build import declared_func
-from ce_tvm.kinds import Variant
-from ce_tvm.spec import KernelSpec
+from ce_tvm.compiler.build import declared_func
+from ce_tvm.kernels.kinds import Variant
+from ce_tvm.store.spec import KernelSpec
 from checks import TOL, assert_close
 
 C = 37  # one class count for every kernel here: each variant compiles once

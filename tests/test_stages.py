@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from tvm import s_tir, tirx
 
-from ce_tvm import compute
-from ce_tvm.compute import Variant
+from ce_tvm.kernels import backward, forward, kinds, prob_targets, shards, stages, training
+from ce_tvm.kernels.kinds import Variant
 from ce_tvm.schedules import _common
 
 SCHEDULES = Path(__file__).resolve().parents[1] / "schedules"
@@ -17,30 +17,30 @@ SCHEDULES = Path(__file__).resolve().parents[1] / "schedules"
 def declared_funcs():
     """Every declaration of the compute in every variant, with a chunked row."""
     for reduction, weighted, log_prob in itertools.product(
-            compute.REDUCTIONS, (False, True), (False, True)):
-        yield compute.forward_func(10, "float32", Variant(reduction, weighted, log_prob), 4)
+            kinds.REDUCTIONS, (False, True), (False, True)):
+        yield forward.forward_func(10, "float32", Variant(reduction, weighted, log_prob), 4)
     for reduction, weighted, source in itertools.product(
-            compute.REDUCTIONS, (False, True), ("log_prob", "logits", "shard")):
-        yield compute.backward_func(10, "float32", Variant(reduction, weighted,
+            kinds.REDUCTIONS, (False, True), ("log_prob", "logits", "shard")):
+        yield backward.backward_func(10, "float32", Variant(reduction, weighted,
                                                            grad_source=source))
     for reduction, weighted in itertools.product(("sum", "mean"), (False, True)):
-        yield compute.train_func(10, "float32", Variant(reduction, weighted, False), 4)
+        yield training.train_func(10, "float32", Variant(reduction, weighted, False), 4)
     for weighted in (False, True):
-        yield compute.shard_stats_func(10, "float32", Variant(weighted=weighted), 4)
-    for reduction in compute.REDUCTIONS:
-        yield compute.shard_combine_func(10, "float32", Variant(reduction))
+        yield shards.shard_stats_func(10, "float32", Variant(weighted=weighted), 4)
+    for reduction in kinds.REDUCTIONS:
+        yield shards.shard_combine_func(10, "float32", Variant(reduction))
     # softcap and token accuracy (their stages: the target logit, the count of
     # columns ahead of it, the per-row hit)
     capped = dict(softcap=True, accuracy=True)
-    yield compute.forward_func(10, "float32", Variant("mean", True, False, **capped), 4)
-    yield compute.train_func(10, "float32", Variant("sum", False, False, **capped), 4)
-    yield compute.backward_func(10, "float32", Variant("none", True, grad_source="logits",
+    yield forward.forward_func(10, "float32", Variant("mean", True, False, **capped), 4)
+    yield training.train_func(10, "float32", Variant("sum", False, False, **capped), 4)
+    yield backward.backward_func(10, "float32", Variant("none", True, grad_source="logits",
                                                        softcap=True))
-    yield compute.shard_stats_func(10, "float32", Variant(weighted=True, softcap=True), 4)
-    for reduction, weighted in itertools.product(compute.REDUCTIONS, (False, True)):
-        yield compute.prob_forward_func(10, "float32", Variant(reduction, weighted, False), 4)
-        yield compute.prob_backward_func(10, "float32", Variant(reduction, weighted, False))
-        yield compute.prob_target_grad_func(10, "float32", Variant(reduction, weighted, False))
+    yield shards.shard_stats_func(10, "float32", Variant(weighted=True, softcap=True), 4)
+    for reduction, weighted in itertools.product(kinds.REDUCTIONS, (False, True)):
+        yield prob_targets.prob_forward_func(10, "float32", Variant(reduction, weighted, False), 4)
+        yield prob_targets.prob_backward_func(10, "float32", Variant(reduction, weighted, False))
+        yield prob_targets.prob_target_grad_func(10, "float32", Variant(reduction, weighted, False))
 
 
 def block_names(func) -> set:
@@ -50,8 +50,8 @@ def block_names(func) -> set:
 
 def test_exported_stages_are_exactly_the_blocks_of_the_compute():
     emitted = set().union(*(block_names(f) for f in declared_funcs()))
-    assert sorted(emitted) == sorted(compute.STAGES)
-    assert len(set(compute.STAGES)) == len(compute.STAGES)
+    assert sorted(emitted) == sorted(stages.STAGES)
+    assert len(set(stages.STAGES)) == len(stages.STAGES)
 
 
 def _stage_constants_used(path: Path) -> set:
@@ -62,10 +62,10 @@ def _stage_constants_used(path: Path) -> set:
               if isinstance(node, ast.ImportFrom) for alias in node.names}
     used = set()
     for name in names:
-        value = getattr(compute, name, getattr(_common, name, None))
-        if isinstance(value, str) and value in compute.STAGES:
+        value = getattr(stages, name, getattr(_common, name, None))
+        if isinstance(value, str) and value in stages.STAGES:
             used.add(value)
-        elif isinstance(value, tuple) and set(value) & set(compute.STAGES):  # a stage group
+        elif isinstance(value, tuple) and set(value) & set(stages.STAGES):  # a stage group
             used.update(value)
     return used
 
@@ -83,11 +83,11 @@ def test_schedules_never_retype_a_stage_name(module):
     tree = ast.parse((SCHEDULES / f"{module}.py").read_text())
     literals = {node.value for node in ast.walk(tree)
                 if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-    assert not literals & set(compute.STAGES), sorted(literals & set(compute.STAGES))
+    assert not literals & set(stages.STAGES), sorted(literals & set(stages.STAGES))
 
 
 def test_a_name_that_is_not_a_stage_is_an_error():
-    sch = s_tir.Schedule(compute.forward_func(10, "float32", Variant("mean", True, True)))
+    sch = s_tir.Schedule(forward.forward_func(10, "float32", Variant("mean", True, True)))
     assert [sch.get(b).name_hint for b in _common.present_blocks(sch, _common.ROW_TOTALS)] == [
         "ce_total_ce", "ce_total_z", "ce_total_weight", "ce_total_count"]
     with pytest.raises(ValueError, match="ce_rowmax"):
@@ -95,36 +95,37 @@ def test_a_name_that_is_not_a_stage_is_an_error():
 
 
 def test_a_stage_the_variant_lacks_is_skipped_and_a_required_one_is_not():
-    sch = s_tir.Schedule(compute.forward_func(10, "float32", Variant("none", False, False)))
-    assert _common.present_blocks(sch, _common.ROW_TOTALS + (compute.LOG_PROB,)) == []
+    sch = s_tir.Schedule(forward.forward_func(10, "float32", Variant("none", False, False)))
+    assert _common.present_blocks(sch, _common.ROW_TOTALS + (stages.LOG_PROB,)) == []
     assert _common.chunk_reductions(sch) == list(_common.ROW_REDUCTIONS)
-    shard = s_tir.Schedule(compute.shard_combine_func(10, "float32", Variant("sum")))
+    shard = s_tir.Schedule(shards.shard_combine_func(10, "float32", Variant("sum")))
     with pytest.raises(s_tir.ScheduleError):  # a forward phase on a kernel without row stats
         _common.place_row_stages(shard, lanes=1)
 
 
 @pytest.mark.parametrize("declare", [
-    lambda v: compute.forward_func(10, "float32", v, 4),
-    lambda v: compute.train_func(10, "float32", v, 4),
-    lambda v: compute.backward_func(10, "float32", v)], ids=["forward", "train", "backward"])
+    lambda v: forward.forward_func(10, "float32", v, 4),
+    lambda v: training.train_func(10, "float32", v, 4),
+    lambda v: backward.backward_func(10, "float32", v)], ids=["forward", "train", "backward"])
 def test_class_weight_sum_is_one_stage_over_the_classes(declare):
     """``sum_c w[c]`` does not depend on the row: one ``ce_wsum`` over the
     classes, no per-row chunk sum (``ce_chunk_wsum``)."""
     names = block_names(declare(Variant("mean", True, False)))
-    assert compute.WSUM in names and compute.CHUNK_WSUM not in names
-    assert compute.WSUM not in block_names(declare(Variant("mean", False, False)))
+    assert stages.WSUM in names and stages.CHUNK_WSUM not in names
+    assert stages.WSUM not in block_names(declare(Variant("mean", False, False)))
 
 
 def test_probability_target_mass_keeps_its_per_row_sum():
-    names = block_names(compute.prob_forward_func(10, "float32", Variant("mean", True, False), 4))
-    assert compute.CHUNK_WSUM in names and compute.WSUM not in names
+    variant = Variant("mean", True, False)
+    names = block_names(prob_targets.prob_forward_func(10, "float32", variant, 4))
+    assert stages.CHUNK_WSUM in names and stages.WSUM not in names
 
 
 @pytest.mark.parametrize("op", ["forward", "train", "backward"])
 def test_cpu_reduces_the_class_weight_sum_once_before_the_parallel_rows(op):
     """The CPU schedule leaves ``ce_wsum`` at the root, ahead of the row loop
     that runs in parallel, and vectorised (its lanes summed at the end)."""
-    from ce_tvm.build import KernelSpec, scheduled_func
+    from ce_tvm.compiler.build import KernelSpec, scheduled_func
 
     variant = Variant("mean", True, grad_source="logits") if op == "backward" else Variant(
         "mean", True, False)
@@ -146,7 +147,7 @@ def test_cpu_reduces_the_class_weight_sum_once_before_the_parallel_rows(op):
 def test_cpu_forward_stages_the_chunk_when_rows_are_16_bit(dtype, classes, staged):
     """The CPU asks for ``ce_chunk_logits`` (``forward_stage``) where it pays;
     every chunk reduction (the max included) then reads it instead of ``x``."""
-    from ce_tvm.build import KernelSpec, scheduled_func
+    from ce_tvm.compiler.build import KernelSpec, scheduled_func
 
     func = scheduled_func(KernelSpec("forward", dtype, classes, Variant("mean", False, False),
                                      "llvm"))
@@ -154,19 +155,19 @@ def test_cpu_forward_stages_the_chunk_when_rows_are_16_bit(dtype, classes, stage
     for name in ("ce_chunk_max_rf_update", "ce_chunk_expsum_rf_update",
                  "ce_chunk_wxsum_rf_update"):
         reads = {r.source.name for r in sch.get(sch.get_sblock(name)).reads}
-        assert (compute.CHUNK_LOGITS in reads) == staged and ("x" in reads) != staged, reads
+        assert (stages.CHUNK_LOGITS in reads) == staged and ("x" in reads) != staged, reads
 
 
 @pytest.mark.parametrize("op,staged", [("shard_stats", True), ("prob_forward", False)])
 def test_cpu_stages_a_shards_chunk_but_not_a_probability_targets(op, staged):
     """A vocabulary shard's statistics are staged like the forward; probability
     targets, which stream the targets beside the logits, are not (it costs them)."""
-    from ce_tvm.build import KernelSpec, scheduled_func
+    from ce_tvm.compiler.build import KernelSpec, scheduled_func
 
     sch = s_tir.Schedule(scheduled_func(KernelSpec(op, "bfloat16", 1024,
                                                    Variant("mean", False, False), "llvm")))
     reads = {r.source.name for r in sch.get(sch.get_sblock("ce_chunk_max_rf_update")).reads}
-    assert (compute.CHUNK_LOGITS in reads) == staged, reads
+    assert (stages.CHUNK_LOGITS in reads) == staged, reads
 
 
 
@@ -174,7 +175,7 @@ def _lowered(spec, after: str):
     """The module of ``spec``'s CPU build right after the pass named ``after``."""
     import tvm
 
-    from ce_tvm.build import scheduled_func
+    from ce_tvm.compiler.build import scheduled_func
     from ce_tvm.schedules import cpu
 
     seen = []
@@ -207,11 +208,11 @@ def _prefetched_buffers(func, write: bool = False) -> list[str]:
 def test_cpu_exp_loop_prefetches_the_next_chunk_of_the_logits(op, dtype):
     """The loop that computes ``exp`` on a chunk prefetches the logits of the
     next one (``prefetch_ahead``), also when it reads a staged copy (bf16)."""
-    from ce_tvm.build import KernelSpec
+    from ce_tvm.compiler.build import KernelSpec
 
     spec = KernelSpec(op, dtype, 12800, Variant("mean", False, False), "llvm")
     fetched = _prefetched_buffers(_lowered(spec, "prefetch_marked_loops"))
-    assert fetched and set(fetched) == {compute.LOGITS}, fetched
+    assert fetched and set(fetched) == {stages.LOGITS}, fetched
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -220,7 +221,7 @@ def test_cpu_training_exp_loop_fetches_the_gradient_lines_for_writing(dtype):
     of the gradient it stores after the row's sweep: as many lines as it fetches
     of the logits (the gradient has their dtype), and nothing else for writing;
     the forward fetches nothing for writing."""
-    from ce_tvm.build import KernelSpec
+    from ce_tvm.compiler.build import KernelSpec
 
     for op in ("train", "forward"):
         spec = KernelSpec(op, dtype, 12800, Variant("mean", False, False), "llvm")
@@ -229,7 +230,7 @@ def test_cpu_training_exp_loop_fetches_the_gradient_lines_for_writing(dtype):
         if op == "forward":
             assert written == []
         else:
-            assert written and set(written) == {compute.X_GRAD}
+            assert written and set(written) == {stages.X_GRAD}
             read = _prefetched_buffers(func)
             assert len(written) == len(read), (written, read)
 
@@ -238,7 +239,7 @@ def test_cpu_overlap_test_runs_on_the_last_chunk_only():
     """C = 12289 is cut into 3 chunks, the last overlapping the one before:
     TVM's LoopPartition peels it (``PASS_CONFIG``), so no ``likely`` overlap test
     is left in the loops (the first chunks run without it)."""
-    from ce_tvm.build import KernelSpec, scheduled_func
+    from ce_tvm.compiler.build import KernelSpec, scheduled_func
 
     spec = KernelSpec("forward", "float32", 12289, Variant("mean", False, False), "llvm")
     assert "likely" in scheduled_func(spec).script()
@@ -252,7 +253,7 @@ def test_cpu_one_hot_compares_a_broadcast_plus_a_constant_ramp(op):
     constant ramp (two instructions, not LLVM's shuffles), and only there."""
     import tvm
 
-    from ce_tvm.build import KernelSpec
+    from ce_tvm.compiler.build import KernelSpec
     from ce_tvm.schedules import cpu
 
     variant = Variant("mean", False, False) if op == "train" else Variant(

@@ -17,11 +17,14 @@ from tvm.target import Target
 
 import ce_tvm
 from ce_tvm import nn as ce_nn
-from ce_tvm import omp_pool, records, runtime, tuning
-from ce_tvm.build import declared_func, schedule_module
-from ce_tvm.compute import Variant
-from ce_tvm.launch import _spec
-from ce_tvm.spec import KernelSpec, tuned_spec
+from ce_tvm.compiler.build import declared_func, schedule_module
+from ce_tvm.kernels.kinds import Variant
+from ce_tvm.runtime import omp_pool
+from ce_tvm.runtime import registry as runtime
+from ce_tvm.runtime.launch import _spec
+from ce_tvm.store import records
+from ce_tvm.store.spec import KernelSpec, tuned_spec
+from ce_tvm.tools import tuning
 from processes import CLI, run
 
 C, TUNED_ROWS = 300, 64
@@ -367,7 +370,7 @@ def test_shipped_record_replays_on_the_current_compute(directory, tmp_path, monk
     its trace replays there: a compute change that leaves a record stale (the
     build would warn and use the hand schedule) fails here. Re-tune it on its
     machine, or re-key it (``benchmarks/rekey_tuning_logs.py``)."""
-    from ce_tvm.cli import record_spec
+    from ce_tvm.tools.cli import record_spec
 
     monkeypatch.setenv("CE_TVM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("CE_TVM_TUNING_LOGS", raising=False)

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from ce_tvm import tuning
-from ce_tvm.build import cuda_binary
-from ce_tvm.compute import Variant
-from ce_tvm.spec import KernelSpec
+from ce_tvm.compiler.build import cuda_binary
+from ce_tvm.kernels.kinds import Variant
+from ce_tvm.store.spec import KernelSpec
+from ce_tvm.tools import tuning
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 VARIANTS = {"forward": Variant("mean", False, False),

@@ -33,7 +33,7 @@ from transformers.utils import can_return_tuple
 
 from ..linear import linear_cross_entropy
 from ..nn import cross_entropy
-from ..options import LossOptions
+from ..runtime.options import LossOptions
 
 LOSS_OPTIONS = ("label_smoothing", "lse_square_scale", "ignore_index")
 # Causal-LM classes whose forward is: base model -> last_hidden_state ->

@@ -1,0 +1,160 @@
+"""Lower, schedule and compile one kernel (a ``ce_tvm.store.spec.KernelSpec``) into a
+shared library: the compiler side, imported only when a module must be built."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import tvm
+
+from ..kernels import backward, common, fastmath, forward, prob_targets, shards, training
+from ..kernels.kinds import REDUCTIONS, Variant
+from ..store import records
+from ..store.files import copy_file
+from ..store.spec import KernelSpec, schedule_name, tuned_variants
+
+log = logging.getLogger("ce_tvm")
+
+
+def schedule_module(target: str):
+    """The ``schedules/<target>.py`` module (installed as ``ce_tvm.schedules.<target>``)."""
+    return importlib.import_module(f"ce_tvm.schedules.{schedule_name(target)}")
+
+
+PROB_OPS = ("prob_forward", "prob_backward", "prob_target_grad")  # probability targets
+
+
+def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> list[KernelSpec]:
+    """Every forward, training and backward variant for one (target, dtype, C)
+    (training kernels where the target's schedule has them), for class-index
+    and probability targets."""
+    fwd = [KernelSpec("forward", dtype, classes, Variant(r, w, lp), target, options)
+           for r, w, lp in itertools.product(REDUCTIONS, (False, True), (True, False))]
+    bwd = [KernelSpec("backward", dtype, classes, Variant(r, w, grad_source=src), target, options)
+           for r, w, src in itertools.product(REDUCTIONS, (False, True), ("log_prob", "logits"))]
+    train = [KernelSpec("train", dtype, classes, Variant(r, w, False), target, options)
+             for r, w in itertools.product(("sum", "mean"), (False, True))
+             if hasattr(schedule_module(target), "train")]
+    probs = [KernelSpec(op, dtype, classes, Variant(r, w, False), target, options)
+             for op, r, w in itertools.product(PROB_OPS, REDUCTIONS, (False, True))]
+    return fwd + train + bwd + probs
+
+
+def ahead_of_time_specs(target: str, dtype: str, classes: int,
+                        options: tuple = ()) -> list[KernelSpec]:
+    """The kernels a call of one shape may load (``ce-tvm compile``, bundles):
+    ``all_specs`` and, where tuning records apply (CPU), each tuned variant."""
+    specs = all_specs(target, dtype, classes, options)
+    if target == "llvm":
+        specs += [t for spec in specs for t in tuned_variants(spec)]
+    return specs
+
+
+def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFunc:
+    """The compute of ``spec``, unscheduled (forward rows chunked, the forward's
+    chunk staged, ``exp`` scaled and NaN-tested, the overlap and one-hot tests written,
+    as the schedule asks: ``forward_chunk``, ``forward_stage``, ``exp_scaling``,
+    ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``, ``ONE_HOT_BY_CHUNK``).
+    The row chunk is ``chunk`` if given, else the tuning record's, else the schedule's."""
+    schedule = schedule_module(spec.target)
+    scaling = getattr(schedule, "exp_scaling", lambda target: "bits")(spec.tvm_target())
+    if chunk is None and spec.tuned:
+        chunk = records.record_knobs(spec.tuned).get("chunk")
+    with fastmath.scaling(scaling, nan_test=getattr(schedule, "EXP_NAN_TEST", False)), \
+            common.last_chunk_peeled(getattr(schedule, "PEELS_LAST_CHUNK", False)), \
+            common.one_hot_by_chunk(getattr(schedule, "ONE_HOT_BY_CHUNK", False)):
+        return _declare(spec, schedule, chunk)
+
+
+# The ops whose compute may stage its chunk (``forward_stage`` of the schedule decides).
+STAGED_OPS = ("forward", "shard_stats")
+
+
+def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc:
+    args = (spec.classes, spec.dtype, spec.variant)
+    chunked = {"forward": forward.forward_func, "train": training.train_func,
+               "shard_stats": shards.shard_stats_func,
+               "prob_forward": prob_targets.prob_forward_func}
+    if spec.op in chunked:
+        chunk_of = getattr(schedule, f"{spec.op}_chunk", schedule.forward_chunk)
+        if chunk is None:
+            chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(),
+                             **spec.schedule_options())
+        stage_of = getattr(schedule, "forward_stage", None)
+        staged = {"stage": stage_of(spec.classes, spec.dtype, spec.tvm_target(),
+                                    **spec.schedule_options())
+                  } if spec.op in STAGED_OPS and stage_of is not None else {}
+        return chunked[spec.op](*args, chunk, **staged)
+    whole = {"shard_combine": shards.shard_combine_func, "backward": backward.backward_func,
+             "prob_backward": prob_targets.prob_backward_func,
+             "prob_target_grad": prob_targets.prob_target_grad_func}
+    return whole[spec.op](*args)
+
+
+SCHEDULE_OF_OP = {"forward": "forward", "train": "train", "shard_stats": "forward",
+                  "backward": "backward", "shard_combine": "per_row",
+                  "prob_forward": "forward", "prob_backward": "backward",
+                  "prob_target_grad": "backward"}
+
+
+def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
+    """The compute of ``spec`` with its tuning record, or its target's hand schedule."""
+    func = declared_func(spec)
+    if spec.tuned:
+        try:
+            return records.apply_record(spec.tuned, func, spec.tvm_target())
+        except RuntimeError as err:  # a record of an older compute: never fail the build
+            log.warning("ce_tvm: %s (it was tuned for another version of the compute); "
+                        "using the hand schedule. Retune it with ce-tvm tune.", err)
+    schedule = getattr(schedule_module(spec.target), SCHEDULE_OF_OP[spec.op])
+    return schedule(func, spec.tvm_target(), **spec.schedule_options())
+
+
+def lower_and_compile(spec: KernelSpec):
+    """``tvm.compile`` the scheduled kernel; returns the Executable. A schedule
+    module may name its own lowering pipeline (``TIR_PIPELINE``: the CPU's adds
+    prefetches) and pass options (``PASS_CONFIG``)."""
+    schedule = schedule_module(spec.target)
+    pipeline = getattr(schedule, "TIR_PIPELINE", None)
+    config = getattr(schedule, "PASS_CONFIG", {})
+    with tvm.transform.PassContext(opt_level=3, config=config):
+        return tvm.compile(scheduled_func(spec), target=spec.tvm_target(),
+                           **({"tir_pipeline": pipeline} if pipeline else {}))
+
+
+def compile_spec(spec: KernelSpec):
+    """``lower_and_compile``; returns the Executable.
+
+    For CUDA on a machine without a GPU, TVM keeps the CUDA source in the
+    module (``cuda_binary`` compiles it with ``nvcc``).
+    """
+    return lower_and_compile(spec)
+
+
+def cuda_binary(executable, spec: KernelSpec) -> tuple[str, bytes] | None:
+    """``(CUDA source, cubin)`` of a CUDA kernel whose module kept its source (no
+    GPU here), compiled with ``nvcc`` (raises on any error); ``None`` when the
+    module has no source to compile or ``nvcc`` is not on ``PATH``."""
+    if spec.target != "cuda" or tvm.cuda().exist or not shutil.which("nvcc"):
+        return None
+    from tvm.support import nvcc
+
+    source = executable.mod.imports[0].inspect_source()
+    target = spec.tvm_target()
+    with target:
+        return source, nvcc.compile_cuda(source, target_format="cubin",
+                                         arch=str(target.attrs["arch"]), compiler="nvcc")
+
+
+def export(executable, path: Path) -> None:
+    """Write the shared library to ``path``: linked in the system temp directory,
+    then moved in by ``files.copy_file`` (readers never see a partial file)."""
+    with tempfile.TemporaryDirectory(prefix="ce_tvm-export-") as scratch:
+        linked = Path(scratch) / path.name
+        executable.export_library(str(linked))
+        copy_file(linked, path)

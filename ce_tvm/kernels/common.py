@@ -1,0 +1,532 @@
+"""Building blocks every kernel family shares: the inputs and scalar
+arguments, the logits as the loss sees them (``Logits``), how a row is cut
+into chunks (``ChunkLayout``), the row statistics (``RowStats``,
+``row_stats``), the per-row loss terms and their sums over rows, and the
+gradient's per-row coefficients (SPEC sections 1 and 2). Stage names are in
+``stages``; ``N`` is a symbolic int64 variable, ``C`` a constant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+from tvm import te, tirx
+
+from . import fastmath
+from .kinds import accum_dtype
+from .stages import (
+    CHUNK_BEATS,
+    CHUNK_EXP,
+    CHUNK_EXPSUM,
+    CHUNK_LOGITS,
+    CHUNK_MAX,
+    CHUNK_WSUM,
+    CHUNK_WXSUM,
+    GRAD_HOT,
+    GRAD_MASK,
+    GRAD_PSCALE,
+    GRAD_SMOOTH,
+    LOGITS,
+    LOSS,
+    ROW_CE,
+    ROW_HIT,
+    ROW_MASK,
+    ROW_TARGET_LOGIT,
+    ROW_WEIGHT,
+    ROW_Z,
+    ROWSTATS,
+    TOTAL_CE,
+    TOTAL_COUNT,
+    TOTAL_WEIGHT,
+    TOTAL_Z,
+    WSUM,
+    ZLOSS,
+)
+
+
+def matrix_param(func: tirx.PrimFunc):
+    """The ``[N, C]`` input of a declared function (``x``, or ``log_prob``)."""
+    return next(p for p in func.params if len(getattr(p, "shape", ())) == 2)
+
+
+def symbolic_rows():
+    return te.var("N", "int64")
+
+
+def logits_inputs(classes: int, dtype: str, weighted: bool, probs: bool = False):
+    """``(acc, N, x[N, C], target, weight[C] or None)``: the inputs of the
+    kernels that read the logits; ``target`` is ``[N]`` int64 class indices,
+    or with ``probs`` ``[N, C]`` probabilities in the logits' dtype."""
+    acc = accum_dtype(dtype)
+    n_rows = symbolic_rows()
+    x = te.placeholder((n_rows, int64(classes)), dtype, name=LOGITS)
+    if probs:
+        y = te.placeholder((n_rows, int64(classes)), dtype, name="target")
+    else:
+        y = te.placeholder((n_rows,), "int64", name="target")
+    w = te.placeholder((int64(classes),), acc, name="weight") if weighted else None
+    return acc, n_rows, x, y, w
+
+
+def int64(v: int):
+    return tirx.IntImm("int64", v)
+
+
+def scalar_args(acc: str, softcap: bool = False) -> tuple:
+    """The scalar arguments: ``ignore_index``, ``label_smoothing``,
+    ``zloss_scale``, and ``softcap`` for a capped variant."""
+    return (
+        te.var("ignore_index", "int64"),
+        te.var("label_smoothing", acc),
+        te.var("zloss_scale", acc),
+    ) + ((te.var("softcap", acc),) if softcap else ())
+
+
+@dataclass(frozen=True)
+class Logits:
+    """The logits ``x[N, C]`` as the loss sees them, in the accumulation dtype:
+    ``t * tanh(x / t)`` when ``cap`` holds the ``softcap`` argument ``t``
+    (SPEC section 5), else ``x`` itself (no ``tanh`` in the kernel)."""
+
+    x: te.Tensor
+    acc: str
+    cap: tuple = ()  # () or (softcap,)
+
+    def __call__(self, n, c):
+        return self.capped(self.raw(n, c))
+
+    def raw(self, n, c):
+        """``x[n, c]`` itself, uncapped."""
+        return self.x[n, c].astype(self.acc)
+
+    def capped(self, value):
+        """``value`` (an uncapped logit, or a maximum of some: the cap is
+        monotone, so it commutes with ``max``) as the loss sees it."""
+        if not self.cap:
+            return value
+        t = self.cap[0]
+        return t * fastmath.tanh(value * (tirx.const(1.0, self.acc) / t))
+
+    def scaled_by_slope(self, n, c, grad):
+        """``grad`` (with respect to the capped logit) times ``d x' / d x =
+        1 - tanh(x / t)^2``; ``grad`` itself when uncapped."""
+        if not self.cap:
+            return grad
+        one = tirx.const(1.0, self.acc)
+        th = fastmath.tanh(self.x[n, c].astype(self.acc) * (one / self.cap[0]))
+        return grad * (one - th * th)
+
+
+def masked_target(y, ii, classes: int):
+    """Ignore mask ``m`` and a target index that is always in ``[0, C)``.
+
+    The index of an ignored or (never validated) out-of-range target is 0, so
+    the kernel can never read outside its row whatever the caller passes.
+    """
+
+    def mask(n):
+        return (y[n] != ii).astype("int32")
+
+    def index(n):
+        inside = tirx.all(y[n] >= int64(0), y[n] < int64(classes))
+        return tirx.Select(inside, y[n], int64(0))
+
+    return mask, index
+
+
+def same_class(c, index):
+    """``c == index`` for a column and a per-row class index, compared in int32
+    (C < 2**31): a vector of int32 lanes instead of int64 ones built by shuffles."""
+    return c.astype("int32") == index.astype("int32")
+
+
+def row_total(stage, term, n_rows):
+    """Serial, fixed-order sum over rows of a per-row term (deterministic, no atomics)."""
+    r = te.reduce_axis((int64(0), n_rows), name="r")
+    return te.compute((1,), lambda _: te.sum(term[r], axis=r), name=stage)
+
+
+def softmax_merge(n_outputs: int):
+    """Reducer merging per-chunk ``(max, sum exp(x - max), sums...)`` into a row's.
+
+    Exact regrouping of the row reductions (the online-softmax identity): the
+    partial exp-sums are rescaled to the common max; the other sums add.
+    Identity max is the most negative finite value, as ``te.max``'s is, so an
+    all ``-inf`` chunk merges without ``-inf - -inf``.
+    """
+
+    def combine(a, b):
+        m = tirx.max(a[0], b[0])
+
+        def rescaled(mi, si):
+            return tirx.Select(mi == m, si, si * fastmath.exp(mi - m, nonpositive=True))
+
+        return [m, rescaled(a[0], a[1]) + rescaled(b[0], b[1])] + [
+            ai + bi for ai, bi in zip(a[2:], b[2:])]
+
+    def identity(*dtypes):
+        return [tirx.min_value(dtypes[0])] + [tirx.const(0, t) for t in dtypes[1:]]
+
+    return te.comm_reducer(combine, identity, name=f"softmax_merge{n_outputs}")
+
+
+_LAST_CHUNK_PEELED = contextvars.ContextVar("ce_tvm_last_chunk_peeled", default=False)
+
+
+@contextlib.contextmanager
+def last_chunk_peeled(peeled: bool = True):
+    """Declare computes inside the block for a lowering that peels a row's last
+    chunk off its chunk loop (TVM's LoopPartition on ``likely`` conditions,
+    ``partition_const_loop``): the overlap test (``ChunkLayout.fresh``) is then
+    written so that it vanishes from the other chunks. Otherwise it is one
+    compare per element against a per-chunk bound, which costs less where it
+    stays in every chunk. The predicate is the same either way."""
+    token = _LAST_CHUNK_PEELED.set(peeled)
+    try:
+        yield
+    finally:
+        _LAST_CHUNK_PEELED.reset(token)
+
+
+_ONE_HOT_BY_CHUNK = contextvars.ContextVar("ce_tvm_one_hot_by_chunk", default=False)
+
+
+@contextlib.contextmanager
+def one_hot_by_chunk(by_chunk: bool = True):
+    """Declare the training gradient inside the block for a schedule that loops
+    over its columns chunk by chunk, with a compiler that takes a loop-invariant
+    test out of the loop (LLVM): the one-hot term is then tested per column only
+    within the target's chunk, behind a test on the chunk. Otherwise it is one
+    compare per column (on CUDA the test on the chunk costs instructions). The
+    gradient is the same either way."""
+    token = _ONE_HOT_BY_CHUNK.set(by_chunk)
+    try:
+        yield
+    finally:
+        _ONE_HOT_BY_CHUNK.reset(token)
+
+
+def one_hot_tested_by_chunk() -> bool:
+    """Whether the declaration is inside ``one_hot_by_chunk``."""
+    return _ONE_HOT_BY_CHUNK.get()
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How a row of ``classes`` is cut into ``n_chunks`` chunks of ``chunk``.
+
+    Chunk ``k`` starts at ``min(k * chunk, C - chunk)``: the last chunk ends at
+    ``C``, overlapping the one before, so indices stay in the row and every
+    chunk is contiguous and full. Its first ``overlap`` entries belong to the
+    chunk before; sums count them as 0 (the max may count them twice).
+    """
+
+    classes: int
+    chunk: int
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.classes // self.chunk)
+
+    @property
+    def exact(self) -> bool:
+        """True when the chunks tile the row without overlap."""
+        return self.classes % self.chunk == 0
+
+    def start(self, k):
+        if self.exact:
+            return k * int64(self.chunk)
+        return tirx.min(k * int64(self.chunk), int64(self.classes - self.chunk))
+
+    def fresh(self, k, j):
+        """Whether entry ``j`` of chunk ``k`` is not counted by an earlier chunk:
+        every entry of a chunk but the last, the last's from ``overlap`` on."""
+        overlap = tirx.const(self.n_chunks * self.chunk - self.classes, "int32")
+        not_last = k < int64(self.n_chunks - 1)
+        if _LAST_CHUNK_PEELED.get():  # vanishes from the chunks before the last
+            return tirx.any(tirx.likely(not_last), j.astype("int32") >= overlap)
+        return j.astype("int32") >= tirx.Select(not_last, tirx.const(0, "int32"), overlap)
+
+    def last_full(self) -> int:
+        """Columns ``[0, last_full)`` lie in chunk ``c // chunk`` at offset ``c % chunk``;
+        the rest lie in the last chunk, at offset ``c - (C - chunk)``."""
+        return self.classes if self.exact else (self.n_chunks - 1) * self.chunk
+
+
+@dataclass(frozen=True)
+class ElementWeights:
+    """The weight ``v`` of the row statistics' weighted sums (``row_stats``).
+
+    ``of(n, c)``: the weight of element ``(n, c)``. ``total``: the ``[1]``
+    stage ``ce_wsum`` holding ``sum_c v`` when ``v`` depends on the class only
+    (a class weight, ``class_weights``): one reduction over the classes per
+    launch, not one per row. ``None`` when ``v`` depends on the row (a
+    probability target's mass): ``sum_c v`` is then a chunk reduction of the
+    row (``ce_chunk_wsum``)."""
+
+    of: object  # (n, c) -> v
+    total: te.Tensor | None = None
+
+
+def class_weights(w) -> ElementWeights | None:
+    """A ``[C]`` class weight (or ``None``) as ``row_stats`` takes it, with its
+    row-independent total (``weight_total``)."""
+    return None if w is None else ElementWeights(lambda n, c: w[c], weight_total(w))
+
+
+def weight_total(w) -> te.Tensor:
+    """``ce_wsum``: ``sum_c w[c]`` of a ``[C]`` class weight, a ``[1]`` stage."""
+    c = te.reduce_axis((int64(0), w.shape[0]), name="c")
+    return te.compute((1,), lambda _: te.sum(w[c], axis=c), name=WSUM)
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Per-row statistics from ``row_stats`` (``[N]`` tensors), ``weight_sum(n)``
+    (``sum_c v``: a stage's value, or ``C`` without a weight), the per-chunk
+    maxima ``[N, n_chunks]``, and the kept ``exp(x' - chunk_top)``
+    ``[N, n_chunks, chunk]`` when asked for (``x'``: the logit as the loss sees
+    it, capped or not; ``chunk_top``: the chunk's max of ``x``, capped: the cap
+    is monotone, so no ``tanh`` per element for it)."""
+
+    rowmax: te.Tensor
+    expsum: te.Tensor
+    wxsum: te.Tensor
+    weight_sum: object  # n -> sum_c v[n, c]
+    chunk_max: te.Tensor
+    chunk_top: object  # (n, k) -> the chunk's largest logit as the loss sees it (capped)
+    chunk_exp: te.Tensor | None
+    layout: ChunkLayout
+    beats: te.Tensor | None = None
+
+
+def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: int, acc: str,
+               chunk: int | None, keep_exp: bool = False, target=None, shift=None,
+               stage: bool = False) -> RowStats:
+    """Row statistics of the (capped) logits, reduced chunk by chunk
+    (``ChunkLayout``) and merged by ``softmax_merge``.
+
+    ``weights``: the weight ``v`` of the weighted sums (``sum v x``:
+    ``ce_chunk_wxsum``; ``sum v``: ``weights.total``, or per row
+    ``ce_chunk_wsum``); ``w[c]`` for class-index targets (``class_weights``),
+    the target mass ``w[c] q'[n, c]`` for probability targets; ``None``: all
+    ones (``sum v`` is ``C``). ``shift(n)``: a per-row value the weighted
+    sum subtracts from every logit (``sum v (x - shift)``), so that a large
+    common offset of the row does not cancel later.
+
+    ``keep_exp``: ``exp(x - chunk_max)`` is a stage of its own
+    (``ce_chunk_exp``) that the chunk's exp-sum reduces, so a gradient can
+    reuse it instead of evaluating ``exp`` again. ``target``: the per-row
+    target index (a function of ``n``); then ``beats[n]`` counts the columns
+    that come before the target in ``argmax`` order (a larger logit, or an
+    equal one at a smaller index: 0 iff the target is the first maximum),
+    from the target's logit ``ce_row_target_logit``.
+
+    ``stage`` (always with softcap): the chunk sums and the chunk max read
+    the chunk from ``ce_chunk_logits``, a float32 copy of it (capped: one
+    ``tanh`` per element; the max then still reads ``x``, the cap being
+    monotone), which a schedule may keep on chip: read from memory once,
+    converted once, aligned however the row is.
+    """
+    x = logit.x
+    chunk = classes if chunk is None else min(chunk, classes)
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    layout = ChunkLayout(classes, chunk)
+
+    if stage or logit.cap:
+        staged = te.compute((n_rows, int64(layout.n_chunks), int64(chunk)),
+                            lambda n, k, j: logit(n, layout.start(k) + j), name=CHUNK_LOGITS)
+
+        def xf(n, c, k, j):
+            return staged[n, k, j]
+    else:
+        def xf(n, c, k, j):
+            return logit(n, c)
+
+    def shifted(n, c, k, j):
+        return xf(n, c, k, j) if shift is None else xf(n, c, k, j) - shift(n)
+
+    def per_chunk(stage, reducer, pad, body):
+        """``pad``: what an overlapped entry counts as; ``None`` for an idempotent
+        reducer (max), which may count it twice."""
+        j = te.reduce_axis((int64(0), int64(chunk)), name="j")
+
+        def value(n, k):
+            term = body(n, layout.start(k) + j, k, j)
+            if not layout.exact and pad is not None:
+                term = tirx.Select(layout.fresh(k, j), term, pad)
+            return reducer(term, axis=j)
+
+        return te.compute((n_rows, int64(layout.n_chunks)), value, name=stage)
+
+    zero = tirx.const(0.0, acc)
+    cmax = per_chunk(CHUNK_MAX, te.max, None,
+                     (lambda n, c, k, j: logit.raw(n, c)) if logit.cap else xf)
+
+    def top(n, k):
+        return logit.capped(cmax[n, k])
+
+    if keep_exp:
+        kept = te.compute(
+            (n_rows, int64(layout.n_chunks), int64(chunk)),
+            lambda n, k, j: fastmath.exp(xf(n, layout.start(k) + j, k, j) - top(n, k),
+                                         nonpositive=True, storage=str(x.dtype)),
+            name=CHUNK_EXP)
+        exp_term = lambda n, c, k, j: kept[n, k, j]  # noqa: E731
+    else:
+        kept = None
+        exp_term = lambda n, c, k, j: fastmath.exp(  # noqa: E731
+            xf(n, c, k, j) - top(n, k), nonpositive=True, storage=str(x.dtype))
+    parts = [
+        cmax,
+        per_chunk(CHUNK_EXPSUM, te.sum, zero, exp_term),
+        per_chunk(CHUNK_WXSUM, te.sum, zero, lambda n, c, k, j: (
+            weights.of(n, c) * shifted(n, c, k, j)) if weights is not None
+            else shifted(n, c, k, j)),
+    ]
+    per_row_wsum = weights is not None and weights.total is None
+    if per_row_wsum:
+        parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: weights.of(n, c)))
+    if target is not None:
+        one = tirx.const(1.0, acc)
+        tl = te.compute((n_rows,), lambda n: logit(n, target(n)), name=ROW_TARGET_LOGIT)
+
+        def beats(n, c, k, j):
+            v = xf(n, c, k, j)
+            first = tirx.any(v > tl[n], tirx.all(v == tl[n], c < target(n)))
+            return tirx.Select(first, one, zero)
+
+        parts.append(per_chunk(CHUNK_BEATS, te.sum, zero, beats))
+    k_axis = te.reduce_axis((int64(0), int64(layout.n_chunks)), name="k")
+    stats = te.compute(
+        (n_rows,), lambda n: softmax_merge(len(parts))(
+            (top(n, k_axis), *(p[n, k_axis] for p in parts[1:])), axis=k_axis), name=ROWSTATS)
+    if per_row_wsum:
+        weight_sum = lambda n: stats[3][n]  # noqa: E731
+    elif weights is not None:
+        weight_sum = lambda n: weights.total[0]  # noqa: E731
+    else:
+        weight_sum = lambda n: tirx.const(float(classes), acc)  # noqa: E731
+    return RowStats(stats[0], stats[1], stats[2], weight_sum, cmax, top, kept, layout,
+                    stats[len(parts) - 1] if target is not None else None)
+
+
+def row_hits(n_rows, acc, mask, beats):
+    """``ce_row_hit``: 1 where the row counts and its target is the first
+    maximal logit, else 0 (token accuracy, SPEC section 5)."""
+    one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
+    return te.compute((n_rows,), lambda n: tirx.Select(
+        tirx.all(mask(n) != 0, beats[n] == zero), one, zero), name=ROW_HIT)
+
+
+def row_losses(n_rows, classes, acc, eps, s, mask, lse, target_logit, target_weight, wxsum,
+                wsum, reduction):
+    """The per-row terms of SPEC section 1 from row statistics.
+
+    ``target_logit(n)``/``target_weight(n)``: ``x[n, y[n]]`` and ``w[y[n]]``;
+    ``wxsum(n)``: ``sum_c w[c] x[n, c]``; ``wsum(n)``: ``sum_c w[c]``; ``classes``
+    is the full C (an expression for a vocabulary shard). Returns the dict
+    ``reduce_forward`` reduces.
+    """
+    one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
+    m = te.compute((n_rows,), lambda n: mask(n).astype(acc), name=ROW_MASK)
+
+    def masked(n, value):
+        # A select, not a product: an ignored row is exactly 0 even when its logits are NaN.
+        return tirx.Select(m[n] != zero, value, zero)
+
+    def nll(n):
+        return -target_weight(n) * (target_logit(n) - lse[n])
+
+    def smoothing(n):
+        # -sum_c w[c] logp[n, c]; zero, not 0 * inf, when smoothing is off and a
+        # logit is -inf (a masked class).
+        term = eps / classes * -(wxsum(n) - lse[n] * wsum(n))
+        return tirx.Select(eps != zero, term, zero)
+
+    rows = {
+        "ce": te.compute((n_rows,), lambda n: masked(n, (one - eps) * nll(n) + smoothing(n)),
+                         name=ROW_CE),
+        "z": te.compute((n_rows,), lambda n: masked(n, s * lse[n] * lse[n]), name=ROW_Z),
+    }
+    if reduction == "mean":
+        rows["weight"] = te.compute((n_rows,), lambda n: target_weight(n) * m[n],
+                                    name=ROW_WEIGHT)
+        rows["count"] = m
+    return rows
+
+
+_TOTALS = {"ce": TOTAL_CE, "z": TOTAL_Z, "weight": TOTAL_WEIGHT, "count": TOTAL_COUNT}
+
+
+@dataclass(frozen=True)
+class Totals:
+    """``outputs``: ``[loss, zloss]``; ``weight``/``count``: the mean's ``D`` and
+    ``M`` (``[1]`` stages; ``None`` unless the reduction is ``mean``)."""
+
+    outputs: list
+    weight: te.Tensor | None = None
+    count: te.Tensor | None = None
+
+
+def reduce_forward(rows, n_rows, dtype, reduction) -> Totals:
+    """``loss`` and ``zloss`` outputs from the per-row terms (SPEC section 1 table)."""
+    ce, z = rows["ce"], rows["z"]
+    if reduction == "none":
+        loss = te.compute((n_rows,), lambda n: (ce[n] + z[n]).astype(dtype), name=LOSS)
+        zloss = te.compute((n_rows,), lambda n: z[n].astype(dtype), name=ZLOSS)
+        return Totals([loss, zloss])
+    tot = {name: row_total(_TOTALS[name], term, n_rows) for name, term in rows.items()}
+    ce_t, z_t = tot["ce"][0], tot["z"][0]
+    if reduction == "mean":
+        ce_t, z_t = ce_t / tot["weight"][0], z_t / tot["count"][0]
+    loss = te.compute((1,), lambda _: (ce_t + z_t).astype(dtype), name=LOSS)
+    zloss = te.compute((1,), lambda _: z_t.astype(dtype), name=ZLOSS)
+    return Totals([loss, zloss], tot.get("weight"), tot.get("count"))
+
+
+def mean_totals(n_rows, acc, mask, target_weight):
+    """``D = sum_n w[y[n]] m[n]`` and ``M = sum_n m[n]``, serial over rows, from
+    the targets alone (``ce_total_weight``, ``ce_total_count``)."""
+    r1 = te.reduce_axis((int64(0), n_rows), name="r")
+    denom = te.compute(
+        (1,), lambda _: te.sum(target_weight(r1) * mask(r1).astype(acc), axis=r1),
+        name=TOTAL_WEIGHT)
+    r2 = te.reduce_axis((int64(0), n_rows), name="r")
+    count = te.compute(
+        (1,), lambda _: te.sum(mask(r2).astype(acc), axis=r2), name=TOTAL_COUNT)
+    return denom, count
+
+
+def grad_coefficients(n_rows, acc, eps, s, mask, lse, target_weight, total_w, c_full,
+                       row_grad, row_zgrad):
+    """Per-row coefficients of SPEC section 2: ``(hot, smooth, pscale)`` with
+    ``x_grad = p * pscale - [c == y] hot - smooth * w[c]``.
+
+    ``row_grad(n)``/``row_zgrad(n)``: the upstream gradient of row ``n``'s
+    loss and z-loss terms, normalisers included; ``total_w(n)``: ``sum_c w[c]``;
+    ``c_full``: the number of classes (of the full vocabulary for a shard).
+    """
+    one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
+
+    def row(stage, f):
+        return te.compute((n_rows,), f, name=stage)
+
+    m = row(GRAD_MASK, lambda n: mask(n).astype(acc))
+
+    def masked(n, value):
+        # An ignored row contributes exactly 0, also when every row is ignored
+        # (D = 0 or M = 0 would make SPEC's formula 0/0): PyTorch's behaviour.
+        return tirx.Select(m[n] != zero, value, zero)
+
+    hot = row(GRAD_HOT, lambda n: masked(n, row_grad(n) * (one - eps) * target_weight(n)))
+    smooth = row(GRAD_SMOOTH, lambda n: masked(n, row_grad(n) * eps / c_full))
+    p_scale = row(
+        GRAD_PSCALE,
+        lambda n: hot[n] + smooth[n] * total_w(n)
+        + tirx.Select(s != zero, masked(n, tirx.const(2.0, acc) * s * lse[n] * row_zgrad(n)), zero),
+    )
+    return hot, smooth, p_scale

@@ -1,0 +1,68 @@
+"""The fused forward (SPEC section 1): loss, z-loss, lse, and optionally
+log-probs and token accuracy.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from .common import (
+    Logits,
+    class_weights,
+    int64,
+    logits_inputs,
+    masked_target,
+    reduce_forward,
+    row_hits,
+    row_losses,
+    row_stats,
+    scalar_args,
+)
+from .kinds import Variant
+from .stages import LOG_PROB, LSE
+
+
+def forward_func(classes: int, dtype: str, variant: Variant,
+                 chunk: int | None = None, stage: bool = False) -> tirx.PrimFunc:
+    """The fused forward of SPEC section 1 as a PrimFunc.
+
+    A row is reduced in ``ceil(C / chunk)`` chunks of ``chunk`` classes (one
+    chunk by default), merged exactly by ``softmax_merge``: a target-free
+    regrouping that lets a schedule keep each chunk on chip between its max
+    and its exp-sum. ``stage``: each chunk is first copied to float32
+    (``ce_chunk_logits``, see ``row_stats``).
+
+    Arguments, in order: ``x[N, C]`` (dtype), ``target[N]`` (int64),
+    ``weight[C]`` (accumulation dtype, weighted variant only), ``ignore_index``,
+    ``label_smoothing``, ``zloss_scale``, ``softcap`` (capped variant only:
+    every logit is read as ``t * tanh(x / t)``); outputs ``loss`` and ``zloss``
+    (``[N]`` for ``none``, else ``[1]``, dtype), ``lse[N]`` (accumulation
+    dtype), ``log_prob[N, C]`` (dtype, log-prob variant only), and
+    ``hit[N]`` (accumulation dtype, accuracy variant only: 1 where the row is
+    not ignored and its target is its first maximal logit, else 0).
+    """
+    acc, n_rows, x, y, w = logits_inputs(classes, dtype, variant.weighted)
+    ii, eps, s, *cap = scalars = scalar_args(acc, variant.softcap)
+    logit = Logits(x, acc, tuple(cap))
+    mask, index = masked_target(y, ii, classes)
+    st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk,
+                    target=index if variant.accuracy else None, stage=stage)
+    rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
+    lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name=LSE)
+    rows = row_losses(
+        n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
+        target_logit=lambda n: logit(n, index(n)),
+        target_weight=lambda n: w[index(n)] if w is not None else tirx.const(1.0, acc),
+        wxsum=lambda n: wxsum[n], wsum=st.weight_sum, reduction=variant.reduction)
+    outs = reduce_forward(rows, n_rows, dtype, variant.reduction).outputs
+    args = [x, y] + ([w] if w is not None else []) + list(scalars) + outs + [lse]
+    if variant.log_prob:
+        log_prob = te.compute(
+            (n_rows, int64(classes)),
+            lambda n, c: (logit(n, c) - lse[n]).astype(dtype),
+            name=LOG_PROB,
+        )
+        args.append(log_prob)
+    if variant.accuracy:
+        args.append(row_hits(n_rows, acc, mask, st.beats))
+    return te.create_prim_func(args).with_attr("global_symbol", "main")

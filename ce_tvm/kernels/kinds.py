@@ -1,0 +1,65 @@
+"""What a kernel is declared for, without TVM: storage dtypes, reductions and
+the compile-time ``Variant`` (``ce_tvm.kernels`` builds the stages from them;
+the runtime names kernels with them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REDUCTIONS = ("none", "sum", "mean")
+# Storage dtypes and their sizes in bytes (the one table of them).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+DTYPES = tuple(DTYPE_BYTES)
+
+
+# A CUDA kernel's scratch (per-row terms and sums over rows, passed between its
+# launches) comes from the caller, allocated by torch on the caller's stream,
+# never from TVM's per-thread workspace pool (not ordered with torch's streams,
+# not safe under CUDA-graph replay): after its documented arguments every CUDA
+# kernel takes CUDA_SCRATCH_ROWS ``[N]`` and then CUDA_SCRATCH_SINGLES ``[1]``
+# buffers in the accumulation dtype, of which it uses what it needs.
+CUDA_SCRATCH_ROWS = 3
+CUDA_SCRATCH_SINGLES = 4
+
+
+def accum_dtype(dtype: str) -> str:
+    """Arithmetic dtype for a storage dtype: float64 stays, all others use float32."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The options that change the loop nest (everything else is a runtime argument).
+
+    ``grad_source`` only matters for the backward: ``"log_prob"`` reads the
+    seed API's ``log_prob``; ``"logits"`` recomputes it as ``x - lse``;
+    ``"shard"`` does that for one vocabulary shard, with the row statistics
+    of the full vocabulary passed in.
+
+    ``softcap``: the logits are capped, ``t * tanh(x / t)`` with ``t`` a scalar
+    argument (SPEC section 5); without it the kernel has no ``tanh`` at all.
+    ``accuracy``: the forward and training kernels also write, per row,
+    whether the target is the row's first maximal logit (token accuracy).
+    """
+
+    reduction: str = "mean"
+    weighted: bool = False
+    log_prob: bool = True
+    grad_source: str = "log_prob"
+    softcap: bool = False
+    accuracy: bool = False
+
+    def __post_init__(self):
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.grad_source not in ("log_prob", "logits", "shard"):
+            raise ValueError(
+                f"grad_source must be 'log_prob', 'logits' or 'shard', got {self.grad_source!r}")
+
+    def tag(self) -> str:
+        """A short string naming the variant (used in cache keys and file names)."""
+        return "-".join(
+            [self.reduction, "w" if self.weighted else "nw", "lp" if self.log_prob else "nolp",
+             *(["sc"] if self.softcap else []), *(["acc"] if self.accuracy else []),
+             self.grad_source]
+        )

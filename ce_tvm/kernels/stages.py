@@ -1,0 +1,132 @@
+"""Stage names: the contract between the compute and the schedules.
+
+
+Nothing here knows about targets, schedules or torch. Every stage has a stable
+name, exported below as a constant (``CHUNK_MAX = "ce_chunk_max"``, ...; all of
+them in ``STAGES``); those constants are the contract schedules look blocks up
+by:
+
+forward (``forward_func``), per row ``n`` of ``x[N, C]``, the row cut into
+chunks ``k`` of ``chunk`` classes:
+
+=====================  =====================================================
+``ce_chunk_max``       ``max_j x[n, kB + j]`` (uncapped: the cap is monotone)
+``ce_chunk_expsum``    ``sum_j exp(x[n, kB + j] - chunk_max[n, k])``
+``ce_chunk_wxsum``     ``sum_j w[kB + j] x[n, kB + j]``
+``ce_wsum``            ``sum_c w[c]``, once for all rows (weighted only)
+``ce_rowstats``        the chunks merged: row max, exp-sum, sum w x
+``lse``                ``rowmax + log(expsum)`` (output, accumulation dtype)
+``ce_row_mask``        ``m[n]``
+``ce_row_ce``          ``ce[n]`` (nll and smoothing terms of SPEC section 1)
+``ce_row_z``           ``z[n]``
+``ce_row_weight``      ``w[y[n]] * m[n]``           (mean only)
+``log_prob``           ``x - lse``               (output, log-prob variant only)
+``ce_total_*``         serial fixed-order sums over rows (sum and mean only)
+``ce_loss``            output ``loss``
+``ce_zloss``           output ``zloss``
+``ce_target_logit``    ``x[n, y[n]]``             (accuracy variant only)
+``ce_chunk_beats``     columns ahead of the target in argmax order (accuracy)
+``ce_row_hit``         output ``hit``: target is the first maximum (accuracy)
+``ce_chunk_logits``    a chunk's logits as the loss sees them (float32; capped
+                       with softcap), read by its sums: declared with softcap
+                       or ``stage=True``
+=====================  =====================================================
+
+With ``softcap`` (capped variant) every read of a logit is ``t * tanh(x / t)``
+(``Logits``; the chunk sums read the chunk's ``ce_chunk_logits``, which a
+schedule keeps on chip or inlines) and every gradient is multiplied by
+``1 - tanh(x / t)^2``.
+
+backward (``backward_func``):
+
+=====================  =====================================================
+``ce_total_weight``    ``D = sum_n w[y[n]] m[n]``    (mean only)
+``ce_total_count``     ``M = sum_n m[n]``           (mean only)
+``ce_wsum``            ``sum_c w[c]``             (weighted only)
+``ce_grad_mask``       ``m[n]``
+``ce_grad_hot``        ``a[n] w[y[n]]``: coefficient of the one-hot term
+``ce_grad_smooth``     ``b[n]``: coefficient of ``w[c]``
+``ce_grad_pscale``     coefficient of ``p[n, c]`` (z-loss included)
+``x_grad``             output ``a w[y] (p - onehot) + b (p sum w - w[c]) + z-term``
+=====================  =====================================================
+
+training (``train_func``: the forward's stages, and the backward's
+coefficients for a unit upstream gradient, plus):
+
+=====================  =====================================================
+``ce_chunk_exp``       ``e = exp(x[n, kB + j] - chunk_max[n, k])``, kept
+``ce_mean_norms``      ``(D, M)`` from the targets, before the sweep (mean only)
+``ce_chunk_pscale``    ``exp(chunk_max[n, k] - lse[n]) * pscale[n]``
+``x_grad``             output ``e * chunk_pscale - onehot - smooth w[c]``
+=====================  =====================================================
+
+vocabulary shards (``shard_stats_func``, ``shard_combine_func``, and the
+``shard`` source of ``backward_func``) reuse the same stages, plus
+``ce_shard_local`` (target index in the shard), ``ce_shard_target_logit`` and
+``ce_shard_target_weight``.
+
+probability targets (``prob_forward_func``, ``prob_backward_func``; SPEC
+section 5) reuse the forward's and backward's stages with the target mass
+``v[n, c] = w[c] q'[n, c]`` as the per-element weight (``ce_chunk_wxsum`` is
+``sum_j v x``; ``ce_row_mask`` is 1: every row counts), plus:
+
+=====================  =====================================================
+``ce_chunk_wsum``      ``sum_j v[n, kB + j]``: the mass depends on the row, so
+                       it is a chunk reduction (``ce_rowstats`` merges it)
+``ce_row_ref``         ``r[n]``: the row's first logit (0 if not finite); the
+                       weighted sums are of ``x - r``
+``ce_row_mass``        ``sum_c v[n, c]`` (output, for the backward)
+``ce_grad_smooth``     ``r[n]``: the row's upstream gradient, coefficient of ``v``
+``ce_grad_pscale``     ``r[n] (sum_c v + 2 s lse)``: coefficient of ``p``
+``target_grad``        output ``-r (1 - eps) w[c] logp`` (``prob_target_grad_func``)
+=====================  =====================================================
+
+``N`` is a symbolic int64 variable, so one compiled module serves every batch
+size; ``C`` is a compile-time constant. ``ignore_index``, ``label_smoothing``
+and ``zloss_scale`` are scalar kernel arguments.
+"""
+
+# Stage names (see the tables above).
+CHUNK_MAX = "ce_chunk_max"
+CHUNK_EXPSUM = "ce_chunk_expsum"
+CHUNK_WXSUM = "ce_chunk_wxsum"
+CHUNK_WSUM = "ce_chunk_wsum"
+ROWSTATS = "ce_rowstats"
+LSE = "lse"
+ROW_MASK = "ce_row_mask"
+ROW_CE = "ce_row_ce"
+ROW_Z = "ce_row_z"
+ROW_WEIGHT = "ce_row_weight"
+LOG_PROB = "log_prob"
+TOTAL_CE = "ce_total_ce"
+TOTAL_Z = "ce_total_z"
+TOTAL_WEIGHT = "ce_total_weight"
+TOTAL_COUNT = "ce_total_count"
+LOSS = "ce_loss"
+ZLOSS = "ce_zloss"
+WSUM = "ce_wsum"
+GRAD_MASK = "ce_grad_mask"
+GRAD_HOT = "ce_grad_hot"
+GRAD_SMOOTH = "ce_grad_smooth"
+GRAD_PSCALE = "ce_grad_pscale"
+X_GRAD = "x_grad"
+SHARD_LOCAL = "ce_shard_local"
+SHARD_TARGET_LOGIT = "ce_shard_target_logit"
+SHARD_TARGET_WEIGHT = "ce_shard_target_weight"
+CHUNK_EXP = "ce_chunk_exp"
+CHUNK_PSCALE = "ce_chunk_pscale"
+MEAN_NORMS = "ce_mean_norms"
+ROW_TARGET_LOGIT = "ce_target_logit"
+CHUNK_BEATS = "ce_chunk_beats"
+ROW_HIT = "ce_row_hit"
+ROW_MASS = "ce_row_mass"
+ROW_REF = "ce_row_ref"
+TARGET_GRAD = "target_grad"
+CHUNK_LOGITS = "ce_chunk_logits"
+LOGITS = "x"  # the input logits
+STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
+          ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
+          WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
+          SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
+          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF,
+          CHUNK_LOGITS)

@@ -1,0 +1,110 @@
+"""The one-pass training kernel: the forward and, in the same sweep over
+each row, the gradient for a unit upstream gradient.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from . import fastmath
+from .common import (
+    Logits,
+    class_weights,
+    grad_coefficients,
+    int64,
+    logits_inputs,
+    masked_target,
+    one_hot_tested_by_chunk,
+    reduce_forward,
+    row_hits,
+    row_losses,
+    row_stats,
+    same_class,
+    scalar_args,
+)
+from .kinds import Variant
+from .stages import CHUNK_PSCALE, LSE, MEAN_NORMS, X_GRAD
+
+
+def train_func(classes: int, dtype: str, variant: Variant,
+               chunk: int | None = None) -> tirx.PrimFunc:
+    """The forward of SPEC section 1 and, in the same sweep over each row, the
+    logits gradient of SPEC section 2 for a unit upstream gradient
+    (``grad_loss = 1``, no ``grad_zloss``): what autograd needs in training.
+
+    Per row, chunk by chunk (the layout of ``forward_func``): the chunk max,
+    ``e = exp(x - chunk_max)`` kept (``ce_chunk_exp``, float32) and summed;
+    after the chunks merge into ``lse``, the gradient reads ``e`` back, scaled
+    per chunk by ``exp(chunk_max - lse) * pscale`` (``ce_chunk_pscale``: one
+    ``exp`` per chunk, not per element). ``D`` and ``M`` of the mean come
+    from the targets alone. ``sum`` and ``mean`` only: ``none`` needs an
+    upstream gradient per row, so its gradient waits for the backward.
+
+    Arguments: those of ``forward_func``; outputs (``mean`` only) ``norms[2]``
+    = ``(D, M)`` (accumulation dtype), ``x_grad[N, C]`` (dtype, rounded once),
+    ``lse[N]``, ``loss`` and ``zloss`` as in ``forward_func``, then (accuracy
+    variant) ``hit[N]`` as in ``forward_func``.
+    """
+    if variant.reduction == "none":
+        raise ValueError("train_func needs reduction 'sum' or 'mean'")
+    acc, n_rows, x, y, w = logits_inputs(classes, dtype, variant.weighted)
+    ii, eps, s, *cap = scalars = scalar_args(acc, variant.softcap)
+    logit = Logits(x, acc, tuple(cap))
+    mask, index = masked_target(y, ii, classes)
+    one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
+    st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk, keep_exp=True,
+                    target=index if variant.accuracy else None)
+    lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
+
+    def wc(c):
+        return w[c] if w is not None else one
+
+    def target_weight(n):
+        return wc(index(n))
+
+    rows = row_losses(
+        n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
+        target_logit=lambda n: logit(n, index(n)), target_weight=target_weight,
+        wxsum=lambda n: st.wxsum[n], wsum=st.weight_sum, reduction=variant.reduction)
+    totals = reduce_forward(rows, n_rows, dtype, variant.reduction)
+    outs = totals.outputs
+    if variant.reduction == "mean":
+        denom, count = totals.weight, totals.count
+        row_grad, row_zgrad = (lambda n: one / denom[0]), (lambda n: one / count[0])
+        norms = [te.compute((2,), lambda i: tirx.Select(i == 0, denom[0], count[0]),
+                            name=MEAN_NORMS)]
+    else:
+        row_grad = row_zgrad = lambda n: one
+        norms = []
+    hot, smooth, p_scale = grad_coefficients(
+        n_rows, acc, eps, s, mask, lse, target_weight, st.weight_sum,
+        tirx.const(float(classes), acc), row_grad, row_zgrad)
+    lay, kept = st.layout, st.chunk_exp
+    chunk_scale = te.compute(
+        (n_rows, int64(lay.n_chunks)),
+        lambda n, k: fastmath.exp(st.chunk_top(n, k) - lse[n], nonpositive=True) * p_scale[n],
+        name=CHUNK_PSCALE)
+    size = int64(lay.chunk)
+
+    def grad(n, c):
+        if lay.exact:
+            k, j = tirx.floordiv(c, size), tirx.floormod(c, size)
+        else:  # columns past the last full chunk are read from the (overlapping) last one
+            tail = c >= int64(lay.last_full())
+            k = tirx.Select(tail, int64(lay.n_chunks - 1), tirx.floordiv(c, size))
+            j = tirx.Select(tail, c - int64(classes - lay.chunk), tirx.floormod(c, size))
+        onehot = tirx.Select(same_class(c, index(n)), hot[n], zero)
+        if one_hot_tested_by_chunk():  # see one_hot_by_chunk
+            onehot = tirx.if_then_else(
+                tirx.floordiv(c, size) == tirx.floordiv(index(n), size), onehot, zero)
+        return logit.scaled_by_slope(
+            n, c, kept[n, k, j] * chunk_scale[n, k] - onehot - smooth[n] * wc(c)).astype(dtype)
+
+    x_grad = te.compute((n_rows, int64(classes)), grad, name=X_GRAD)
+    # Outputs in dependence order (the kernel's stages follow them): the mean's
+    # D and M before the row sweep, the sweep's x_grad before the sums over rows.
+    args = ([x, y] + ([w] if w is not None else []) + list(scalars) + norms + [x_grad, lse]
+            + outs)
+    if variant.accuracy:
+        args.append(row_hits(n_rows, acc, mask, st.beats))
+    return te.create_prim_func(args).with_attr("global_symbol", "main")

@@ -1,0 +1,297 @@
+"""Launch the compiled kernels on already-validated torch tensors.
+
+The one place that knows the kernels' argument order (``ce_tvm.kernels``).
+Outputs are allocated here (``[N, C]`` ones through ``ce_tvm.runtime.pool``) unless
+the caller passes its own buffers (``out=``), which must be contiguous,
+64-byte aligned and of the documented shape and dtype. Inputs whose data is
+not 64-byte aligned (the kernels assume it) are copied first. An empty batch
+launches nothing. The runtime scalars arrive as one
+``LossOptions``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..kernels.kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES, Variant
+from ..store.spec import KernelSpec, tuned_spec
+from . import pool
+from .options import LossOptions
+from .registry import call
+from .tensors import (
+    KERNEL_ALIGNMENT,
+    TORCH_DTYPES,
+    accum_dtype,
+    accum_torch_dtype,
+    aligned,
+    dtype_name,
+    is_aligned,
+    kernel_target,
+)
+
+
+@dataclass
+class ForwardOutputs:
+    """``loss``/``zloss``: ``[N]`` or ``[1]`` in the input dtype; ``lse``: ``[N]``
+    in the accumulation dtype; ``log_prob``: ``[N, C]`` or ``None``; ``hit``:
+    ``[N]`` in the accumulation dtype, 1 where the row counts and its target
+    is its first maximal logit (token accuracy), or ``None``."""
+
+    loss: torch.Tensor
+    zloss: torch.Tensor
+    lse: torch.Tensor
+    log_prob: torch.Tensor | None
+    hit: torch.Tensor | None = None
+
+
+def _spec(op, x, variant) -> KernelSpec:
+    """The kernel for ``x``; on the CPU with the tuning record nearest its row count, if any."""
+    target, options = kernel_target(x)
+    spec = KernelSpec(op, dtype_name(x.dtype), x.shape[1], variant, target, options)
+    return tuned_spec(spec, x.shape[0]) if target == "llvm" else spec
+
+
+def _run(spec: KernelSpec, rows: int, *args) -> None:
+    """``call`` the kernel; a CUDA kernel also gets its scratch (``_cuda_scratch``)."""
+    if spec.target == "cuda":
+        args += tuple(_cuda_scratch(rows, TORCH_DTYPES[accum_dtype(spec.dtype)], args[0].device))
+    call(spec, *args)
+
+
+_SLOT = KERNEL_ALIGNMENT // 4  # float32 elements per aligned slot (float64 slots are wider)
+
+
+def _cuda_scratch(rows: int, dtype: torch.dtype, device) -> list:
+    """The scratch slots every CUDA kernel takes (``kinds.CUDA_SCRATCH_ROWS``
+    ``[rows]`` and ``CUDA_SCRATCH_SINGLES`` ``[1]``): views of one torch
+    allocation, so on the caller's current stream (ordered with its work,
+    capturable in a CUDA graph), each starting ``KERNEL_ALIGNMENT``-aligned."""
+    span = -(-max(rows, 1) // _SLOT) * _SLOT
+    flat = torch.empty(CUDA_SCRATCH_ROWS * span + CUDA_SCRATCH_SINGLES * _SLOT, dtype=dtype,
+                       device=device)
+    slots = [flat[i * span:i * span + rows] for i in range(CUDA_SCRATCH_ROWS)]
+    base = CUDA_SCRATCH_ROWS * span
+    return slots + [flat[base + i * _SLOT:base + i * _SLOT + 1]
+                    for i in range(CUDA_SCRATCH_SINGLES)]
+
+
+def _scalars(options: LossOptions) -> tuple:
+    """The kernels' scalar arguments, in their order (``softcap`` only when on:
+    the kernels without it have no such argument)."""
+    return (options.ignore_index, options.label_smoothing, options.zloss_scale,
+            *((options.softcap,) if options.softcap else ()))
+
+
+def _capped(options: LossOptions) -> bool:
+    """Whether the kernels for ``options`` are the softcap variants."""
+    return options.softcap != 0.0
+
+
+def _prob_scalars(options: LossOptions) -> tuple:
+    """The probability-target kernels' scalar arguments: those of ``_scalars``
+    but the ignore index."""
+    return _scalars(options)[1:]
+
+
+def _weight(w) -> list:
+    return [w] if w is not None else []
+
+
+def _check_out(*buffers) -> None:
+    """Caller-given outputs are written in place, so they cannot be copied to align them."""
+    for t in buffers:
+        if t is not None and not is_aligned(t):
+            raise ValueError(f"ce_tvm: an out= buffer must start {KERNEL_ALIGNMENT}-byte "
+                             f"aligned (data_ptr {t.data_ptr():#x})")
+
+
+MAX_CUDA_ROWS = 2**31 - 1  # gridDim.x: one thread block per row
+
+
+def _rows_to_run(x) -> int:
+    """``x``'s row count; an empty batch is never launched (a zero CUDA grid is an
+    error), and a batch beyond CUDA's grid is refused with a clear error."""
+    n = x.shape[0]
+    if x.is_cuda and n > MAX_CUDA_ROWS:
+        raise ValueError(f"ce_tvm: {n} rows exceed the CUDA grid ({MAX_CUDA_ROWS} row "
+                         "blocks); split the batch")
+    return n
+
+
+def _empty_reduction(out, reduction: str) -> None:
+    """What the kernels give for no rows: ``sum`` 0, ``mean`` 0/0 = NaN (PyTorch's
+    rule), ``none`` empty."""
+    if reduction != "none":
+        for t in (out.loss, out.zloss):
+            t.fill_(float("nan") if reduction == "mean" else 0.0)
+
+
+def token_accuracy(hit: torch.Tensor, y: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The fraction of rows not ignored whose target is their first maximal
+    logit, from the kernels' ``hit`` rows: a 0-d float32 tensor, NaN when no
+    row counts (0/0); computed on the device, no host sync."""
+    counted = (y != ignore_index).sum(dtype=hit.dtype)
+    return (hit.sum() / counted).to(torch.float32)
+
+
+def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = False,
+            out: ForwardOutputs | None = None) -> ForwardOutputs:
+    """Run the fused forward; writes ``log_prob`` and ``hit`` only when asked
+    (a given ``out`` then holds a ``hit`` buffer)."""
+    x, y, w = aligned(x), aligned(y), aligned(w)
+    n = x.shape[0]
+    if out is None:
+        rows = n if options.reduction == "none" else 1
+        out = ForwardOutputs(
+            loss=x.new_empty(rows),
+            zloss=x.new_empty(rows),
+            lse=x.new_empty(n, dtype=accum_torch_dtype(x)),
+            log_prob=pool.empty_like(x) if log_prob else None,
+            hit=x.new_empty(n, dtype=accum_torch_dtype(x)) if accuracy else None,
+        )
+    _check_out(out.loss, out.zloss, out.lse, out.log_prob, out.hit if accuracy else None)
+    if _rows_to_run(x) == 0:
+        _empty_reduction(out, options.reduction)
+        return out
+    variant = Variant(options.reduction, w is not None, log_prob=log_prob,
+                      softcap=_capped(options), accuracy=accuracy)
+    _run(_spec("forward", x, variant), n, x, y, *_weight(w), *_scalars(options), out.loss,
+         out.zloss, out.lse, *([out.log_prob] if log_prob else []),
+         *([out.hit] if accuracy else []))
+    return out
+
+
+def train(x, y, w, options: LossOptions, *,
+          accuracy: bool = False) -> tuple[ForwardOutputs, torch.Tensor]:
+    """The forward and, in the same sweep, the logits gradient for a unit
+    upstream gradient (``sum``/``mean`` only); returns ``(ForwardOutputs,
+    x_grad)`` with ``x_grad`` from the buffer pool, ``log_prob`` ``None``,
+    and ``hit`` when ``accuracy``."""
+    x, y, w = aligned(x), aligned(y), aligned(w)
+    n = x.shape[0]
+    acc = accum_torch_dtype(x)
+    out = ForwardOutputs(loss=x.new_empty(1), zloss=x.new_empty(1),
+                         lse=x.new_empty(n, dtype=acc), log_prob=None,
+                         hit=x.new_empty(n, dtype=acc) if accuracy else None)
+    x_grad = pool.empty_like(x)
+    if _rows_to_run(x) == 0:
+        _empty_reduction(out, options.reduction)
+        return out, x_grad
+    norms = [x.new_empty(2, dtype=acc)] if options.reduction == "mean" else []
+    variant = Variant(options.reduction, w is not None, log_prob=False,
+                      softcap=_capped(options), accuracy=accuracy)
+    _run(_spec("train", x, variant), n, x, y, *_weight(w), *_scalars(options), *norms, x_grad,
+         out.lse, out.loss, out.zloss, *([out.hit] if accuracy else []))
+    return out, x_grad
+
+
+def backward(grad_loss, grad_zloss, source, lse, y, w, options: LossOptions, *,
+             source_kind: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the fused backward from ``log_prob`` (``source_kind='log_prob'``) or
+    from the logits and their ``lse`` (``source_kind='logits'``); returns ``x_grad``."""
+    grad_loss, grad_zloss, source, lse, y, w = (
+        aligned(t) for t in (grad_loss, grad_zloss, source, lse, y, w))
+    x_grad = pool.empty_like(source) if out is None else out
+    _check_out(x_grad)
+    if _rows_to_run(source) == 0:
+        return x_grad
+    variant = Variant(options.reduction, w is not None, grad_source=source_kind,
+                      softcap=_capped(options))
+    _run(_spec("backward", source, variant), source.shape[0], grad_loss, grad_zloss, source, lse, y,
+         *_weight(w), *_scalars(options), x_grad)
+    return x_grad
+
+
+def shard_stats(x, y, w, offset: int, softcap: float = 0.0):
+    """Row statistics of a vocabulary shard (logits capped by ``softcap`` when
+    non-zero): ``(rowmax, expsum, wxsum, target_logit, target_weight)``, each
+    ``[N]`` in the accumulation dtype."""
+    x, y, w = aligned(x), aligned(y), aligned(w)
+    outs = [x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)) for _ in range(5)]
+    if _rows_to_run(x) == 0:
+        return outs
+    spec = _spec("shard_stats", x, Variant(weighted=w is not None, softcap=softcap != 0.0))
+    _run(spec, x.shape[0], x, y, *_weight(w), offset, *((softcap,) if softcap else ()), *outs)
+    return outs
+
+
+def shard_combine(lse, target_logit, target_weight, wxsum, y, *, weight_sum: float,
+                  classes: int, dtype: torch.dtype, options: LossOptions):
+    """``(loss, zloss)`` in ``dtype`` from statistics combined over all shards."""
+    lse, target_logit, target_weight, wxsum, y = (
+        aligned(t) for t in (lse, target_logit, target_weight, wxsum, y))
+    rows = lse.shape[0] if options.reduction == "none" else 1
+    loss, zloss = (lse.new_empty(rows, dtype=dtype) for _ in range(2))
+    if _rows_to_run(lse) == 0:
+        _empty_reduction(ForwardOutputs(loss, zloss, lse, None), options.reduction)
+        return loss, zloss
+    spec = KernelSpec("shard_combine", dtype_name(dtype), classes, Variant(options.reduction),
+                      *kernel_target(lse))
+    # the statistics are of the capped logits already: this kernel has no softcap
+    _run(spec, lse.shape[0], lse, target_logit, target_weight, wxsum, y, weight_sum,
+         *_scalars(replace(options, softcap=0.0)), loss, zloss)
+    return loss, zloss
+
+
+def shard_backward(grad_loss, x, lse, y, w, target_weight, *, offset: int, weight_sum: float,
+                   global_classes: int, options: LossOptions):
+    """The gradient of one vocabulary shard, from the full rows' ``lse`` and ``w[y]``."""
+    grad_loss, x, lse, y, w, target_weight = (
+        aligned(t) for t in (grad_loss, x, lse, y, w, target_weight))
+    x_grad = pool.empty_like(x)
+    if _rows_to_run(x) == 0:
+        return x_grad
+    variant = Variant(options.reduction, w is not None, grad_source="shard",
+                      softcap=_capped(options))
+    _run(_spec("backward", x, variant), x.shape[0], grad_loss, torch.zeros_like(grad_loss), x,
+         lse, y, *_weight(w), target_weight, offset, weight_sum, float(global_classes),
+         *_scalars(options), x_grad)
+    return x_grad
+
+
+def prob_forward(x, q, w, options: LossOptions) -> tuple[ForwardOutputs, torch.Tensor]:
+    """The loss of probability targets ``q`` (``x``'s shape and dtype); returns
+    ``(ForwardOutputs, target_mass)``, ``log_prob`` ``None`` and ``target_mass``
+    the ``[N]`` row sums of ``w q'`` (accumulation dtype) the backward takes."""
+    x, q, w = aligned(x), aligned(q), aligned(w)
+    n = x.shape[0]
+    rows = n if options.reduction == "none" else 1
+    out = ForwardOutputs(loss=x.new_empty(rows), zloss=x.new_empty(rows),
+                         lse=x.new_empty(n, dtype=accum_torch_dtype(x)), log_prob=None)
+    mass = x.new_empty(n, dtype=accum_torch_dtype(x))
+    if _rows_to_run(x) == 0:
+        _empty_reduction(out, options.reduction)
+        return out, mass
+    spec = _spec("prob_forward", x, Variant(options.reduction, w is not None, log_prob=False,
+                                            softcap=_capped(options)))
+    _run(spec, n, x, q, *_weight(w), *_prob_scalars(options), out.loss, out.zloss, out.lse, mass)
+    return out, mass
+
+
+def prob_backward(grad_loss, x, q, lse, mass, w, options: LossOptions) -> torch.Tensor:
+    """The logits gradient of probability targets, from the logits, their ``lse``
+    and the forward's ``target_mass``."""
+    grad_loss, x, q, lse, mass, w = (aligned(t) for t in (grad_loss, x, q, lse, mass, w))
+    x_grad = pool.empty_like(x)
+    if _rows_to_run(x) == 0:
+        return x_grad
+    spec = _spec("prob_backward", x, Variant(options.reduction, w is not None, log_prob=False,
+                                             softcap=_capped(options)))
+    _run(spec, x.shape[0], grad_loss, x, q, lse, mass, *_weight(w), *_prob_scalars(options), x_grad)
+    return x_grad
+
+
+def prob_target_grad(grad_loss, x, lse, w, options: LossOptions) -> torch.Tensor:
+    """The gradient of the probability-target loss with respect to the targets."""
+    grad_loss, x, lse, w = (aligned(t) for t in (grad_loss, x, lse, w))
+    target_grad = pool.empty_like(x)
+    if _rows_to_run(x) == 0:
+        return target_grad
+    spec = _spec("prob_target_grad", x, Variant(options.reduction, w is not None, log_prob=False,
+                                                softcap=_capped(options)))
+    softcap = (options.softcap,) if _capped(options) else ()
+    _run(spec, x.shape[0], grad_loss, x, lse, *_weight(w), options.label_smoothing, *softcap,
+         target_grad)
+    return target_grad

@@ -1,0 +1,294 @@
+"""The row-chunked sweep behind ``ce_tvm.linear_cross_entropy`` (no autograd here).
+
+For ``x [N, H]``, ``W [V, H]``, ``b [V]`` the logits ``x @ W^T + b`` are never
+formed whole. Rows go through in chunks (``chunk_rows``); per chunk:
+
+1. ``logits = addmm(b, x[rows], W^T)`` into the chunk buffer: torch's GEMM
+   (MKL/oneDNN on the CPU, cuBLAS on CUDA);
+2. ``chunk_loss_and_dlogits`` turns them into the chunk's per-row losses and
+   ``G = d(loss)/d(logits)``, in place in the same buffer;
+3. ``grad_x[rows] = G @ W``, ``grad_W += G^T @ x[rows]``, ``grad_b += G.sum(0)``
+   (``GradSink``), for the gradients asked for only.
+
+The chunk buffer is ours (never the caller's) and is reused from chunk to
+chunk (and, on the CPU, from call to call through ``ce_tvm.runtime.pool``), so the
+extra memory of a sweep is one chunk of logits plus, for 16-bit weights, a
+float32 ``grad_W`` accumulator.
+
+``chunk_loss_and_dlogits`` is the only place the training step calls the
+loss kernels: the one-pass kernel (issue 13) replaces its body.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from . import launch, pool
+from .options import LossOptions
+from .tensors import accum_torch_dtype
+
+CHUNK_ROWS_ENV = "CE_TVM_LINEAR_CHUNK_ROWS"
+# One chunk's logits: small beside the [N, V] logits of an LM head. But at
+# least MIN_CHUNK_ROWS rows: every chunk costs a pass over [V, H] per GEMM
+# (the library re-packs W) and, for 16-bit weights, one more to add its
+# grad_W part in float32; only rows amortise that (measured on this 2-core
+# machine, loaded, at (2048, 256, 32000) fp32: +27% time at 256 rows, +11%
+# at 512; at (1024, 512, 128256) bf16: 1.58x the GEMM probe at 256 rows,
+# 1.30x at 512). The cost per chunk grows like V * H, the work like rows * V * H.
+DEFAULT_CHUNK_BYTES = 64 << 20
+MIN_CHUNK_ROWS = 512
+# A 16-bit grad_W partial product goes through a scratch of SCRATCH_BYTES, a
+# block of classes at a time (not [V, H]; smaller blocks made the GEMM much
+# slower here: 16384 x 512 bf16 blocks took 2x the time of 32768 x 512), and
+# is added to the float32 sums through a float32 copy of CONVERT_BYTES.
+SCRATCH_BYTES = 32 << 20
+CONVERT_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Which gradients to compute: of ``x``, of ``W``, of ``b``."""
+
+    input: bool = False
+    weight: bool = False
+    bias: bool = False
+
+    def any(self) -> bool:
+        return self.input or self.weight or self.bias
+
+
+def chunk_rows(n: int, classes: int, dtype: torch.dtype, requested: int = 0) -> int:
+    """Rows per chunk: ``requested`` if positive, else ``$CE_TVM_LINEAR_CHUNK_ROWS``
+    if set, else as many rows as fit ``DEFAULT_CHUNK_BYTES`` of logits but at
+    least ``MIN_CHUNK_ROWS``; never more than ``n``, at least 1."""
+    rows = requested or int(os.environ.get(CHUNK_ROWS_ENV, "0") or 0)
+    if rows <= 0:
+        rows = max(MIN_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // (classes * dtype.itemsize))
+    return max(1, min(rows, n))
+
+
+def _blocks(n: int, step: int) -> list[tuple[int, int]]:
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def _chunks(n: int, rows: int) -> list[slice]:
+    return [slice(lo, hi) for lo, hi in _blocks(n, rows)]
+
+
+def normalisers(y: Tensor, w: Tensor | None, opts: LossOptions, acc: torch.dtype):
+    """``(D, M)`` of SPEC section 1 as one-element device tensors (no host sync)."""
+    kept = y != opts.ignore_index
+    count = kept.sum(dtype=acc).reshape(1)
+    if w is None:
+        return count, count
+    wy = torch.where(kept, w[torch.where(kept, y, 0)], 0.0)
+    return wy.sum(dtype=acc).reshape(1), count
+
+
+class _ChunkBuffers:
+    """The buffer of one chunk's logits (then their gradient) and the chunk's
+    per-row outputs, reused by every chunk, and the per-row ``loss``/``zloss``
+    (and, for token accuracy, ``hit``) of the whole sweep (``[N]``). The
+    kernels write the chunk's own outputs (they start their buffers, so they
+    are aligned as the kernels require)."""
+
+    def __init__(self, rows: int, x: Tensor, classes: int, accuracy: bool = False):
+        acc = accum_torch_dtype(x)
+        self.logits = pool.POOL.empty((rows, classes), x.dtype, x.device)
+        self.chunk = launch.ForwardOutputs(x.new_empty(rows), x.new_empty(rows),
+                                           x.new_empty(rows, dtype=acc), None,
+                                           x.new_empty(rows, dtype=acc) if accuracy else None)
+        self.loss, self.zloss = x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
+        self.hit = x.new_empty(x.shape[0], dtype=acc) if accuracy else None
+
+    def project(self, x_rows: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+        """``x_rows @ W^T + b`` into the logits buffer."""
+        out = self.logits[: x_rows.shape[0]]
+        if b is None:
+            return torch.mm(x_rows, W.t(), out=out)
+        return torch.addmm(b, x_rows, W.t(), out=out)
+
+    def outputs(self, n: int) -> launch.ForwardOutputs:
+        """Where the chunk step writes a chunk of ``n`` rows."""
+        c = self.chunk
+        return launch.ForwardOutputs(c.loss[:n], c.zloss[:n], c.lse[:n], None,
+                                     None if c.hit is None else c.hit[:n])
+
+    def keep(self, rows: slice) -> None:
+        """The chunk's per-row outputs into the sweep's ``[N]`` ones."""
+        n = rows.stop - rows.start
+        self.loss[rows].copy_(self.chunk.loss[:n])
+        self.zloss[rows].copy_(self.chunk.zloss[:n])
+        if self.hit is not None:
+            self.hit[rows].copy_(self.chunk.hit[:n])
+
+    def accuracy(self, y: Tensor, opts: LossOptions) -> Tensor:
+        """The sweep's token accuracy (``launch.token_accuracy``), or an empty
+        tensor when it was not asked for."""
+        if self.hit is None:
+            return self.loss.new_empty(0, dtype=torch.float32)
+        return launch.token_accuracy(self.hit, y, opts.ignore_index)
+
+
+def chunk_loss(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
+               out: launch.ForwardOutputs) -> None:
+    """The chunk's per-row loss (``ce + z``), z-loss, ``lse`` (and ``hit`` when
+    ``out`` has it) into ``out`` (SPEC section 1, ``none``, whatever
+    ``opts.reduction``); no gradient."""
+    launch.forward(logits, y, w, replace(opts, reduction="none"), log_prob=False,
+                   accuracy=out.hit is not None, out=out)
+
+
+def chunk_loss_and_dlogits(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
+                           grad_ce: Tensor, grad_z: Tensor, out: launch.ForwardOutputs,
+                           dlogits: Tensor, *, per_row: bool) -> None:
+    """One chunk's training step: what ``chunk_loss`` writes into ``out``, and
+    into ``dlogits`` the gradient of ``sum_n grad_ce * ce[n] + grad_z * z[n]``
+    with respect to ``logits``. ``grad_ce``/``grad_z``: one value (``[1]``),
+    or one per row when ``per_row``, in the accumulation dtype.
+
+    ``dlogits`` may be ``logits`` itself (the sweep passes the same buffer):
+    the backward kernel reads each logit once, before it writes the gradient
+    in its place, and its row coefficients do not read the logits.
+
+    Today: the forward kernel, then the backward kernel recomputing the
+    probabilities from the logits and their ``lse``. The one-pass kernel
+    (issue 13) does both in one sweep and replaces this body.
+    """
+    chunk_loss(logits, y, w, opts, out)
+    launch.backward(grad_ce, grad_z - grad_ce, logits, out.lse, y, w,
+                    replace(opts, reduction="none" if per_row else "sum"),
+                    source_kind="logits", out=dlogits)
+
+
+class GradSink:
+    """``grad_x``, ``grad_W``, ``grad_b`` filled from each chunk's ``dlogits``.
+
+    Over several chunks, ``grad_W`` and ``grad_b`` accumulate in float32 for
+    16-bit weights and are cast once in ``finish`` (over one chunk the
+    product is written in the weight's dtype: the same single rounding).
+    torch's CPU GEMM has no 16-bit-in, float32-out form, so each chunk's
+    ``G^T @ x`` goes through a scratch in the weight's dtype
+    (``SCRATCH_BYTES``), a block of classes at a time, and a smaller float32
+    copy (``CONVERT_BYTES``; adding a 16-bit tensor to a float32 one would
+    allocate that copy afresh on every call: page faults that cost more than
+    the addition, measured here).
+    """
+
+    def __init__(self, x: Tensor, W: Tensor, b: Tensor | None, needs: Needs, chunks: int):
+        acc = accum_torch_dtype(W) if chunks > 1 else W.dtype
+        self.dtype = W.dtype
+        self.grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if needs.input else None
+        self.grad_W = torch.empty(W.shape, dtype=acc, device=W.device) if needs.weight else None
+        if needs.weight and acc != W.dtype:
+            def rows(nbytes, dtype):
+                return max(1, min(W.shape[0], nbytes // (W.shape[1] * dtype.itemsize)))
+
+            self.scratch = W.new_empty(rows(SCRATCH_BYTES, W.dtype), W.shape[1])
+            self.converted = W.new_empty(rows(CONVERT_BYTES, acc), W.shape[1], dtype=acc)
+        else:
+            self.scratch = self.converted = None
+        self.grad_b = (torch.zeros(W.shape[0], dtype=acc, device=W.device)
+                       if needs.bias and b is not None else None)
+        self.empty = True
+
+    def add(self, rows: slice, x_rows: Tensor, G: Tensor, W: Tensor) -> None:
+        if self.grad_x is not None:
+            torch.mm(G, W, out=self.grad_x[rows])
+        if self.grad_W is not None and self.scratch is None:
+            # beta 0 on the first chunk: the uninitialised buffer is not read
+            self.grad_W.addmm_(G.t(), x_rows, beta=0.0 if self.empty else 1.0)
+        elif self.grad_W is not None:
+            self._add_through_scratch(G, x_rows)
+        if self.grad_b is not None:
+            self.grad_b.add_(G.sum(0, dtype=self.grad_b.dtype))
+        self.empty = False
+
+    def _add_through_scratch(self, G: Tensor, x_rows: Tensor) -> None:
+        for lo, hi in _blocks(G.shape[1], self.scratch.shape[0]):
+            part = torch.mm(G[:, lo:hi].t(), x_rows, out=self.scratch[: hi - lo])
+            if self.empty:
+                self.grad_W[lo:hi].copy_(part)
+                continue
+            for a, b in _blocks(hi - lo, self.converted.shape[0]):
+                self.grad_W[lo + a:lo + b].add_(self.converted[: b - a].copy_(part[a:b]))
+
+    def finish(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(grad_x, grad_W, grad_b)``; an empty tensor for each one not asked for."""
+        if self.grad_W is not None and self.empty:
+            self.grad_W.zero_()  # no rows: the gradient is 0
+        return (x.new_empty(0) if self.grad_x is None else self.grad_x,
+                x.new_empty(0) if self.grad_W is None else self.grad_W.to(self.dtype),
+                x.new_empty(0) if self.grad_b is None else self.grad_b.to(self.dtype))
+
+
+def _reduce(bufs: _ChunkBuffers, D: Tensor | None, M: Tensor | None,
+            opts: LossOptions) -> tuple[Tensor, Tensor]:
+    """``(loss, zloss)`` of SPEC section 1 from the per-row values, summed in the
+    accumulation dtype and cast once; ``[N]`` for ``none``, else ``[1]``."""
+    if opts.reduction == "none":
+        return bufs.loss, bufs.zloss
+    acc = accum_torch_dtype(bufs.loss)
+    total = bufs.loss.sum(dtype=acc).reshape(1)
+    z = bufs.zloss.sum(dtype=acc).reshape(1)
+    if opts.reduction == "mean":
+        total, z = (total - z) / D + z / M, z / M
+    return total.to(bufs.loss.dtype), z.to(bufs.loss.dtype)
+
+
+def loss_only(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | None,
+              opts: LossOptions, rows: int,
+              accuracy: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, zloss, accuracy)`` without any gradient (``accuracy`` empty
+    unless asked for)."""
+    bufs = _ChunkBuffers(rows, x, W.shape[0], accuracy)
+    for sl in _chunks(x.shape[0], rows):
+        chunk_loss(bufs.project(x[sl], W, b), y[sl], w, opts, bufs.outputs(sl.stop - sl.start))
+        bufs.keep(sl)
+    D, M = (normalisers(y, w, opts, accum_torch_dtype(x)) if opts.reduction == "mean"
+            else (None, None))
+    return (*_reduce(bufs, D, M, opts), bufs.accuracy(y, opts))
+
+
+def loss_and_grads(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | None,
+                   opts: LossOptions, rows: int, needs: Needs, accuracy: bool = False):
+    """``(loss, zloss, accuracy, grad_x, grad_W, grad_b)`` for ``mean``/``sum``
+    in one sweep; the gradients are for a unit upstream gradient of ``loss``."""
+    acc = accum_torch_dtype(x)
+    if opts.reduction == "mean":
+        D, M = normalisers(y, w, opts, acc)
+        grad_ce, grad_z = 1.0 / D, 1.0 / M
+    else:
+        D = M = None
+        grad_ce = grad_z = torch.ones(1, dtype=acc, device=x.device)
+    bufs = _ChunkBuffers(rows, x, W.shape[0], accuracy)
+    grads = _sweep_grads(bufs, x, W, b, y, w, opts, needs, grad_ce, grad_z, per_row=False)
+    return (*_reduce(bufs, D, M, opts), bufs.accuracy(y, opts), *grads)
+
+
+def grads_from_rows(grad_loss: Tensor, x: Tensor, W: Tensor, b: Tensor | None, y: Tensor,
+                    w: Tensor | None, opts: LossOptions, rows: int, needs: Needs):
+    """``(grad_x, grad_W, grad_b)`` for ``none`` with upstream gradient
+    ``grad_loss [N]``, recomputing each chunk's logits."""
+    g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
+    bufs = _ChunkBuffers(rows, x, W.shape[0])  # the losses are recomputed, and unused
+    return _sweep_grads(bufs, x, W, b, y, w, opts, needs, g, g, per_row=True)
+
+
+def _sweep_grads(bufs: _ChunkBuffers, x, W, b, y, w, opts, needs, grad_ce, grad_z, *,
+                 per_row: bool):
+    chunks = _chunks(x.shape[0], bufs.logits.shape[0])
+    sink = GradSink(x, W, b, needs, len(chunks))
+    for sl in chunks:
+        logits = bufs.project(x[sl], W, b)
+        chunk_loss_and_dlogits(
+            logits, y[sl], w, opts, grad_ce[sl] if per_row else grad_ce,
+            grad_z[sl] if per_row else grad_z, bufs.outputs(logits.shape[0]), logits,
+            per_row=per_row)
+        bufs.keep(sl)
+        sink.add(sl, x[sl], logits, W)
+    return sink.finish(x)

@@ -1,0 +1,74 @@
+"""The loss's runtime scalars as one validated value (SPEC section 3).
+
+Everything the loss does that is not a compile-time variant travels as one
+``LossOptions``, from the Python surface through ``ce_tvm.runtime.launch`` to the
+kernels' scalar arguments; changing any of them never recompiles.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import InitVar, dataclass
+
+from ..kernels.kinds import REDUCTIONS
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """``reduction`` (``none``, ``sum`` or ``mean``), ``ignore_index`` (an int),
+    ``label_smoothing`` in ``[0, 1)``, the z-loss scale ``zloss_scale``
+    (finite, ``>= 0``; the ``s`` of ``s * lse^2``) and ``softcap`` (finite,
+    ``>= 0``; the ``t`` of ``t * tanh(x / t)``, SPEC section 5; 0 is off).
+
+    Constructing one checks every field, in that order, and raises
+    ``TypeError``/``ValueError`` saying what was expected; ``zloss_name`` is the
+    name the caller's API gives the z-loss scale, for those messages.
+    """
+
+    reduction: str = "mean"
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    zloss_scale: float = 0.0
+    softcap: float = 0.0
+    zloss_name: InitVar[str] = "lse_square_scale"
+
+    def __post_init__(self, zloss_name: str):
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        ii = self.ignore_index
+        if type(ii) is not int:  # the common case skips the (slower) ABC checks
+            if isinstance(ii, bool) or not isinstance(ii, numbers.Integral):
+                raise TypeError(f"ignore_index must be an int, got {type(ii).__name__}")
+            object.__setattr__(self, "ignore_index", int(ii))
+        eps = _real(self.label_smoothing, "label_smoothing")
+        if not 0.0 <= eps < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {eps}")
+        s = _real(self.zloss_scale, zloss_name)
+        if s < 0.0 or s == math.inf:
+            raise ValueError(f"{zloss_name} must be finite and >= 0, got {s}")
+        t = _real(self.softcap, "softcap")
+        if t < 0.0 or t == math.inf:
+            raise ValueError(f"softcap must be finite and >= 0 (0 turns it off), got {t}")
+        object.__setattr__(self, "label_smoothing", eps)
+        object.__setattr__(self, "zloss_scale", s)
+        object.__setattr__(self, "softcap", t)
+
+
+def _real(v, name: str) -> float:
+    if type(v) is not float and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    v = float(v)
+    # Comparisons, not math.isnan/isinf: under torch.compile(dynamic=True) a
+    # default argument may arrive as a symbolic float, which they refuse.
+    if v != v:
+        raise ValueError(f"{name} must not be NaN")
+    return v
+
+
+def store_on_module(module, options: LossOptions) -> None:
+    """Keep ``options`` on a loss module under its constructor's names
+    (``lse_square_scale`` for ``zloss_scale``), as torch's loss modules do."""
+    module.ignore_index, module.reduction = options.ignore_index, options.reduction
+    module.label_smoothing, module.lse_square_scale = options.label_smoothing, options.zloss_scale
+    module.softcap = options.softcap

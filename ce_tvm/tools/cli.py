@@ -1,0 +1,290 @@
+"""The ``ce-tvm`` command line: ``compile`` kernels ahead of time, ``bundle``
+them with the TVM runtime (to run without the compiler), inspect the module
+``cache``, ``bench`` against PyTorch, ``tune`` kernels over their knobs, show an
+Ascend tiling ``plan``, and ``demo`` the loss."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..compiler.build import ahead_of_time_specs
+from ..kernels.kinds import DTYPES, Variant
+from ..runtime import cache
+from ..store import records
+from ..store.files import make_private_dir
+from ..store.spec import KernelSpec
+from ..store.targets import TARGETS, write_host_descriptor
+from . import bench
+from .bundle import make_bundle
+
+TRAINING_DTYPES = tuple(d for d in DTYPES if d != "float64")
+
+
+def cmd_compile(args) -> int:
+    options = {"ascend": (("profile", args.profile),), "cuda": (("arch", args.arch),)}.get(
+        args.target, ())
+    specs = ahead_of_time_specs(args.target, args.dtype, args.classes, options)
+    out = Path(args.out) if args.out else None
+    t0 = time.perf_counter()
+    for spec in specs:
+        if out is not None:
+            make_private_dir(out)
+            path = cache.write_module(spec, out)
+        else:
+            path = cache.ensure_cached(spec)
+        print(f"  {path}")
+    where = out if out is not None else cache.cache_dir()
+    print(f"{len(specs)} kernels for {args.target}/{args.dtype}/C={args.classes} in "
+          f"{time.perf_counter() - t0:.1f} s -> {where}")
+    if out is not None:
+        if args.target != "cuda":  # lets the runtime name this CPU without TVM
+            write_host_descriptor(out)
+        print(f"use them with: export CE_TVM_MODULE_DIR={out.resolve()}")
+    return 0
+
+
+def cmd_bundle(args) -> int:
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    manifest = make_bundle(out, target=args.target, dtype=args.dtype, classes=args.classes,
+                           arch=args.arch if args.target == "cuda" else None)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"{len(manifest['kernels'])} kernels for {args.target}/{args.dtype}/C={args.classes} "
+          f"and the TVM runtime ({', '.join(manifest['runtime_libs'])}), {size / 1e6:.1f} MB, "
+          f"in {time.perf_counter() - t0:.1f} s -> {out}")
+    print(f"use it with: export CE_TVM_MODULE_DIR={out.resolve()}")
+    return 0
+
+
+def cmd_cache(args) -> int:
+    directory = Path(args.dir) if args.dir else cache.cache_dir()
+    if args.action == "clear":
+        print(f"removed {cache.clear(directory)} files from {directory}")
+        return 0
+    libs = cache.entries(directory)
+    bad = 0
+    for lib in libs:
+        size = f"{lib.stat().st_size / 1024:8.1f} KiB"
+        if args.action == "list":
+            print(f"{size}  {lib.name}")
+        else:
+            problem = cache.verify_entry(lib)
+            bad += problem is not None
+            print(f"{'ok ' if problem is None else 'BAD'}  {lib.name}" +
+                  (f": {problem}" if problem else ""))
+    verdict = f", {bad} bad" if args.action == "verify" else ""
+    print(f"{len(libs)} modules in {directory}{verdict}")
+    return 1 if bad else 0
+
+
+TUNED_VARIANTS = {"forward": lambda r: Variant(r, False, False),
+                  "backward": lambda r: Variant(r, False, grad_source="logits"),
+                  "train": lambda r: Variant(r, False, False)}
+
+
+def record_spec(kernel_name: str) -> KernelSpec:
+    """The spec ``ce-tvm tune`` tunes under ``kernel_name`` (a record's
+    ``summary["kernel"]``, e.g. ``llvm-forward-float32-C32000-mean-nw-nolp``)."""
+    target, op, dtype, classes, reduction = kernel_name.split("-")[:5]
+    spec = KernelSpec(op, dtype, int(classes[1:]), TUNED_VARIANTS[op](reduction), target)
+    if spec.name() != kernel_name:
+        raise ValueError(f"{kernel_name!r} is not the name of a kernel ce-tvm tune tunes")
+    return spec
+
+
+def _tuned_specs(args) -> list[KernelSpec]:
+    return [KernelSpec(op, args.dtype, args.classes, TUNED_VARIANTS[op](args.reduction),
+                       args.target) for op in args.ops.split(",")]
+
+
+def cmd_tune(args) -> int:
+    if args.list:
+        return _list_records(args)
+    if args.classes is None or (args.rows is None and args.target != "cuda"):
+        raise SystemExit("ce-tvm tune: --classes and --rows are required (or --list)")
+    from . import tuning
+
+    if args.target == "cuda":
+        return _check_cuda_grid(args, tuning)
+    log_root = Path(args.log_dir) if args.log_dir else records.default_log_dir()
+    if args.target == "ascend":
+        rows = [tuning.tune_ascend_plan(replace(spec, options=(("profile", args.profile),)),
+                                        args.rows, log_root) for spec in _tuned_specs(args)]
+    else:
+        rows = [tuning.tune(spec, args.rows, args.trials, log_root, args.retune,
+                            args.exhaustive) for spec in _tuned_specs(args)]
+    print(f"\n{'kernel':<46} {'kind':<16} {'N':>6} {'space':>5} {'hand ms':>9} "
+          f"{'tuned ms':>9} {'grid ms':>9} {'speedup':>8}  knobs (applied?)")
+    for r in rows:
+        grid = f"{r['exhaustive_best_ms']:>9.3f}" if "exhaustive_best_ms" in r else f"{'-':>9}"
+        applied = "yes" if r["applied"] else "no: hand schedule"
+        knobs = " ".join(f"{k}={v}" for k, v in r["knobs"].items())
+        print(f"{r['kernel']:<46} {r['kind']:<16} {r['rows']:>6} {r['space_size']:>5} "
+              f"{r['hand_ms']:>9.3f} {r['tuned_ms']:>9.3f} {grid} {r['speedup']:>7.2f}x  "
+              f"{knobs} ({applied})")
+    print(f"records in {log_root}")
+    if args.json:
+        fields = ("name", "kind", "rows", "hand_ms", "tuned_ms", "exhaustive_best_ms",
+                  "best_ms", "space_size", "knobs", "tuned_knobs", "exhaustive_best_knobs",
+                  "applied")
+        kernels = [{k: v for k, v in {**r, "name": r["kernel"]}.items() if k in fields}
+                   for r in rows]
+        Path(args.json).write_text(json.dumps({"kernels": kernels}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _check_cuda_grid(args, tuning) -> int:
+    """Without a GPU: build every candidate of the CUDA knob grid and compile it with nvcc."""
+    from ..compiler.build import cuda_binary
+
+    for spec in _tuned_specs(args):
+        if spec.op == "train":  # no CUDA training kernel
+            continue
+        spec = replace(spec, options=(("arch", args.arch),))
+        t0 = time.perf_counter()
+        points, executable = tuning.compile_grid(spec)
+        built = cuda_binary(executable, spec)
+        verdict = ("compiled with nvcc" if built else
+                   "built by TVM (no nvcc on PATH, or a GPU here: measuring needs one)")
+        print(f"  {spec.name()} {args.arch}: {len(points)} candidates ({', '.join(points[0])})"
+              f" {verdict} in {time.perf_counter() - t0:.1f} s")
+    print("CUDA candidates are measured only on a GPU; nothing was recorded")
+    return 0
+
+
+def _list_records(args) -> int:
+    """Every record for ``--target`` (this machine's kind) and where it lies; with
+    ``--classes`` and ``--rows``, which record each kernel of that shape would use."""
+    key = records.target_key(KernelSpec("forward", "float32", 1, target=args.target)
+                             .target_description())
+    print(f"tuning records for {key}, looked up in this order:")
+    for d in records.tuning_dirs():
+        print(f"  {d}")
+    found = records.summaries(key)
+    for path, s in found:
+        used = "applies" if records.applies(s) else "not used (hand schedule kept)"
+        knobs = " ".join(f"{k}={v}" for k, v in s.get("knobs", {}).items())
+        print(f"  {path.name:<56} hand {s['hand_ms']:8.3f} ms  best "
+              f"{s.get('best_ms', s['tuned_ms']):8.3f} ms  {used}  {knobs}\n    in {path.parent}")
+    print(f"{len(found)} records")
+    if args.classes is not None and args.rows is not None:
+        print(f"a call with N={args.rows}, C={args.classes}, {args.dtype} would use:")
+        for spec in _tuned_specs(args):
+            hit = records.nearest_record(spec.target_description(), spec.name(), args.rows)
+            print(f"  {spec.op:<9} {hit[0] if hit else 'the hand schedule (no record applies)'}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from ..schedules import ascend_plan
+
+    p = ascend_plan.plan(args.profile, args.rows, args.classes, args.dtype, args.op)
+    est = ascend_plan.cost(p)
+    if args.json:
+        print(json.dumps({"plan": p.as_dict(), "cost": est}, indent=1))
+        return 0
+    front = p.rows_per_core
+    print(f"Ascend {p.profile} plan: {args.op}, N={p.rows} C={p.classes} {p.dtype}")
+    print(f"  block_dim {p.block_dim}; rows per core {front[0]} x {front.count(front[0])}"
+          + (f", {front[-1]} x {front.count(front[-1])}" if front[-1] != front[0] else ""))
+    print(f"  chunk {p.chunk} elements x {p.tiles} tiles; UB {p.ub_bytes} of "
+          f"{ascend_plan.PROFILES[p.profile].ub_bytes} bytes; buffers {p.buffers}; "
+          f"passes over the logits {p.passes}")
+    print("  cost model          reads  writes    MB moved   memory us   vector us    total us")
+    for name, e in est.items():
+        print(f"  {name:<18}{e['reads']:>6}{e['writes']:>8}{e['bytes_moved'] / 1e6:>12.1f}"
+              f"{e['memory_us']:>12.1f}{e['vector_us']:>12.1f}{e['time_us']:>12.1f}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(args.rows, args.classes, args.dtype)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ce-tvm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="compile every kernel variant for one (target, dtype, C)")
+    c.add_argument("--target", choices=TARGETS, default="llvm")
+    c.add_argument("--dtype", choices=DTYPES, default="float32")
+    c.add_argument("--classes", type=int, required=True)
+    c.add_argument("--out", help="write a precompiled directory here instead of the cache")
+    c.add_argument("--profile", default="910b", help="Ascend profile (--target ascend)")
+    c.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
+    c.set_defaults(func=cmd_compile)
+
+    b = sub.add_parser("bundle", help="kernels for some shapes + the TVM runtime, to run "
+                       "without the compiler")
+    b.add_argument("--target", choices=["llvm", "cuda"], default="llvm")
+    b.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
+    b.add_argument("--dtype", choices=DTYPES, default="float32")
+    b.add_argument("--classes", type=int, action="append", required=True,
+                   help="C (repeat for several)")
+    b.add_argument("--out", required=True, help="the bundle directory")
+    b.set_defaults(func=cmd_bundle)
+
+    k = sub.add_parser("cache", help="list, verify or clear compiled modules")
+    k.add_argument("action", choices=["list", "verify", "clear"])
+    k.add_argument("--dir", help="a precompiled directory instead of the cache")
+    k.set_defaults(func=cmd_cache)
+
+    bench.add_parser(sub)
+
+    t = sub.add_parser("tune", help="autotune the forward, training and backward kernels at "
+                       "one shape over their schedules' knobs; or --list the records")
+    t.add_argument("--target", choices=["llvm", "cuda", "ascend"], default="llvm",
+                   help="cuda: build-check the knob grid with nvcc (no GPU needed); ascend: "
+                   "search the tiling plan against the cost model")
+    t.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
+    t.add_argument("--profile", default="910b", help="Ascend profile (--target ascend)")
+    t.add_argument("--dtype", choices=TRAINING_DTYPES, default="float32")
+    t.add_argument("--classes", type=int)
+    t.add_argument("--rows", type=int)
+    t.add_argument("--trials", type=int, default=16, help="candidates the search measures "
+                   "per kernel")
+    t.add_argument("--ops", default="forward,train,backward")
+    t.add_argument("--reduction", choices=["sum", "mean"], default="mean")
+    t.add_argument("--exhaustive", action="store_true",
+                   help="also measure every candidate of the knob grid")
+    t.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    t.add_argument("--log-dir", help="where records go (default: $CE_TVM_TUNING_LOGS, else "
+                   "tuning_logs in the module cache directory)")
+    t.add_argument("--retune", action="store_true", help="search again where a record exists")
+    t.add_argument("--list", action="store_true", help="list the records and, with --classes "
+                   "and --rows, which one each kernel of that shape would use")
+    t.set_defaults(func=cmd_tune)
+
+    pl = sub.add_parser("plan", help="Ascend tiling plan and cost model")
+    pl.add_argument("--profile", default="910b")
+    pl.add_argument("--classes", type=int, required=True)
+    pl.add_argument("--rows", type=int, required=True)
+    pl.add_argument("--dtype", choices=TRAINING_DTYPES, default="bfloat16")
+    pl.add_argument("--op", choices=["forward", "backward", "train"], default="forward")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
+
+    d = sub.add_parser("demo", help="compile for the CPU, run forward+backward, print a report")
+    d.add_argument("--rows", type=int, default=4096)
+    d.add_argument("--classes", type=int, default=32000)
+    d.add_argument("--dtype", choices=TRAINING_DTYPES, default="float32")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
