@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 import torch
 
 import ce_tvm
@@ -17,6 +18,9 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.f
 # Rows compared at a time: float64 blocks of at most 16 MB stay under glibc's
 # mmap threshold, so the reference reuses memory instead of page-faulting.
 BLOCK_ELEMS = 1 << 21
+# Tests holding gigabytes run one after another on one ``pytest -n`` worker
+# (``--dist loadgroup``), so that two of them never meet in memory.
+MEMORY = pytest.mark.xdist_group("memory")
 
 
 @dataclass

@@ -9,15 +9,45 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_module_cache(tmp_path_factory):
-    """Compile into a cache private to this test session unless CE_TVM_CACHE is set.
+    """Compile into a cache private to this test run unless CE_TVM_CACHE is set.
 
-    Every test in the session shares it, so each kernel is compiled once.
+    Every test of the run shares it, the workers of ``pytest -n`` too (the
+    cache's build locks make each kernel compile once across processes).
     """
     if "CE_TVM_CACHE" not in os.environ:
-        os.environ["CE_TVM_CACHE"] = str(tmp_path_factory.mktemp("ce_tvm_cache"))
+        base = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # base is the run's folder / the worker's
+            base = base.parent
+        os.environ["CE_TVM_CACHE"] = str(base / "ce_tvm_cache")
     yield
 
 
+@pytest.fixture(scope="session")
+def precompiled_modules(tmp_path_factory):
+    """Every kernel for float32 C=11, compiled once by ``ce-tvm compile --out``; tests
+    that change it work on a copy."""
+    from processes import CLI, run
+
+    out = tmp_path_factory.mktemp("precompiled") / "modules"
+    text = run([CLI, "compile", "--dtype", "float32", "--classes", "11", "--out", out])
+    assert f"CE_TVM_MODULE_DIR={out}" in text
+    return out
+
+
+# Modules whose tests run whole processes (the command line, probes, ranks, a
+# wheel, bundles) or nvcc: all slow, so the fast lane (-m "not slow") is the
+# in-process checks of the kernels against the references.
+PROCESS_MODULES = {"test_bundle", "test_cache", "test_cache_trust", "test_fault_injection",
+                   "test_packaging", "test_distributed", "test_transformers", "test_tuning",
+                   "test_tuning_cuda", "test_cuda", "test_cuda_static", "test_ascend_search",
+                   "test_bench", "test_bench_linear", "test_omp_pool", "test_readme",
+                   "test_demo"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Slow tests last, so ``-x`` stops on a cheap failure first."""
+    """Process-level modules are slow; slow tests last, so ``-x`` stops on a cheap
+    failure first."""
+    for item in items:
+        if item.module.__name__ in PROCESS_MODULES:
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

@@ -1,6 +1,7 @@
 """The cache as a trust boundary: permissions, concurrency, stale locks, the cache CLI."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,12 +43,12 @@ def test_writable_cache_directory_is_refused(tmp_path, mode):
     assert f"chmod go-w {cache}" in err
 
 
-def test_writable_precompiled_module_is_refused(tmp_path):
+def test_writable_precompiled_module_is_refused(precompiled_modules, tmp_path):
     modules = tmp_path / "modules"
-    run([CLI, "compile", "--classes", "7", "--out", modules])
+    shutil.copytree(precompiled_modules, modules)
     lib = next(modules.glob("*forward*mean-nw-lp*.so"))
     lib.chmod(0o666)
-    err = failing_probe(7, CE_TVM_CACHE=tmp_path / "cache", CE_TVM_MODULE_DIR=modules)
+    err = failing_probe(11, CE_TVM_CACHE=tmp_path / "cache", CE_TVM_MODULE_DIR=modules)
     assert "UnsafePermissionsError" in err and lib.name in err and "others can write" in err
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import ce_tvm
 import reference
-from checks import assert_close
+from checks import MEMORY, assert_close
 
 
 def test_all_rows_ignored():
@@ -82,6 +82,7 @@ def test_bit_identical_runs(dtype):
 
 
 @pytest.mark.slow
+@MEMORY
 def test_more_than_2_pow_31_elements():
     """N * C >= 2**31: every index must be 64-bit. bfloat16 keeps it at 4 GB per [N, C]."""
     c = 32768

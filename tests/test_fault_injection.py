@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+# its module fixture and mounts: every test of the module on one worker
+pytestmark = pytest.mark.xdist_group("faults")
+
 C = 13
 
 

@@ -27,6 +27,9 @@ from ce_tvm.store.spec import KernelSpec, tuned_spec
 from ce_tvm.tools import tuning
 from processes import CLI, run
 
+# its module fixtures are built once: every test of the module on one worker
+pytestmark = pytest.mark.xdist_group("tuning")
+
 C, TUNED_ROWS = 300, 64
 FORWARD = KernelSpec("forward", "float32", C, Variant("mean", False, False))
 TRAIN = KernelSpec("train", "float32", C, Variant("mean", False, False))

@@ -127,22 +127,29 @@ def _build_sealed(lib: Path, compiler: str, openmp: Path) -> Path | None:
         log.warning("ce_tvm: rebuilding the OpenMP launcher %s: %s", lib, problem)
     remove_leftovers(lib)
     with tempfile.TemporaryDirectory(prefix="ce_tvm-launcher-") as tmp:
-        source = Path(tmp) / "launch.c"
-        source.write_text(LAUNCHER_SOURCE)
-        obj, built = Path(tmp) / "launch.o", Path(tmp) / "launch.so"
-        try:
-            subprocess.run([compiler, "-O2", "-fPIC", "-fopenmp", "-c", str(source),
-                            "-o", str(obj)], check=True, capture_output=True)
-            # linked against the runtime torch loaded (by path), not the compiler's own
-            subprocess.run([compiler, "-shared", str(obj), str(openmp), "-o", str(built),
-                            f"-Wl,-rpath,{openmp.parent}"], check=True, capture_output=True)
-        except (subprocess.CalledProcessError, OSError) as err:
-            log.info("ce_tvm: OpenMP launcher not built (%s); TVM's thread pool runs "
-                     "the kernels", getattr(err, "stderr", err))
+        built = _compile_in(Path(tmp), compiler, openmp)
+        if built is None:
             return None
         copy_file(built, lib)
     seal(lib)
     return lib
+
+
+def _compile_in(scratch: Path, compiler: str, openmp: Path) -> Path | None:
+    """The launcher compiled in ``scratch``, or ``None`` (logged) when it cannot be."""
+    source, obj, built = scratch / "launch.c", scratch / "launch.o", scratch / "launch.so"
+    try:
+        source.write_text(LAUNCHER_SOURCE)
+        subprocess.run([compiler, "-O2", "-fPIC", "-fopenmp", "-c", str(source),
+                        "-o", str(obj)], check=True, capture_output=True)
+        # linked against the runtime torch loaded (by path), not the compiler's own
+        subprocess.run([compiler, "-shared", str(obj), str(openmp), "-o", str(built),
+                        f"-Wl,-rpath,{openmp.parent}"], check=True, capture_output=True)
+    except (subprocess.CalledProcessError, OSError) as err:
+        log.info("ce_tvm: OpenMP launcher not built (%s); TVM's thread pool runs "
+                 "the kernels", getattr(err, "stderr", err))
+        return None
+    return built
 
 
 def launcher_address() -> int | None:

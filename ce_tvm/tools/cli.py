@@ -206,7 +206,8 @@ def cmd_plan(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(args.rows, args.classes, args.dtype)
+    run_demo(args.rows, args.classes, args.hidden, args.dtype, args.reps,
+             with_compile=not args.no_compile)
     return 0
 
 
@@ -273,10 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
-    d = sub.add_parser("demo", help="compile for the CPU, run forward+backward, print a report")
+    d = sub.add_parser("demo", help="the training step and the fused linear head on this CPU, "
+                       "checked against PyTorch and timed beside eager and torch.compile")
     d.add_argument("--rows", type=int, default=4096)
     d.add_argument("--classes", type=int, default=32000)
+    d.add_argument("--hidden", type=int, default=256, help="the linear head's input width")
     d.add_argument("--dtype", choices=TRAINING_DTYPES, default="float32")
+    d.add_argument("--reps", type=int, default=3)
+    d.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to warm)")
     d.set_defaults(func=cmd_demo)
     return p
 
