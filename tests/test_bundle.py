@@ -22,7 +22,7 @@ from ce_tvm.store.files import fingerprint
 from ce_tvm.store.paths import sha256_file
 from processes import CLI, run
 
-# its module fixtures are built once: every test of the module on one worker
+# its bundles are built once (session fixtures): every test of the module on one worker
 pytestmark = pytest.mark.xdist_group("bundle")
 
 C = 300
@@ -73,7 +73,7 @@ PROBE = BLOCK_TVM + textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("bundle") / "b"
     text = run([CLI, "bundle", "--target", "llvm", "--dtype", "float32", "--classes", str(C),
@@ -159,7 +159,7 @@ LM_CLASSES = (32000,)
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cuda_bundle(tmp_path_factory):
     return make_cuda_bundle(tmp_path_factory.mktemp("cuda_bundle") / "b", LM_CLASSES)
 

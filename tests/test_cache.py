@@ -13,6 +13,9 @@ from ce_tvm.compiler.build import ahead_of_time_specs
 from ce_tvm.store.paths import sha256_file
 from processes import CLI, PROBE, probe, run
 
+# one worker for both cache modules: they share the precompiled_modules fixture
+pytestmark = pytest.mark.xdist_group("cache")
+
 
 def libs(directory: Path):
     return sorted(directory.glob("*.so"))

@@ -19,6 +19,9 @@ from ce_tvm.store.spec import KernelSpec
 from checks import assert_close
 from processes import CLI, PROBE, probe, run
 
+# one worker for both cache modules: they share the precompiled_modules fixture
+pytestmark = pytest.mark.xdist_group("cache")
+
 
 def start_probe(c, **env):
     return subprocess.Popen([sys.executable, "-c", PROBE, str(c)], text=True,
