@@ -55,17 +55,72 @@ def targets(y, x: torch.Tensor, ignore_index: int, classes: int | None = None) -
     n, c = x.shape[0], classes or x.shape[1]
     if tuple(y.shape) != (n,):
         raise ValueError(f"target must have shape [N] = [{n}], got {tuple(y.shape)}")
-    y = y.to(torch.int64).contiguous()
+    return in_range(y.to(torch.int64).contiguous(), c, ignore_index, "target")
+
+
+def in_range(y: torch.Tensor, classes: int, ignore_index: int, name: str) -> torch.Tensor:
+    """``y`` (int64 class indices), after checking each is in ``[0, classes)``
+    or ``ignore_index``; the first that is not is a ``TargetOutOfRangeError``."""
     if y.is_cuda and torch.cuda.is_current_stream_capturing():
         return y  # no host sync inside a CUDA graph; the kernels clamp indices anyway
-    bad = (y != ignore_index) & ((y < 0) | (y >= c))
+    bad = (y != ignore_index) & ((y < 0) | (y >= classes))
     if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
+        at = tuple(int(i) for i in bad.nonzero()[0])
         raise TargetOutOfRangeError(
-            f"target[{row}] = {int(y[row])} is out of range: expected a class index in "
-            f"[0, {c}) or ignore_index ({ignore_index})"
+            f"{name}[{', '.join(map(str, at))}] = {int(y[at])} is out of range: expected a "
+            f"class index in [0, {classes}) or ignore_index ({ignore_index})"
         )
     return y
+
+
+def class_last_logits(x, name: str = "logits") -> torch.Tensor:
+    """Logits ``[..., V]`` (class dimension last, ``V >= 1``) as a contiguous
+    ``[M, V]``, ``M`` the product of the leading dimensions."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in TORCH_DTYPES.values():
+        raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{name} must be [..., V] with V >= 1 classes, got shape "
+                         f"{tuple(x.shape)}")
+    check_device(x)
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def index_columns(index, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The class indices of ``log_probs`` (SPEC section 6): ``index`` of shape
+    ``logits.shape[:-1]`` (one per row) or ``logits.shape[:-1] + (K,)``, as an
+    int64 contiguous ``[M, K]``; and whether it had no ``K`` dimension. The
+    values are checked by ``in_range``, inside the op (a host sync)."""
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
+    if index.dtype not in TARGET_DTYPES:
+        raise TypeError(f"index must be int64 or int32 class indices, got {index.dtype}")
+    _same_device(index, logits, "index")
+    lead = tuple(logits.shape[:-1])
+    if tuple(index.shape) == lead:
+        k, single = 1, True
+    elif index.dim() == logits.dim() and tuple(index.shape[:-1]) == lead:
+        k, single = index.shape[-1], False
+    else:
+        raise ValueError(f"index must have shape {lead} or {lead} + (K,) for logits "
+                         f"{tuple(logits.shape)}, got {tuple(index.shape)}")
+    return index.reshape(-1, k).to(torch.int64).contiguous(), single
+
+
+def row_mask(mask, logits: torch.Tensor) -> torch.Tensor | None:
+    """``None``, or ``mask`` (bool or numeric, of shape ``logits.shape[:-1]``)
+    as a flat bool ``[M]``: true where the row counts."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"row_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    _same_device(mask, logits, "row_mask")
+    lead = tuple(logits.shape[:-1])
+    if tuple(mask.shape) != lead:
+        raise ValueError(f"row_mask must have shape {lead} (the logits' without V), "
+                         f"got {tuple(mask.shape)}")
+    return (mask != 0).reshape(-1)
 
 
 def probabilities(q, x: torch.Tensor) -> torch.Tensor:

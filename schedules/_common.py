@@ -32,6 +32,7 @@ from ..kernels.stages import (
     LOSS,
     LSE,
     ROW_CE,
+    ROW_ENTROPY,
     ROW_HIT,
     ROW_MASK,
     ROW_MASS,
@@ -45,6 +46,7 @@ from ..kernels.stages import (
     SHARD_TARGET_WEIGHT,
     STAGES,
     TARGET_GRAD,
+    TOKEN_LOGP,
     TOTAL_CE,
     TOTAL_COUNT,
     TOTAL_WEIGHT,
@@ -63,8 +65,10 @@ OPTIONAL_ROW_REDUCTIONS = (CHUNK_WSUM, CHUNK_BEATS)
 ROW_TOTALS = (TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT)
 # Per-row stages of the forward after the row statistics (not in the shard
 # statistics; log_prob for the log-prob variant only, the hits for the accuracy
-# variant only, the target mass for probability targets only).
-ROW_FORWARD_REST = (LSE, ROW_MASS, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS, ROW_HIT)
+# variant only, the target mass for probability targets only, the entropy and
+# the token log-probs for the log-prob kernels only).
+ROW_FORWARD_REST = (LSE, ROW_MASS, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS, ROW_HIT, ROW_ENTROPY,
+                    TOKEN_LOGP)
 # Per-row values the chunk reductions read (probability targets only): computed
 # once per row, under the row loop, before its chunks.
 ROW_PRODUCERS = (ROW_REF,)
@@ -135,14 +139,18 @@ def place_row_stages(sch, lanes: int):
     Each chunk reduction is split by ``lanes`` and rfactored
     (``split_reduction``) and moved, with its rfactor block, under the chunk
     loop of ``ce_rowstats``, which merges them: a chunk is read from memory by
-    the first reduction and from cache by the others. The per-row stages
-    after it move under its row loop. Returns ``(row loop, chunk loop,
+    the first reduction and from cache by the others; a kept
+    ``ce_chunk_exp`` (the log-prob kernels) is computed once per chunk before
+    the sums that read it. The per-row stages after it move under its row loop. Returns ``(row loop, chunk loop,
     {reduction: its blocks, producer first})``.
     """
     names = chunk_reductions(sch)
     stages = {name: split_reduction(sch, name, lanes) for name in names}
     row, chunk_loop = sch.get_loops(sch.get_sblock(ROWSTATS))
-    for name in reversed(names):
+    for name in reversed(names):  # consumers first
+        if name == CHUNK_MAX:  # a kept exp (the log-prob kernels) reads the max
+            for blk in present_blocks(sch, [CHUNK_EXP]):
+                sch.compute_at(blk, chunk_loop)
         for blk in reversed(stages[name]):
             sch.compute_at(blk, chunk_loop)
     for blk in present_blocks(sch, [CHUNK_LOGITS]):  # the staged chunk, once per chunk

@@ -69,6 +69,7 @@ from ..kernels.stages import (
 from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
+    has_stage,
     init_row_totals,
     inline_row_helpers,
     is_per_row,
@@ -243,12 +244,16 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs):
     row_loops = parallel_rows(sch, row, knobs.row_grain)
     vector_accumulators(sch, stages, outer=row_loops + 1, unroll=knobs.unroll)
     steps = sch.get_loops(stages[CHUNK_EXPSUM][0])[row_loops + 1:-1]
-    if steps:  # absent when the chunk is one vector
+    if steps and not has_stage(sch, CHUNK_EXP):  # absent when the chunk is one vector
         prefetch_ahead(sch, steps[0], chunk * knobs.prefetch)
     vector_row_independent(sch, vector_lanes(target) * knobs.accumulators)
     init_row_totals(sch)
-    for blk in present_blocks(sch, [LOG_PROB, CHUNK_LOGITS]):
-        vectorize_inner(sch, blk, vector_lanes(target) * knobs.accumulators)
+    width = vector_lanes(target) * knobs.accumulators
+    for blk in present_blocks(sch, [LOG_PROB, CHUNK_LOGITS, CHUNK_EXP]):
+        vectorize_inner(sch, blk, width)
+    kept = present_blocks(sch, [CHUNK_EXP])  # the log-prob kernels: exp reads the chunk
+    if kept and chunk % width == 0 and chunk > width:
+        prefetch_ahead(sch, sch.get_loops(kept[0])[-2], chunk * knobs.prefetch)
     return sch
 
 

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import tvm
 
-from ..kernels import backward, common, fastmath, forward, prob_targets, shards, training
+from ..kernels import (
+    backward,
+    common,
+    fastmath,
+    forward,
+    log_probs,
+    prob_targets,
+    shards,
+    training,
+)
 from ..kernels.kinds import REDUCTIONS, Variant
 from ..store import records
 from ..store.files import copy_file
@@ -72,14 +81,15 @@ def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFu
 
 
 # The ops whose compute may stage its chunk (``forward_stage`` of the schedule decides).
-STAGED_OPS = ("forward", "shard_stats")
+STAGED_OPS = ("forward", "shard_stats", "log_probs")
 
 
 def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc:
     args = (spec.classes, spec.dtype, spec.variant)
     chunked = {"forward": forward.forward_func, "train": training.train_func,
                "shard_stats": shards.shard_stats_func,
-               "prob_forward": prob_targets.prob_forward_func}
+               "prob_forward": prob_targets.prob_forward_func,
+               "log_probs": log_probs.log_probs_func}
     if spec.op in chunked:
         chunk_of = getattr(schedule, f"{spec.op}_chunk", schedule.forward_chunk)
         if chunk is None:
@@ -92,14 +102,16 @@ def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc
         return chunked[spec.op](*args, chunk, **staged)
     whole = {"shard_combine": shards.shard_combine_func, "backward": backward.backward_func,
              "prob_backward": prob_targets.prob_backward_func,
-             "prob_target_grad": prob_targets.prob_target_grad_func}
+             "prob_target_grad": prob_targets.prob_target_grad_func,
+             "log_probs_grad": log_probs.log_probs_grad_func}
     return whole[spec.op](*args)
 
 
 SCHEDULE_OF_OP = {"forward": "forward", "train": "train", "shard_stats": "forward",
                   "backward": "backward", "shard_combine": "per_row",
                   "prob_forward": "forward", "prob_backward": "backward",
-                  "prob_target_grad": "backward"}
+                  "prob_target_grad": "backward", "log_probs": "forward",
+                  "log_probs_grad": "backward"}
 
 
 def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:

@@ -88,11 +88,14 @@ def scalar_args(acc: str, softcap: bool = False) -> tuple:
 class Logits:
     """The logits ``x[N, C]`` as the loss sees them, in the accumulation dtype:
     ``t * tanh(x / t)`` when ``cap`` holds the ``softcap`` argument ``t``
-    (SPEC section 5), else ``x`` itself (no ``tanh`` in the kernel)."""
+    (SPEC section 5), else ``x`` itself (no ``tanh`` in the kernel); then
+    times ``1 / T`` when ``scale`` holds the inverse temperature argument
+    (SPEC section 6: the cap first, then the temperature)."""
 
     x: te.Tensor
     acc: str
     cap: tuple = ()  # () or (softcap,)
+    scale: tuple = ()  # () or (inverse temperature,)
 
     def __call__(self, n, c):
         return self.capped(self.raw(n, c))
@@ -102,16 +105,20 @@ class Logits:
         return self.x[n, c].astype(self.acc)
 
     def capped(self, value):
-        """``value`` (an uncapped logit, or a maximum of some: the cap is
-        monotone, so it commutes with ``max``) as the loss sees it."""
-        if not self.cap:
-            return value
-        t = self.cap[0]
-        return t * fastmath.tanh(value * (tirx.const(1.0, self.acc) / t))
+        """``value`` (an uncapped logit, or a maximum of some: the cap and a
+        positive scale are monotone, so they commute with ``max``) as the loss
+        sees it."""
+        if self.cap:
+            t = self.cap[0]
+            value = t * fastmath.tanh(value * (tirx.const(1.0, self.acc) / t))
+        return value * self.scale[0] if self.scale else value
 
     def scaled_by_slope(self, n, c, grad):
-        """``grad`` (with respect to the capped logit) times ``d x' / d x =
-        1 - tanh(x / t)^2``; ``grad`` itself when uncapped."""
+        """``grad`` (with respect to the logit as the loss sees it) times its
+        slope ``d x' / d x``: ``1 - tanh(x / t)^2`` when capped, times ``1 / T``
+        when scaled; ``grad`` itself when neither."""
+        if self.scale:
+            grad = grad * self.scale[0]
         if not self.cap:
             return grad
         one = tirx.const(1.0, self.acc)
@@ -148,13 +155,18 @@ def row_total(stage, term, n_rows):
     return te.compute((1,), lambda _: te.sum(term[r], axis=r), name=stage)
 
 
-def softmax_merge(n_outputs: int):
+def softmax_merge(n_outputs: int, entropy: bool = False):
     """Reducer merging per-chunk ``(max, sum exp(x - max), sums...)`` into a row's.
 
     Exact regrouping of the row reductions (the online-softmax identity): the
     partial exp-sums are rescaled to the common max; the other sums add.
     Identity max is the most negative finite value, as ``te.max``'s is, so an
     all ``-inf`` chunk merges without ``-inf - -inf``.
+
+    ``entropy``: the third value is ``A = sum exp(x - max) (max - x)`` of
+    ``row_stats(entropy=True)``, which moves with the max: rescaled to the
+    common max ``m`` it is ``exp(mi - m) (Ai + (m - mi) Si)``, every term
+    ``>= 0`` (no cancellation), 0 for an empty part.
     """
 
     def combine(a, b):
@@ -163,13 +175,21 @@ def softmax_merge(n_outputs: int):
         def rescaled(mi, si):
             return tirx.Select(mi == m, si, si * fastmath.exp(mi - m, nonpositive=True))
 
-        return [m, rescaled(a[0], a[1]) + rescaled(b[0], b[1])] + [
-            ai + bi for ai, bi in zip(a[2:], b[2:])]
+        def rescaled_entropy(mi, si, ai):
+            zero = tirx.const(0.0, str(si.ty))
+            moved = fastmath.exp(mi - m, nonpositive=True) * (ai + (m - mi) * si)
+            return tirx.Select(mi == m, ai, tirx.Select(si == zero, zero, moved))
+
+        rest = [ai + bi for ai, bi in zip(a[2:], b[2:])]
+        if entropy:
+            rest[0] = rescaled_entropy(a[0], a[1], a[2]) + rescaled_entropy(b[0], b[1], b[2])
+        return [m, rescaled(a[0], a[1]) + rescaled(b[0], b[1])] + rest
 
     def identity(*dtypes):
         return [tirx.min_value(dtypes[0])] + [tirx.const(0, t) for t in dtypes[1:]]
 
-    return te.comm_reducer(combine, identity, name=f"softmax_merge{n_outputs}")
+    return te.comm_reducer(combine, identity,
+                           name=f"softmax_merge{n_outputs}{'e' if entropy else ''}")
 
 
 _LAST_CHUNK_PEELED = contextvars.ContextVar("ce_tvm_last_chunk_peeled", default=False)
@@ -293,7 +313,7 @@ class RowStats:
 
     rowmax: te.Tensor
     expsum: te.Tensor
-    wxsum: te.Tensor
+    wxsum: te.Tensor  # with ``entropy``: ``A`` merged to the row max
     weight_sum: object  # n -> sum_c v[n, c]
     chunk_max: te.Tensor
     chunk_top: object  # (n, k) -> the chunk's largest logit as the loss sees it (capped)
@@ -304,7 +324,7 @@ class RowStats:
 
 def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: int, acc: str,
                chunk: int | None, keep_exp: bool = False, target=None, shift=None,
-               stage: bool = False) -> RowStats:
+               stage: bool = False, entropy: bool = False) -> RowStats:
     """Row statistics of the (capped) logits, reduced chunk by chunk
     (``ChunkLayout``) and merged by ``softmax_merge``.
 
@@ -323,6 +343,12 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     that come before the target in ``argmax`` order (a larger logit, or an
     equal one at a smaller index: 0 iff the target is the first maximum),
     from the target's logit ``ce_row_target_logit``.
+
+    ``entropy`` (no ``weights``): the weighted sum is instead
+    ``A = sum exp(x - top) (top - x)`` per chunk (``top``: the chunk's max),
+    merged to the row's max (``softmax_merge``), so that the entropy is
+    ``log(expsum) + A / expsum`` with no cancellation however large the
+    logits; a term whose ``exp`` is 0 (``x = -inf``) is 0.
 
     ``stage`` (always with softcap): the chunk sums and the chunk max read
     the chunk from ``ce_chunk_logits``, a float32 copy of it (capped: one
@@ -380,12 +406,18 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
         kept = None
         exp_term = lambda n, c, k, j: fastmath.exp(  # noqa: E731
             xf(n, c, k, j) - top(n, k), nonpositive=True, storage=str(x.dtype))
+    def weighted(n, c, k, j):
+        if entropy:
+            e = exp_term(n, c, k, j)
+            return tirx.Select(e == zero, zero, e * (top(n, k) - xf(n, c, k, j)))
+        if weights is not None:
+            return weights.of(n, c) * shifted(n, c, k, j)
+        return shifted(n, c, k, j)
+
     parts = [
         cmax,
         per_chunk(CHUNK_EXPSUM, te.sum, zero, exp_term),
-        per_chunk(CHUNK_WXSUM, te.sum, zero, lambda n, c, k, j: (
-            weights.of(n, c) * shifted(n, c, k, j)) if weights is not None
-            else shifted(n, c, k, j)),
+        per_chunk(CHUNK_WXSUM, te.sum, zero, weighted),
     ]
     per_row_wsum = weights is not None and weights.total is None
     if per_row_wsum:
@@ -402,7 +434,7 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
         parts.append(per_chunk(CHUNK_BEATS, te.sum, zero, beats))
     k_axis = te.reduce_axis((int64(0), int64(layout.n_chunks)), name="k")
     stats = te.compute(
-        (n_rows,), lambda n: softmax_merge(len(parts))(
+        (n_rows,), lambda n: softmax_merge(len(parts), entropy)(
             (top(n, k_axis), *(p[n, k_axis] for p in parts[1:])), axis=k_axis), name=ROWSTATS)
     if per_row_wsum:
         weight_sum = lambda n: stats[3][n]  # noqa: E731

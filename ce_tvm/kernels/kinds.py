@@ -40,6 +40,8 @@ class Variant:
     argument (SPEC section 5); without it the kernel has no ``tanh`` at all.
     ``accuracy``: the forward and training kernels also write, per row,
     whether the target is the row's first maximal logit (token accuracy).
+    ``columns``: the log-prob kernels' ``K``, the class indices per row
+    (``index[N, K]``); 0 for the loss kernels.
     """
 
     reduction: str = "mean"
@@ -48,6 +50,7 @@ class Variant:
     grad_source: str = "log_prob"
     softcap: bool = False
     accuracy: bool = False
+    columns: int = 0
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
@@ -61,5 +64,5 @@ class Variant:
         return "-".join(
             [self.reduction, "w" if self.weighted else "nw", "lp" if self.log_prob else "nolp",
              *(["sc"] if self.softcap else []), *(["acc"] if self.accuracy else []),
-             self.grad_source]
+             *([f"k{self.columns}"] if self.columns else []), self.grad_source]
         )

@@ -81,6 +81,22 @@ section 5) reuse the forward's and backward's stages with the target mass
 ``target_grad``        output ``-r (1 - eps) w[c] logp`` (``prob_target_grad_func``)
 =====================  =====================================================
 
+per-token log-probs and entropy (``log_probs_func``, ``log_probs_grad_func``;
+SPEC section 6; every read of a logit is ``z = cap(x) / T``, the inverse
+temperature a scalar argument) reuse the forward's chunk stages with
+``ce_chunk_exp`` kept for the chunk's two sums, ``ce_chunk_wxsum`` being
+``A = sum_j e (chunk_max - z)`` (merged to the row max by ``ce_rowstats``),
+and the backward's ``ce_grad_pscale``, plus:
+
+=====================  =====================================================
+``entropy``            ``H[n] = log(expsum) + A / expsum`` (output)
+``logp``               ``z[n, i[n, k]] - lse[n]``, 0 where the index is
+                       ``ignore_index`` (output ``[N, K]``)
+``ce_grad_pscale``     ``G[n] = sum_k g[n, k]`` over the live indices
+``x_grad``             output ``p (h ((lse - z) - H) - G) + sum_k g [c = i_k]``,
+                       times the logit's slope
+=====================  =====================================================
+
 ``N`` is a symbolic int64 variable, so one compiled module serves every batch
 size; ``C`` is a compile-time constant. ``ignore_index``, ``label_smoothing``
 and ``zloss_scale`` are scalar kernel arguments.
@@ -123,10 +139,12 @@ ROW_MASS = "ce_row_mass"
 ROW_REF = "ce_row_ref"
 TARGET_GRAD = "target_grad"
 CHUNK_LOGITS = "ce_chunk_logits"
+ROW_ENTROPY = "entropy"
+TOKEN_LOGP = "logp"
 LOGITS = "x"  # the input logits
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
           ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF,
-          CHUNK_LOGITS)
+          CHUNK_LOGITS, ROW_ENTROPY, TOKEN_LOGP)

@@ -295,3 +295,46 @@ def prob_target_grad(grad_loss, x, lse, w, options: LossOptions) -> torch.Tensor
     _run(spec, x.shape[0], grad_loss, x, lse, *_weight(w), options.label_smoothing, *softcap,
          target_grad)
     return target_grad
+
+
+# --- Per-token log-probs and entropy (SPEC section 6) ------------------------
+
+
+def _policy_scalars(options: LossOptions) -> tuple:
+    """The log-prob kernels' scalar arguments: the ignore index, the inverse
+    temperature and, when on, the softcap."""
+    return (options.ignore_index, 1.0 / options.temperature,
+            *((options.softcap,) if _capped(options) else ()))
+
+
+def log_probs(x, index, options: LossOptions):
+    """``(logp[N, K], entropy[N], lse[N])`` in the accumulation dtype, for the
+    logits ``x[N, C]`` and ``index[N, K]`` (int64, each in ``[0, C)`` or
+    ``options.ignore_index``, ``K >= 1``)."""
+    x, index = aligned(x), aligned(index)
+    n, k = index.shape
+    acc = accum_torch_dtype(x)
+    logp = x.new_empty((n, k), dtype=acc)
+    entropy, lse = x.new_empty(n, dtype=acc), x.new_empty(n, dtype=acc)
+    if _rows_to_run(x) == 0:
+        return logp, entropy, lse
+    variant = Variant(columns=k, softcap=_capped(options))
+    _run(_spec("log_probs", x, variant), n, x, index, *_policy_scalars(options), logp, entropy,
+         lse)
+    return logp, entropy, lse
+
+
+def log_probs_backward(grad_logp, grad_entropy, x, index, lse, entropy,
+                       options: LossOptions) -> torch.Tensor:
+    """The logits' gradient of ``sum grad_logp logp + sum grad_entropy entropy``
+    (the upstream gradients and the forward's ``lse`` and ``entropy`` in the
+    accumulation dtype)."""
+    grad_logp, grad_entropy, x, index, lse, entropy = (
+        aligned(t) for t in (grad_logp, grad_entropy, x, index, lse, entropy))
+    x_grad = pool.empty_like(x)
+    if _rows_to_run(x) == 0:
+        return x_grad
+    variant = Variant(columns=index.shape[1], softcap=_capped(options))
+    _run(_spec("log_probs_grad", x, variant), x.shape[0], grad_logp, grad_entropy, x, lse,
+         entropy, index, *_policy_scalars(options), x_grad)
+    return x_grad

@@ -18,8 +18,10 @@ from ..kernels.kinds import REDUCTIONS
 class LossOptions:
     """``reduction`` (``none``, ``sum`` or ``mean``), ``ignore_index`` (an int),
     ``label_smoothing`` in ``[0, 1)``, the z-loss scale ``zloss_scale``
-    (finite, ``>= 0``; the ``s`` of ``s * lse^2``) and ``softcap`` (finite,
-    ``>= 0``; the ``t`` of ``t * tanh(x / t)``, SPEC section 5; 0 is off).
+    (finite, ``>= 0``; the ``s`` of ``s * lse^2``), ``softcap`` (finite,
+    ``>= 0``; the ``t`` of ``t * tanh(x / t)``, SPEC section 5; 0 is off) and
+    ``temperature`` (finite, ``> 0``; the logits are ``cap(x) / T``, SPEC
+    section 6).
 
     Constructing one checks every field, in that order, and raises
     ``TypeError``/``ValueError`` saying what was expected; ``zloss_name`` is the
@@ -31,6 +33,7 @@ class LossOptions:
     label_smoothing: float = 0.0
     zloss_scale: float = 0.0
     softcap: float = 0.0
+    temperature: float = 1.0
     zloss_name: InitVar[str] = "lse_square_scale"
 
     def __post_init__(self, zloss_name: str):
@@ -50,9 +53,13 @@ class LossOptions:
         t = _real(self.softcap, "softcap")
         if t < 0.0 or t == math.inf:
             raise ValueError(f"softcap must be finite and >= 0 (0 turns it off), got {t}")
+        temp = _real(self.temperature, "temperature")
+        if not 0.0 < temp < math.inf:
+            raise ValueError(f"temperature must be finite and > 0, got {temp}")
         object.__setattr__(self, "label_smoothing", eps)
         object.__setattr__(self, "zloss_scale", s)
         object.__setattr__(self, "softcap", t)
+        object.__setattr__(self, "temperature", temp)
 
 
 def _real(v, name: str) -> float:

@@ -27,7 +27,8 @@ from .tvmlib import tvm_version
 
 __version__ = importlib.metadata.version("ce-tvm")
 OPS = ("forward", "train", "backward", "shard_stats", "shard_combine", "prob_forward",
-       "prob_backward", "prob_target_grad")
+       "prob_backward", "prob_target_grad", "log_probs", "log_probs_grad")
+LOG_PROB_OPS = ("log_probs", "log_probs_grad")  # SPEC section 6
 TUNED_OPS = ("forward", "train", "backward")  # the kernels tuning records exist for
 log = logging.getLogger("ce_tvm")
 
@@ -63,7 +64,9 @@ class KernelSpec:
     def name(self) -> str:
         """The kernel's name, tuning aside: what its tuning records are filed under."""
         tag = self.variant.tag()
-        if self.op != "backward":  # grad_source only changes the backward
+        if self.op in LOG_PROB_OPS:  # only the index columns and the cap change them
+            tag = "-".join([f"k{self.variant.columns}", *(["sc"] if self.variant.softcap else [])])
+        elif self.op != "backward":  # grad_source only changes the backward
             tag = tag.rsplit("-", 1)[0]
         else:  # nor does log_prob the backward
             tag = tag.replace("-lp-", "-").replace("-nolp-", "-")

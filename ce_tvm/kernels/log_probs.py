@@ -1,0 +1,129 @@
+"""Per-token log-probs and entropy at a temperature (SPEC section 6), and
+their gradient: the outputs RL post-training takes from the LM head.
+
+Every read of a logit is ``z = cap(x) / T`` (``Logits`` with the softcap of
+a capped variant and the inverse temperature, a scalar argument of every
+kernel here). ``index[N, K]`` holds ``K`` class indices per row
+(``Variant.columns``); an index equal to ``ignore_index`` is dead: log-prob
+0, no gradient. An index outside ``[0, C)`` reads class 0 (the runtime
+rejects such indices before any launch).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tvm import te, tirx
+
+from . import fastmath
+from .common import Logits, int64, row_stats, same_class, symbolic_rows
+from .kinds import Variant, accum_dtype
+from .stages import GRAD_PSCALE, LOGITS, LSE, ROW_ENTROPY, TOKEN_LOGP, X_GRAD
+
+
+def _inputs(classes: int, dtype: str, variant: Variant):
+    """``(acc, N, x[N, C], index[N, K], scalars, Logits)``; the scalars are
+    ``ignore_index``, ``inv_temperature`` and, capped, ``softcap``."""
+    if variant.columns < 1:
+        raise ValueError(f"a log-prob kernel needs columns >= 1, got {variant.columns}")
+    acc = accum_dtype(dtype)
+    n_rows = symbolic_rows()
+    x = te.placeholder((n_rows, int64(classes)), dtype, name=LOGITS)
+    index = te.placeholder((n_rows, int64(variant.columns)), "int64", name="index")
+    inv_t = te.var("inv_temperature", acc)
+    cap = (te.var("softcap", acc),) if variant.softcap else ()
+    scalars = (te.var("ignore_index", "int64"), inv_t, *cap)
+    return acc, n_rows, x, index, scalars, Logits(x, acc, cap, (inv_t,))
+
+
+def _columns(index, ignore_index, classes: int):
+    """``live(n, k)``: entry ``k`` of row ``n`` is not ``ignore_index``;
+    ``column(n, k)``: its class, always in ``[0, C)``."""
+
+    def at(k):  # a column: a loop variable, or a constant one
+        return int64(k) if isinstance(k, int) else k
+
+    def live(n, k):
+        return index[n, at(k)] != ignore_index
+
+    def column(n, k):
+        i = index[n, at(k)]
+        return tirx.Select(tirx.all(i >= int64(0), i < int64(classes)), i, int64(0))
+
+    return live, column
+
+
+def log_probs_func(classes: int, dtype: str, variant: Variant,
+                   chunk: int | None = None, stage: bool = False) -> tirx.PrimFunc:
+    """Log-probs of ``index`` and the entropy of every row, in one sweep over
+    the logits (the forward's chunks, ``row_stats``; ``stage`` as there).
+
+    Per chunk ``e = exp(z - chunk_max)`` is kept and reduced twice: its sum
+    and ``A = sum e (chunk_max - z)``; merged over the chunks,
+    ``lse = max + log(S)`` and ``H = log(S) + A / S``: sums of non-negative
+    terms only, so a large common offset of the logits costs no accuracy.
+
+    Arguments, in order: ``x[N, C]`` (dtype), ``index[N, K]`` (int64),
+    ``ignore_index``, ``inv_temperature``, ``softcap`` (capped variant only);
+    outputs ``logp[N, K]``, ``entropy[N]`` and ``lse[N]`` (accumulation dtype).
+    ``logp`` is never above 0 (clamped: a rounding of the cap could otherwise
+    leave a hair above).
+    """
+    acc, n_rows, x, index, scalars, logit = _inputs(classes, dtype, variant)
+    live, column = _columns(index, scalars[0], classes)
+    zero = tirx.const(0.0, acc)
+    st = row_stats(logit, None, n_rows, classes, acc, chunk, keep_exp=True, stage=stage,
+                   entropy=True)
+    lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
+    entropy = te.compute(
+        (n_rows,), lambda n: te.log(st.expsum[n]) + st.wxsum[n] / st.expsum[n],
+        name=ROW_ENTROPY)
+    logp = te.compute(
+        (n_rows, int64(variant.columns)),
+        lambda n, k: tirx.Select(live(n, k), tirx.min(logit(n, column(n, k)) - lse[n], zero),
+                                 zero),
+        name=TOKEN_LOGP)
+    return te.create_prim_func([x, index, *scalars, logp, entropy, lse]).with_attr(
+        "global_symbol", "main")
+
+
+def log_probs_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
+    """The logits' gradient of ``sum g logp + sum h H`` (SPEC section 6) in one
+    pass: the logits read once, the gradient written once (in their dtype).
+
+    ``dz = p (h ((lse - z) - H) - G) + sum_k g[k] [c = i_k]`` with
+    ``G = sum_k g[k]`` over the live entries (``ce_grad_pscale``), from the
+    forward's ``lse`` and ``H``; ``lse - z`` is ``-log p``, so nothing cancels;
+    where ``p = 0`` the first term is 0.
+
+    Arguments, in order: ``grad_logp[N, K]``, ``grad_entropy[N]`` (accumulation
+    dtype), ``x[N, C]``, ``lse[N]``, ``entropy[N]``, ``index[N, K]``, the
+    scalars of ``log_probs_func``; output ``x_grad[N, C]``.
+    """
+    acc, n_rows, x, index, scalars, logit = _inputs(classes, dtype, variant)
+    live, column = _columns(index, scalars[0], classes)
+    zero = tirx.const(0.0, acc)
+    g = te.placeholder((n_rows, int64(variant.columns)), acc, name="grad_logp")
+    h = te.placeholder((n_rows,), acc, name="grad_entropy")
+    lse = te.placeholder((n_rows,), acc, name="lse")
+    ent = te.placeholder((n_rows,), acc, name="entropy")
+
+    def live_grad(n, k):
+        return tirx.Select(live(n, k), g[n, int64(k)], zero)
+
+    ks = range(variant.columns)
+    total = te.compute((n_rows,), lambda n: functools.reduce(
+        lambda a, k: a + live_grad(n, k), ks, zero), name=GRAD_PSCALE)
+
+    def grad(n, c):
+        z = logit(n, c)
+        p = fastmath.exp(z - lse[n], nonpositive=True)
+        dz = tirx.Select(p == zero, zero, p * (h[n] * ((lse[n] - z) - ent[n]) - total[n]))
+        for k in ks:
+            dz = dz + tirx.Select(tirx.all(live(n, k), same_class(c, column(n, k))),
+                                  g[n, int64(k)], zero)
+        return logit.scaled_by_slope(n, c, dz).astype(dtype)
+
+    x_grad = te.compute((n_rows, int64(classes)), grad, name=X_GRAD)
+    return te.create_prim_func([g, h, x, lse, ent, index, *scalars, x_grad]).with_attr(
+        "global_symbol", "main")
