@@ -105,7 +105,8 @@ def index_columns(index, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
     else:
         raise ValueError(f"index must have shape {lead} or {lead} + (K,) for logits "
                          f"{tuple(logits.shape)}, got {tuple(index.shape)}")
-    return index.reshape(-1, k).to(torch.int64).contiguous(), single
+    rows = logits.numel() // logits.shape[-1]
+    return index.reshape(rows, k).to(torch.int64).contiguous(), single
 
 
 def row_mask(mask, logits: torch.Tensor) -> torch.Tensor | None:

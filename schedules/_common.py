@@ -34,8 +34,10 @@ from ..kernels.stages import (
     ROW_CE,
     ROW_ENTROPY,
     ROW_HIT,
+    ROW_LOG_EXPSUM,
     ROW_MASK,
     ROW_MASS,
+    ROW_MAX,
     ROW_REF,
     ROW_TARGET_LOGIT,
     ROW_WEIGHT,
@@ -67,8 +69,8 @@ ROW_TOTALS = (TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT)
 # statistics; log_prob for the log-prob variant only, the hits for the accuracy
 # variant only, the target mass for probability targets only, the entropy and
 # the token log-probs for the log-prob kernels only).
-ROW_FORWARD_REST = (LSE, ROW_MASS, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS, ROW_HIT, ROW_ENTROPY,
-                    TOKEN_LOGP)
+ROW_FORWARD_REST = (LSE, ROW_MASS, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS, ROW_HIT, ROW_MAX,
+                    ROW_LOG_EXPSUM, ROW_ENTROPY, TOKEN_LOGP)
 # Per-row values the chunk reductions read (probability targets only): computed
 # once per row, under the row loop, before its chunks.
 ROW_PRODUCERS = (ROW_REF,)
@@ -141,8 +143,9 @@ def place_row_stages(sch, lanes: int):
     loop of ``ce_rowstats``, which merges them: a chunk is read from memory by
     the first reduction and from cache by the others; a kept
     ``ce_chunk_exp`` (the log-prob kernels) is computed once per chunk before
-    the sums that read it. The per-row stages after it move under its row loop. Returns ``(row loop, chunk loop,
-    {reduction: its blocks, producer first})``.
+    the sums that read it. The per-row stages after it move under its row
+    loop. Returns ``(row loop, chunk loop, {reduction: its blocks, producer
+    first})``.
     """
     names = chunk_reductions(sch)
     stages = {name: split_reduction(sch, name, lanes) for name in names}

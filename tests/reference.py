@@ -194,3 +194,32 @@ def prob_backward(grad_loss, x, q, weight=None, reduction="mean", label_smoothin
     x_grad = through_softcap(x_grad, raw, softcap)
     target_grad = -r[:, None] * (1 - label_smoothing) * w[None, :] * logp
     return x_grad, target_grad
+
+
+def policy_outputs(x, index, live, temperature=1.0, softcap=0.0):
+    """SPEC section 6 for logits ``x[M, V]``, ``index[M, K]`` and ``live[M, K]``
+    (the entries that count): ``(logp[M, K], entropy[M])``."""
+    z = capped(x, softcap) / temperature
+    lse = _lse(z)
+    logp_all = z - lse[:, None]
+    p = np.exp(logp_all)
+    with np.errstate(invalid="ignore"):
+        entropy = -np.where(p > 0, p * logp_all, 0.0).sum(axis=1)
+    picked = np.take_along_axis(logp_all, np.where(live, index, 0), axis=1)
+    return np.where(live, picked, 0.0), entropy
+
+
+def policy_grad(x, index, live, grad_logp, grad_entropy, temperature=1.0, softcap=0.0):
+    """The logits' gradient of ``sum g logp + sum h entropy`` (SPEC section 6)."""
+    z = capped(x, softcap) / temperature
+    p = np.exp(z - _lse(z)[:, None])
+    with np.errstate(invalid="ignore"):
+        pz = np.where(p > 0, p * z, 0.0)
+        s = pz.sum(axis=1, keepdims=True)
+        dz = grad_entropy[:, None] * np.where(p > 0, p * s - pz, 0.0)
+    g = np.where(live, grad_logp, 0.0)
+    dz -= g.sum(axis=1, keepdims=True) * p
+    rows = np.arange(x.shape[0])
+    for k in range(index.shape[1]):
+        np.add.at(dz, (rows, np.where(live[:, k], index[:, k], 0)), g[:, k])
+    return through_softcap(dz / temperature, x, softcap)

@@ -98,19 +98,25 @@ class Logits:
     scale: tuple = ()  # () or (inverse temperature,)
 
     def __call__(self, n, c):
-        return self.capped(self.raw(n, c))
+        """``z[n, c]``: the logit capped, then scaled."""
+        return self.scaled(self.capped(self.raw(n, c)))
 
     def raw(self, n, c):
         """``x[n, c]`` itself, uncapped."""
         return self.x[n, c].astype(self.acc)
 
     def capped(self, value):
-        """``value`` (an uncapped logit, or a maximum of some: the cap and a
-        positive scale are monotone, so they commute with ``max``) as the loss
-        sees it."""
-        if self.cap:
-            t = self.cap[0]
-            value = t * fastmath.tanh(value * (tirx.const(1.0, self.acc) / t))
+        """``value`` (an uncapped logit, or a maximum of some: the cap is
+        monotone, so it commutes with ``max``) capped, before the temperature."""
+        if not self.cap:
+            return value
+        t = self.cap[0]
+        return t * fastmath.tanh(value * (tirx.const(1.0, self.acc) / t))
+
+    def scaled(self, value):
+        """``value`` (a capped logit, or a difference of some) times ``1 / T``.
+        Differences are scaled after they are taken: ``(x - max) / T`` is exact
+        where ``x / T - max / T`` would round both terms at a large offset."""
         return value * self.scale[0] if self.scale else value
 
     def scaled_by_slope(self, n, c, grad):
@@ -155,7 +161,7 @@ def row_total(stage, term, n_rows):
     return te.compute((1,), lambda _: te.sum(term[r], axis=r), name=stage)
 
 
-def softmax_merge(n_outputs: int, entropy: bool = False):
+def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = ()):
     """Reducer merging per-chunk ``(max, sum exp(x - max), sums...)`` into a row's.
 
     Exact regrouping of the row reductions (the online-softmax identity): the
@@ -167,17 +173,23 @@ def softmax_merge(n_outputs: int, entropy: bool = False):
     ``row_stats(entropy=True)``, which moves with the max: rescaled to the
     common max ``m`` it is ``exp(mi - m) (Ai + (m - mi) Si)``, every term
     ``>= 0`` (no cancellation), 0 for an empty part.
+
+    ``scale``: ``()``, or ``(1 / T,)`` when the maxima are of the logits before
+    the temperature (``Logits.scaled``) and the sums of the scaled ones.
     """
+
+    def scaled(d):
+        return d * scale[0] if scale else d
 
     def combine(a, b):
         m = tirx.max(a[0], b[0])
 
         def rescaled(mi, si):
-            return tirx.Select(mi == m, si, si * fastmath.exp(mi - m, nonpositive=True))
+            return tirx.Select(mi == m, si, si * fastmath.exp(scaled(mi - m), nonpositive=True))
 
         def rescaled_entropy(mi, si, ai):
             zero = tirx.const(0.0, str(si.ty))
-            moved = fastmath.exp(mi - m, nonpositive=True) * (ai + (m - mi) * si)
+            moved = fastmath.exp(scaled(mi - m), nonpositive=True) * (ai + scaled(m - mi) * si)
             return tirx.Select(mi == m, ai, tirx.Select(si == zero, zero, moved))
 
         rest = [ai + bi for ai, bi in zip(a[2:], b[2:])]
@@ -189,7 +201,8 @@ def softmax_merge(n_outputs: int, entropy: bool = False):
         return [tirx.min_value(dtypes[0])] + [tirx.const(0, t) for t in dtypes[1:]]
 
     return te.comm_reducer(combine, identity,
-                           name=f"softmax_merge{n_outputs}{'e' if entropy else ''}")
+                           name=f"softmax_merge{n_outputs}{'e' if entropy else ''}"
+                                f"{'t' if scale else ''}")
 
 
 _LAST_CHUNK_PEELED = contextvars.ContextVar("ce_tvm_last_chunk_peeled", default=False)
@@ -309,7 +322,11 @@ class RowStats:
     maxima ``[N, n_chunks]``, and the kept ``exp(x' - chunk_top)``
     ``[N, n_chunks, chunk]`` when asked for (``x'``: the logit as the loss sees
     it, capped or not; ``chunk_top``: the chunk's max of ``x``, capped: the cap
-    is monotone, so no ``tanh`` per element for it)."""
+    is monotone, so no ``tanh`` per element for it).
+
+    With a temperature (``Logits.scale``) ``rowmax`` is the max before it
+    (``lse = rowmax / T + log(expsum)``); ``chunk_top`` and the sums are of
+    the scaled logits."""
 
     rowmax: te.Tensor
     expsum: te.Tensor
@@ -364,16 +381,19 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
 
     if stage or logit.cap:
         staged = te.compute((n_rows, int64(layout.n_chunks), int64(chunk)),
-                            lambda n, k, j: logit(n, layout.start(k) + j), name=CHUNK_LOGITS)
+                            lambda n, k, j: logit.capped(logit.raw(n, layout.start(k) + j)),
+                            name=CHUNK_LOGITS)
 
         def xf(n, c, k, j):
             return staged[n, k, j]
     else:
         def xf(n, c, k, j):
-            return logit(n, c)
+            return logit.raw(n, c)
 
+    # xf and top are before the temperature, which scales their differences
     def shifted(n, c, k, j):
-        return xf(n, c, k, j) if shift is None else xf(n, c, k, j) - shift(n)
+        z = logit.scaled(xf(n, c, k, j))
+        return z if shift is None else z - shift(n)
 
     def per_chunk(stage, reducer, pad, body):
         """``pad``: what an overlapped entry counts as; ``None`` for an idempotent
@@ -398,18 +418,19 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     if keep_exp:
         kept = te.compute(
             (n_rows, int64(layout.n_chunks), int64(chunk)),
-            lambda n, k, j: fastmath.exp(xf(n, layout.start(k) + j, k, j) - top(n, k),
+            lambda n, k, j: fastmath.exp(logit.scaled(xf(n, layout.start(k) + j, k, j) - top(n, k)),
                                          nonpositive=True, storage=str(x.dtype)),
             name=CHUNK_EXP)
         exp_term = lambda n, c, k, j: kept[n, k, j]  # noqa: E731
     else:
         kept = None
         exp_term = lambda n, c, k, j: fastmath.exp(  # noqa: E731
-            xf(n, c, k, j) - top(n, k), nonpositive=True, storage=str(x.dtype))
+            logit.scaled(xf(n, c, k, j) - top(n, k)), nonpositive=True, storage=str(x.dtype))
+
     def weighted(n, c, k, j):
         if entropy:
             e = exp_term(n, c, k, j)
-            return tirx.Select(e == zero, zero, e * (top(n, k) - xf(n, c, k, j)))
+            return tirx.Select(e == zero, zero, e * logit.scaled(top(n, k) - xf(n, c, k, j)))
         if weights is not None:
             return weights.of(n, c) * shifted(n, c, k, j)
         return shifted(n, c, k, j)
@@ -424,7 +445,8 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
         parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: weights.of(n, c)))
     if target is not None:
         one = tirx.const(1.0, acc)
-        tl = te.compute((n_rows,), lambda n: logit(n, target(n)), name=ROW_TARGET_LOGIT)
+        tl = te.compute((n_rows,), lambda n: logit.capped(logit.raw(n, target(n))),
+                        name=ROW_TARGET_LOGIT)
 
         def beats(n, c, k, j):
             v = xf(n, c, k, j)
@@ -434,7 +456,7 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
         parts.append(per_chunk(CHUNK_BEATS, te.sum, zero, beats))
     k_axis = te.reduce_axis((int64(0), int64(layout.n_chunks)), name="k")
     stats = te.compute(
-        (n_rows,), lambda n: softmax_merge(len(parts), entropy)(
+        (n_rows,), lambda n: softmax_merge(len(parts), entropy, logit.scale)(
             (top(n, k_axis), *(p[n, k_axis] for p in parts[1:])), axis=k_axis), name=ROWSTATS)
     if per_row_wsum:
         weight_sum = lambda n: stats[3][n]  # noqa: E731
@@ -442,7 +464,8 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
         weight_sum = lambda n: weights.total[0]  # noqa: E731
     else:
         weight_sum = lambda n: tirx.const(float(classes), acc)  # noqa: E731
-    return RowStats(stats[0], stats[1], stats[2], weight_sum, cmax, top, kept, layout,
+    return RowStats(stats[0], stats[1], stats[2], weight_sum, cmax,
+                    lambda n, k: logit.scaled(top(n, k)), kept, layout,
                     stats[len(parts) - 1] if target is not None else None)
 
 

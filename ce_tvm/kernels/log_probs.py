@@ -18,7 +18,15 @@ from tvm import te, tirx
 from . import fastmath
 from .common import Logits, int64, row_stats, same_class, symbolic_rows
 from .kinds import Variant, accum_dtype
-from .stages import GRAD_PSCALE, LOGITS, LSE, ROW_ENTROPY, TOKEN_LOGP, X_GRAD
+from .stages import (
+    GRAD_PSCALE,
+    LOGITS,
+    ROW_ENTROPY,
+    ROW_LOG_EXPSUM,
+    ROW_MAX,
+    TOKEN_LOGP,
+    X_GRAD,
+)
 
 
 def _inputs(classes: int, dtype: str, variant: Variant):
@@ -59,31 +67,36 @@ def log_probs_func(classes: int, dtype: str, variant: Variant,
     the logits (the forward's chunks, ``row_stats``; ``stage`` as there).
 
     Per chunk ``e = exp(z - chunk_max)`` is kept and reduced twice: its sum
-    and ``A = sum e (chunk_max - z)``; merged over the chunks,
-    ``lse = max + log(S)`` and ``H = log(S) + A / S``: sums of non-negative
-    terms only, so a large common offset of the logits costs no accuracy.
+    and ``A = sum e (chunk_max - z)``; merged over the chunks into the row's
+    ``S`` and ``A``, ``H = log(S) + A / S`` and ``logp = (x' - max) / T -
+    log(S)`` (``x'``: the capped logit, ``max`` the row's, before the
+    temperature): differences are taken before they are scaled and every sum
+    is of non-negative terms, so a large common offset of the logits costs
+    no accuracy (``lse = max / T + log(S)`` would round at the offset's scale).
 
     Arguments, in order: ``x[N, C]`` (dtype), ``index[N, K]`` (int64),
     ``ignore_index``, ``inv_temperature``, ``softcap`` (capped variant only);
-    outputs ``logp[N, K]``, ``entropy[N]`` and ``lse[N]`` (accumulation dtype).
-    ``logp`` is never above 0 (clamped: a rounding of the cap could otherwise
-    leave a hair above).
+    outputs ``logp[N, K]``, ``entropy[N]``, ``row_max[N]`` (``max``) and
+    ``log_expsum[N]`` (``log(S)``), in the accumulation dtype. ``logp`` is
+    never above 0 (clamped: a rounding of the cap could otherwise leave a
+    hair above).
     """
     acc, n_rows, x, index, scalars, logit = _inputs(classes, dtype, variant)
     live, column = _columns(index, scalars[0], classes)
     zero = tirx.const(0.0, acc)
     st = row_stats(logit, None, n_rows, classes, acc, chunk, keep_exp=True, stage=stage,
                    entropy=True)
-    lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
-    entropy = te.compute(
-        (n_rows,), lambda n: te.log(st.expsum[n]) + st.wxsum[n] / st.expsum[n],
-        name=ROW_ENTROPY)
-    logp = te.compute(
-        (n_rows, int64(variant.columns)),
-        lambda n, k: tirx.Select(live(n, k), tirx.min(logit(n, column(n, k)) - lse[n], zero),
-                                 zero),
-        name=TOKEN_LOGP)
-    return te.create_prim_func([x, index, *scalars, logp, entropy, lse]).with_attr(
+    row_max = te.compute((n_rows,), lambda n: st.rowmax[n], name=ROW_MAX)
+    log_s = te.compute((n_rows,), lambda n: te.log(st.expsum[n]), name=ROW_LOG_EXPSUM)
+    entropy = te.compute((n_rows,), lambda n: log_s[n] + st.wxsum[n] / st.expsum[n],
+                         name=ROW_ENTROPY)
+
+    def token(n, k):
+        shifted = logit.scaled(logit.capped(logit.raw(n, column(n, k))) - row_max[n])
+        return tirx.Select(live(n, k), tirx.min(shifted - log_s[n], zero), zero)
+
+    logp = te.compute((n_rows, int64(variant.columns)), token, name=TOKEN_LOGP)
+    return te.create_prim_func([x, index, *scalars, logp, entropy, row_max, log_s]).with_attr(
         "global_symbol", "main")
 
 
@@ -91,21 +104,23 @@ def log_probs_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.Prim
     """The logits' gradient of ``sum g logp + sum h H`` (SPEC section 6) in one
     pass: the logits read once, the gradient written once (in their dtype).
 
-    ``dz = p (h ((lse - z) - H) - G) + sum_k g[k] [c = i_k]`` with
-    ``G = sum_k g[k]`` over the live entries (``ce_grad_pscale``), from the
-    forward's ``lse`` and ``H``; ``lse - z`` is ``-log p``, so nothing cancels;
-    where ``p = 0`` the first term is 0.
+    ``dz = p (h (-log p - H) - G) + sum_k g[k] [c = i_k]`` with
+    ``G = sum_k g[k]`` over the live entries (``ce_grad_pscale``), and
+    ``log p = (x' - max) / T - log(S)`` from the forward's ``row_max``,
+    ``log_expsum`` and ``entropy`` (nothing cancels at a large offset); where
+    ``p = 0`` the first term is 0.
 
     Arguments, in order: ``grad_logp[N, K]``, ``grad_entropy[N]`` (accumulation
-    dtype), ``x[N, C]``, ``lse[N]``, ``entropy[N]``, ``index[N, K]``, the
-    scalars of ``log_probs_func``; output ``x_grad[N, C]``.
+    dtype), ``x[N, C]``, ``row_max[N]``, ``log_expsum[N]``, ``entropy[N]``,
+    ``index[N, K]``, the scalars of ``log_probs_func``; output ``x_grad[N, C]``.
     """
     acc, n_rows, x, index, scalars, logit = _inputs(classes, dtype, variant)
     live, column = _columns(index, scalars[0], classes)
     zero = tirx.const(0.0, acc)
     g = te.placeholder((n_rows, int64(variant.columns)), acc, name="grad_logp")
     h = te.placeholder((n_rows,), acc, name="grad_entropy")
-    lse = te.placeholder((n_rows,), acc, name="lse")
+    row_max = te.placeholder((n_rows,), acc, name="row_max")
+    log_s = te.placeholder((n_rows,), acc, name="log_expsum")
     ent = te.placeholder((n_rows,), acc, name="entropy")
 
     def live_grad(n, k):
@@ -116,14 +131,15 @@ def log_probs_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.Prim
         lambda a, k: a + live_grad(n, k), ks, zero), name=GRAD_PSCALE)
 
     def grad(n, c):
-        z = logit(n, c)
-        p = fastmath.exp(z - lse[n], nonpositive=True)
-        dz = tirx.Select(p == zero, zero, p * (h[n] * ((lse[n] - z) - ent[n]) - total[n]))
+        logp = logit.scaled(logit.capped(logit.raw(n, c)) - row_max[n]) - log_s[n]
+        p = fastmath.exp(logp, nonpositive=True)
+        dz = tirx.Select(p == zero, zero, p * (h[n] * (-logp - ent[n]) - total[n]))
         for k in ks:
             dz = dz + tirx.Select(tirx.all(live(n, k), same_class(c, column(n, k))),
                                   g[n, int64(k)], zero)
         return logit.scaled_by_slope(n, c, dz).astype(dtype)
 
     x_grad = te.compute((n_rows, int64(classes)), grad, name=X_GRAD)
-    return te.create_prim_func([g, h, x, lse, ent, index, *scalars, x_grad]).with_attr(
+    return te.create_prim_func([g, h, x, row_max, log_s, ent, index, *scalars,
+                                x_grad]).with_attr(
         "global_symbol", "main")

@@ -89,11 +89,13 @@ temperature a scalar argument) reuse the forward's chunk stages with
 and the backward's ``ce_grad_pscale``, plus:
 
 =====================  =====================================================
+``row_max``            the row's max before the temperature (output)
+``log_expsum``         ``log(expsum)`` (output)
 ``entropy``            ``H[n] = log(expsum) + A / expsum`` (output)
-``logp``               ``z[n, i[n, k]] - lse[n]``, 0 where the index is
-                       ``ignore_index`` (output ``[N, K]``)
+``logp``               ``(x'[n, i[n, k]] - row_max) / T - log_expsum``, 0 where
+                       the index is ``ignore_index`` (output ``[N, K]``)
 ``ce_grad_pscale``     ``G[n] = sum_k g[n, k]`` over the live indices
-``x_grad``             output ``p (h ((lse - z) - H) - G) + sum_k g [c = i_k]``,
+``x_grad``             output ``p (h (-log p - H) - G) + sum_k g [c = i_k]``,
                        times the logit's slope
 =====================  =====================================================
 
@@ -139,6 +141,8 @@ ROW_MASS = "ce_row_mass"
 ROW_REF = "ce_row_ref"
 TARGET_GRAD = "target_grad"
 CHUNK_LOGITS = "ce_chunk_logits"
+ROW_MAX = "row_max"
+ROW_LOG_EXPSUM = "log_expsum"
 ROW_ENTROPY = "entropy"
 TOKEN_LOGP = "logp"
 LOGITS = "x"  # the input logits
@@ -147,4 +151,4 @@ STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_M
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
           ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF,
-          CHUNK_LOGITS, ROW_ENTROPY, TOKEN_LOGP)
+          CHUNK_LOGITS, ROW_MAX, ROW_LOG_EXPSUM, ROW_ENTROPY, TOKEN_LOGP)

@@ -308,33 +308,33 @@ def _policy_scalars(options: LossOptions) -> tuple:
 
 
 def log_probs(x, index, options: LossOptions):
-    """``(logp[N, K], entropy[N], lse[N])`` in the accumulation dtype, for the
-    logits ``x[N, C]`` and ``index[N, K]`` (int64, each in ``[0, C)`` or
-    ``options.ignore_index``, ``K >= 1``)."""
+    """``(logp[N, K], entropy[N], row_max[N], log_expsum[N])`` in the
+    accumulation dtype, for the logits ``x[N, C]`` and ``index[N, K]`` (int64,
+    each in ``[0, C)`` or ``options.ignore_index``, ``K >= 1``); the last two
+    are what the backward takes (``kernels.log_probs``)."""
     x, index = aligned(x), aligned(index)
     n, k = index.shape
     acc = accum_torch_dtype(x)
     logp = x.new_empty((n, k), dtype=acc)
-    entropy, lse = x.new_empty(n, dtype=acc), x.new_empty(n, dtype=acc)
+    rows = [x.new_empty(n, dtype=acc) for _ in range(3)]
     if _rows_to_run(x) == 0:
-        return logp, entropy, lse
+        return logp, *rows
     variant = Variant(columns=k, softcap=_capped(options))
-    _run(_spec("log_probs", x, variant), n, x, index, *_policy_scalars(options), logp, entropy,
-         lse)
-    return logp, entropy, lse
+    _run(_spec("log_probs", x, variant), n, x, index, *_policy_scalars(options), logp, *rows)
+    return logp, *rows
 
 
-def log_probs_backward(grad_logp, grad_entropy, x, index, lse, entropy,
+def log_probs_backward(grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy,
                        options: LossOptions) -> torch.Tensor:
     """The logits' gradient of ``sum grad_logp logp + sum grad_entropy entropy``
-    (the upstream gradients and the forward's ``lse`` and ``entropy`` in the
-    accumulation dtype)."""
-    grad_logp, grad_entropy, x, index, lse, entropy = (
-        aligned(t) for t in (grad_logp, grad_entropy, x, index, lse, entropy))
+    (the upstream gradients and the forward's row outputs in the accumulation
+    dtype)."""
+    grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy = (
+        aligned(t) for t in (grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy))
     x_grad = pool.empty_like(x)
     if _rows_to_run(x) == 0:
         return x_grad
     variant = Variant(columns=index.shape[1], softcap=_capped(options))
-    _run(_spec("log_probs_grad", x, variant), x.shape[0], grad_logp, grad_entropy, x, lse,
-         entropy, index, *_policy_scalars(options), x_grad)
+    _run(_spec("log_probs_grad", x, variant), x.shape[0], grad_logp, grad_entropy, x, row_max,
+         log_expsum, entropy, index, *_policy_scalars(options), x_grad)
     return x_grad
