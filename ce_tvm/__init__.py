@@ -6,8 +6,9 @@ See SPEC.md for the contract. Public surface:
   ``torch.nn.functional.cross_entropy`` / ``torch.nn.CrossEntropyLoss``, plus z-loss;
 - ``linear_cross_entropy`` / ``LinearCrossEntropyLoss``: the output projection
   fused with the loss, rows in chunks (the ``[N, V]`` logits never exist whole);
-- ``log_probs``: per-token log-probs (and entropy) at a temperature, with
-  gradients, for RL post-training;
+- ``log_probs`` / ``linear_log_probs``: per-token log-probs (and entropy) at a
+  temperature, with gradients, for RL post-training (on logits, or fused with
+  the LM head);
 - ``cross_entropy_loss`` / ``cross_entropy_loss_grad``: the seed-compatible pair;
 - ``TargetOutOfRangeError``: what every entry point raises for a class index
   outside ``[0, C)`` (an ``IndexError`` and a ``ValueError``);
@@ -27,7 +28,7 @@ from .store.spec import __version__
 _LAZY = {"CrossEntropyLoss": "nn", "cross_entropy": "nn", "cross_entropy_loss": "functional",
          "cross_entropy_loss_grad": "functional", "LinearCrossEntropyLoss": "linear",
          "linear_cross_entropy": "linear", "schedule": "store.targets", "use_bundle": "store.paths",
-         "TargetOutOfRangeError": "validation", "log_probs": "policy"}
+         "TargetOutOfRangeError": "validation", "log_probs": "policy", "linear_log_probs": "policy"}
 _SUBMODULES = ("distributed",)
 
 __all__ = ["__version__", *_LAZY]

@@ -30,7 +30,6 @@ from .custom_ops import custom_op
 from .ops import accuracy_like, loss_rows, options_of, schema_scalars, with_extras
 from .runtime import linear_sweep as sweep
 from .runtime.options import LossOptions, store_on_module
-from .runtime.tensors import TORCH_DTYPES
 
 _OP_ARGS = 16  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
 
@@ -166,43 +165,15 @@ def _flatten(input: Tensor, linear_weight: Tensor, target: Tensor,
              linear_bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """``(x [N, H], y [N])`` from ``input [*, H]`` and ``target [*]``, after checking
     kinds, ranks, shapes, dtypes and devices."""
-    for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if input.dtype not in TORCH_DTYPES.values():
-        raise TypeError(f"input must be float32, float16, bfloat16 or float64, got {input.dtype}")
-    if input.dim() < 1:
-        raise ValueError("input must be [*, H] with at least one dimension, got a 0-d tensor")
-    if linear_weight.dim() != 2:
-        raise ValueError(f"linear_weight must be 2-D [V, H], "
-                         f"got shape {tuple(linear_weight.shape)}")
-    hidden, classes = input.shape[-1], linear_weight.shape[0]
-    if linear_weight.shape[1] != hidden:
-        raise ValueError(f"linear_weight must be [V, H] with H = {hidden} (input's last "
-                         f"dimension), got shape {tuple(linear_weight.shape)}")
-    if classes < 1:
-        raise ValueError("linear_weight must have at least one class (V >= 1)")
-    if linear_bias is not None:
-        if not isinstance(linear_bias, Tensor):
-            raise TypeError(f"linear_bias must be a torch.Tensor or None, "
-                            f"got {type(linear_bias).__name__}")
-        if tuple(linear_bias.shape) != (classes,):
-            raise ValueError(f"linear_bias must have shape [V] = [{classes}], "
-                             f"got {tuple(linear_bias.shape)}")
-    for name, t in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
-        if t is None:
-            continue
-        if t.dtype != input.dtype:
-            raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
-        if t.device != input.device:
-            raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
-    check.check_device(input)
+    x = check.linear_head(input, linear_weight, linear_bias)
+    if not isinstance(target, Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype.is_floating_point:
         raise TypeError("ce_tvm supports class-index targets (int64/int32), not probabilities")
     if tuple(target.shape) != tuple(input.shape[:-1]):
         raise ValueError(f"target must have shape {tuple(input.shape[:-1])} (input's leading "
                          f"dimensions), got {tuple(target.shape)}")
-    return input.reshape(-1, hidden), target.reshape(-1)
+    return x, target.reshape(-1)
 
 
 def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
@@ -231,13 +202,11 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                           softcap=softcap)
-    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
-                                   or chunk_rows < 1):
-        raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    rows = check.chunk_rows(chunk_rows)
     grad_on = torch.is_grad_enabled()
     loss, zloss, accuracy, *_ = linear_cross_entropy_forward(
         x, linear_weight, linear_bias, y, weight, **schema_scalars(options),
-        token_accuracy=bool(return_token_accuracy), chunk_rows=chunk_rows or 0,
+        token_accuracy=bool(return_token_accuracy), chunk_rows=rows,
         grad_input=grad_on and input.requires_grad,
         grad_weight=grad_on and linear_weight.requires_grad,
         grad_bias=grad_on and linear_bias is not None and linear_bias.requires_grad,

@@ -18,6 +18,7 @@ from torch import Tensor
 from . import validation as check
 from .custom_ops import custom_op
 from .runtime import launch
+from .runtime import linear_sweep as sweep
 from .runtime.options import LossOptions
 from .runtime.tensors import accum_torch_dtype
 
@@ -104,14 +105,134 @@ def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0, softca
     options = _options(ignore_index, temperature, softcap)  # checks the scalars
     x = check.class_last_logits(logits)
     idx, single = check.index_columns(index, logits)
-    mask = check.row_mask(row_mask, logits)
-    if mask is not None:
-        idx = torch.where(mask[:, None], idx, options.ignore_index)
-    k = idx.shape[1]
-    if k == 0:  # the kernels take at least one column: a dead one
-        idx = idx.new_full((idx.shape[0], 1), options.ignore_index)
+    idx, k = _live_columns(idx, check.row_mask(row_mask, logits), options.ignore_index)
     logp, entropy, _, _ = log_probs_forward(x, idx, options.ignore_index, options.temperature,
                                             options.softcap)
-    lead = tuple(logits.shape[:-1])
+    return _shaped(logp, entropy, k, single, tuple(logits.shape[:-1]), return_entropy)
+
+
+def _live_columns(idx: Tensor, mask: Tensor | None, ignore_index: int) -> tuple[Tensor, int]:
+    """``(idx [M, max(K, 1)], K)``: a masked row's entries are ``ignore_index``
+    (dead, their values never checked); ``K = 0`` gets one dead column, as the
+    kernels take at least one."""
+    if mask is not None:
+        idx = torch.where(mask[:, None], idx, ignore_index)
+    k = idx.shape[1]
+    if k == 0:
+        idx = idx.new_full((idx.shape[0], 1), ignore_index)
+    return idx, k
+
+
+def _shaped(logp: Tensor, entropy: Tensor, k: int, single: bool, lead: tuple,
+            return_entropy: bool):
+    """The outputs in the caller's shapes: ``logp`` as the index, ``entropy`` ``lead``."""
     logp = logp[:, :k].reshape(lead if single else (*lead, k))
     return (logp, entropy.reshape(lead)) if return_entropy else logp
+
+
+# --- Fused with the LM head: the logits never exist whole ---------------------
+
+
+@custom_op("ce_tvm::linear_log_probs", mutates_args=())
+def linear_log_probs_forward(input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None,
+                             index: Tensor, ignore_index: int, temperature: float,
+                             softcap: float, chunk_rows: int
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``log_probs_forward`` of ``input [N, H] @ linear_weight.T + linear_bias``,
+    rows in chunks (``linear_sweep.chunk_rows``; ``chunk_rows`` 0: the default)."""
+    classes = linear_weight.shape[0]
+    check.in_range(index, classes, ignore_index, "index")
+    rows = sweep.chunk_rows(input.shape[0], classes, input.dtype, chunk_rows)
+    return tuple(sweep.policy_outputs(input, linear_weight, linear_bias, index,
+                                      _options(ignore_index, temperature, softcap), rows))
+
+
+@linear_log_probs_forward.register_fake
+def _(input, linear_weight, linear_bias, index, ignore_index, temperature, softcap, chunk_rows):
+    acc, n = accum_torch_dtype(input), input.shape[0]
+    return (input.new_empty((n, index.shape[1]), dtype=acc),
+            *(input.new_empty(n, dtype=acc) for _ in range(3)))
+
+
+@custom_op("ce_tvm::linear_log_probs_backward", mutates_args=())
+def linear_log_probs_backward(
+        grad_logp: Tensor, grad_entropy: Tensor, input: Tensor, linear_weight: Tensor,
+        linear_bias: Tensor | None, index: Tensor, entropy: Tensor, row_max: Tensor,
+        log_expsum: Tensor, ignore_index: int, temperature: float, softcap: float,
+        chunk_rows: int, grad_input: bool, grad_weight: bool, grad_bias: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_input, grad_weight, grad_bias)`` of ``sum grad_logp logp + sum
+    grad_entropy entropy``, each chunk's logits recomputed; an empty tensor for
+    each gradient not asked for."""
+    acc = accum_torch_dtype(input)
+    rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
+    needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
+    return sweep.policy_grads(grad_logp.to(acc).contiguous(), grad_entropy.to(acc).contiguous(),
+                              input, linear_weight, linear_bias, index,
+                              [row_max, log_expsum, entropy],
+                              _options(ignore_index, temperature, softcap), rows, needs)
+
+
+@linear_log_probs_backward.register_fake
+def _(grad_logp, grad_entropy, input, linear_weight, linear_bias, index, entropy, row_max,
+      log_expsum, ignore_index, temperature, softcap, chunk_rows, grad_input, grad_weight,
+      grad_bias):
+    def grad(like, wanted):
+        return torch.empty_like(like) if wanted and like is not None else input.new_empty(0)
+
+    return (grad(input, grad_input), grad(linear_weight, grad_weight),
+            grad(linear_bias, grad_bias))
+
+
+def _setup_linear_context(ctx, inputs, output):
+    x, W, b, index, ignore_index, temperature, softcap, chunk_rows = inputs
+    ctx.save_for_backward(x, W, b, index, *output[1:])
+    ctx.options = (ignore_index, temperature, softcap, chunk_rows)
+    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.set_materialize_grads(False)
+
+
+def _linear_backward(ctx, grad_logp, grad_entropy, grad_row_max, grad_log_expsum):
+    needs = ctx.needs_input_grad[:3]
+    none = (None,) * 5
+    if (grad_logp is None and grad_entropy is None) or not any(needs):
+        return (None, None, None, *none)
+    x, W, b, index, entropy, row_max, log_expsum = ctx.saved_tensors
+    if grad_logp is None:  # the kernel takes both
+        grad_logp = torch.zeros_like(index, dtype=entropy.dtype)
+    if grad_entropy is None:
+        grad_entropy = torch.zeros_like(entropy)
+    grads = linear_log_probs_backward(grad_logp, grad_entropy, x, W, b, index, entropy,
+                                      row_max, log_expsum, *ctx.options, *needs)
+    return (*(g if wanted else None for g, wanted in zip(grads, needs)), *none)
+
+
+linear_log_probs_forward.register_autograd(_linear_backward,
+                                           setup_context=_setup_linear_context)
+
+
+def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
+                     linear_bias: Tensor | None = None, temperature: float = 1.0,
+                     softcap: float = 0.0, row_mask: Tensor | None = None,
+                     ignore_index: int = -100, return_entropy: bool = False,
+                     chunk_rows: int | None = None):
+    """``log_probs(input @ linear_weight.T + linear_bias, index, ...)`` without the
+    logits ever existing whole (SPEC section 6).
+
+    ``input [*, H]``, ``linear_weight [V, H]``, ``linear_bias [V]`` (one dtype);
+    ``index`` ``[*]`` or ``[*, K]``; ``row_mask`` ``[*]``. Rows go through in
+    chunks of ``chunk_rows`` (default: about 64 MB of logits,
+    ``$CE_TVM_LINEAR_CHUNK_ROWS``); the backward recomputes each chunk's
+    logits and gives the gradients of ``input``, ``linear_weight`` and
+    ``linear_bias``.
+    """
+    options = _options(ignore_index, temperature, softcap)
+    x = check.linear_head(input, linear_weight, linear_bias)
+    idx, single = check.index_columns(index, input)
+    rows = check.chunk_rows(chunk_rows)
+    mask = check.row_mask(row_mask, input)
+    idx, k = _live_columns(idx, mask, options.ignore_index)
+    logp, entropy, _, _ = linear_log_probs_forward(
+        x, linear_weight, linear_bias, idx, options.ignore_index, options.temperature,
+        options.softcap, rows)
+    return _shaped(logp, entropy, k, single, tuple(input.shape[:-1]), return_entropy)

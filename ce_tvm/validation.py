@@ -11,6 +11,8 @@ are checked by constructing a ``LossOptions``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .runtime.options import LossOptions
@@ -87,41 +89,89 @@ def class_last_logits(x, name: str = "logits") -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def index_columns(index, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The class indices of ``log_probs`` (SPEC section 6): ``index`` of shape
-    ``logits.shape[:-1]`` (one per row) or ``logits.shape[:-1] + (K,)``, as an
-    int64 contiguous ``[M, K]``; and whether it had no ``K`` dimension. The
-    values are checked by ``in_range``, inside the op (a host sync)."""
+def index_columns(index, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The class indices of ``log_probs`` (SPEC section 6) for rows of shape
+    ``lead = rows.shape[:-1]`` (the logits, or the hidden states of
+    ``linear_log_probs``): ``index`` of shape ``lead`` (one per row) or
+    ``lead + (K,)``, as an int64 contiguous ``[M, K]``; and whether it had no
+    ``K`` dimension. The values are checked by ``in_range``, inside the op (a
+    host sync)."""
     if not isinstance(index, torch.Tensor):
         raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
     if index.dtype not in TARGET_DTYPES:
         raise TypeError(f"index must be int64 or int32 class indices, got {index.dtype}")
-    _same_device(index, logits, "index")
-    lead = tuple(logits.shape[:-1])
+    _same_device(index, rows, "index")
+    lead = tuple(rows.shape[:-1])
     if tuple(index.shape) == lead:
         k, single = 1, True
-    elif index.dim() == logits.dim() and tuple(index.shape[:-1]) == lead:
+    elif index.dim() == rows.dim() and tuple(index.shape[:-1]) == lead:
         k, single = index.shape[-1], False
     else:
-        raise ValueError(f"index must have shape {lead} or {lead} + (K,) for logits "
-                         f"{tuple(logits.shape)}, got {tuple(index.shape)}")
-    rows = logits.numel() // logits.shape[-1]
-    return index.reshape(rows, k).to(torch.int64).contiguous(), single
+        raise ValueError(f"index must have shape {lead} or {lead} + (K,), "
+                         f"got {tuple(index.shape)}")
+    return index.reshape(math.prod(lead), k).to(torch.int64).contiguous(), single
 
 
-def row_mask(mask, logits: torch.Tensor) -> torch.Tensor | None:
-    """``None``, or ``mask`` (bool or numeric, of shape ``logits.shape[:-1]``)
-    as a flat bool ``[M]``: true where the row counts."""
+def row_mask(mask, rows: torch.Tensor) -> torch.Tensor | None:
+    """``None``, or ``mask`` (bool or numeric, of shape ``rows.shape[:-1]``, as
+    for ``index_columns``) as a flat bool ``[M]``: true where the row counts."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"row_mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    _same_device(mask, logits, "row_mask")
-    lead = tuple(logits.shape[:-1])
+    _same_device(mask, rows, "row_mask")
+    lead = tuple(rows.shape[:-1])
     if tuple(mask.shape) != lead:
-        raise ValueError(f"row_mask must have shape {lead} (the logits' without V), "
+        raise ValueError(f"row_mask must have shape {lead} (one per row), "
                          f"got {tuple(mask.shape)}")
     return (mask != 0).reshape(-1)
+
+
+def linear_head(input, linear_weight, linear_bias) -> torch.Tensor:
+    """``input [*, H]`` as ``[N, H]``, after checking it with the head's
+    ``linear_weight [V, H]`` and ``linear_bias [V]`` (or ``None``): kinds, ranks,
+    shapes, dtypes and devices."""
+    for name, t in (("input", input), ("linear_weight", linear_weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if input.dtype not in TORCH_DTYPES.values():
+        raise TypeError(f"input must be float32, float16, bfloat16 or float64, got {input.dtype}")
+    if input.dim() < 1:
+        raise ValueError("input must be [*, H] with at least one dimension, got a 0-d tensor")
+    if linear_weight.dim() != 2:
+        raise ValueError(f"linear_weight must be 2-D [V, H], "
+                         f"got shape {tuple(linear_weight.shape)}")
+    hidden, classes = input.shape[-1], linear_weight.shape[0]
+    if linear_weight.shape[1] != hidden:
+        raise ValueError(f"linear_weight must be [V, H] with H = {hidden} (input's last "
+                         f"dimension), got shape {tuple(linear_weight.shape)}")
+    if classes < 1:
+        raise ValueError("linear_weight must have at least one class (V >= 1)")
+    if linear_bias is not None:
+        if not isinstance(linear_bias, torch.Tensor):
+            raise TypeError(f"linear_bias must be a torch.Tensor or None, "
+                            f"got {type(linear_bias).__name__}")
+        if tuple(linear_bias.shape) != (classes,):
+            raise ValueError(f"linear_bias must have shape [V] = [{classes}], "
+                             f"got {tuple(linear_bias.shape)}")
+    for name, t in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
+        if t is None:
+            continue
+        if t.dtype != input.dtype:
+            raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
+        if t.device != input.device:
+            raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
+    check_device(input)
+    return input.reshape(-1, hidden)
+
+
+def chunk_rows(value) -> int:
+    """``chunk_rows`` of the linear heads: a positive int, or ``None`` (0: the default)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"chunk_rows must be a positive int or None, got {value!r}")
+    return value
 
 
 def probabilities(q, x: torch.Tensor) -> torch.Tensor:

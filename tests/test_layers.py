@@ -23,7 +23,7 @@ LAYERS = [
     ("kernels.stages",),
     ("kernels.common",),
     ("kernels.forward", "kernels.shards", "kernels.backward", "kernels.training",
-     "kernels.prob_targets"),
+     "kernels.prob_targets", "kernels.log_probs"),
     ("kernels",),
     # one module per target
     ("schedules._common", "schedules.ascend_plan"),
@@ -43,7 +43,7 @@ LAYERS = [
     ("runtime.linear_sweep", "runtime"),  # the chunked linear + loss sweep; no autograd
     # the torch surface
     ("custom_ops", "validation"),
-    ("functional", "ops", "nn", "distributed", "linear", "__init__"),
+    ("functional", "ops", "nn", "distributed", "linear", "policy", "__init__"),
     # what users run beside the loss
     ("tools.peak_memory",),
     ("tools.bench_linear", "tools.tuning", "tools.bundle"),
@@ -63,7 +63,7 @@ RUNTIME_PATH = ("kernels", "kernels.kinds", "store", "store.paths", "store.files
                 "store.tvmlib", "store.targets", "store.records", "store.spec", "runtime",
                 "runtime.options", "runtime.cache", "runtime.registry", "runtime.tensors",
                 "runtime.pool", "runtime.launch", "validation", "functional", "ops", "nn",
-                "distributed", "__init__", "custom_ops")
+                "distributed", "__init__", "custom_ops", "policy")
 
 SUBPACKAGES = {"schedules": ROOT / "schedules",
                **{p: ROOT / "ce_tvm" / p for p in PACKAGES if p and p != "schedules"}}

@@ -265,3 +265,68 @@ def test_opcheck_and_compile_fullgraph():
     got.backward()
     torch.testing.assert_close(got, eager)
     torch.testing.assert_close(xc.grad, xe.grad)
+
+
+def _torch_reference(h, W, b, index, mask, temperature, softcap):
+    """``(logp, entropy)`` of the LM head in float64 torch ops (autograd-able)."""
+    logits = h @ W.t() + (b if b is not None else 0)
+    z = (softcap * torch.tanh(logits / softcap) if softcap else logits) / temperature
+    lp = torch.log_softmax(z, -1)
+    entropy = -(lp.exp() * lp).sum(-1)
+    live = (index != -100) & mask[..., None]
+    return torch.where(live, lp.gather(-1, index.clamp(min=0)), 0.0), entropy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("softcap", [0.0, 10.0], ids=["nocap", "cap10"])
+def test_linear_log_probs_against_float64(dtype, softcap):
+    """``linear_log_probs`` over several row chunks: log-probs, entropy and the
+    gradients of input, weight and bias against float64 torch autograd."""
+    gen = torch.Generator().manual_seed(13)
+    h = (torch.randn(2, 9, 32, generator=gen)).to(dtype).requires_grad_()
+    W = (torch.randn(V, 32, generator=gen) * 0.3).to(dtype).requires_grad_()
+    b = (torch.randn(V, generator=gen) * 0.1).to(dtype).requires_grad_()
+    index = torch.randint(0, V, (2, 9, 2), generator=gen)
+    index[0, 3, 1] = -100
+    mask = torch.rand(2, 9, generator=gen) > 0.2
+    a, c = torch.randn(2, 9, 2, generator=gen), torch.randn(2, 9, generator=gen)
+    logp, entropy = ce_tvm.linear_log_probs(h, W, index, linear_bias=b, temperature=0.8,
+                                            softcap=softcap, row_mask=mask,
+                                            return_entropy=True, chunk_rows=5)
+    ((logp * a).sum() + (entropy * c).sum()).backward()
+    leaves = [t.detach().double().requires_grad_() for t in (h, W, b)]
+    ref_logp, ref_entropy = _torch_reference(*leaves, index, mask, 0.8, softcap)
+    ((ref_logp * a.double()).sum() + (ref_entropy * c.double()).sum()).backward()
+    tol = checks.TOL[torch.float32] * 10  # the GEMMs round in float32 too
+    checks.assert_close(logp, ref_logp.detach().numpy(), max(tol, checks.TOL[dtype]), "logp")
+    checks.assert_close(entropy, ref_entropy.detach().numpy(), max(tol, checks.TOL[dtype]),
+                        "entropy")
+    for name, got, ref in zip(("input", "weight", "bias"), (h, W, b), leaves):
+        assert got.grad.dtype == dtype
+        checks.assert_close(got.grad, ref.grad.numpy(), max(tol, checks.TOL[dtype]), name)
+
+
+def test_linear_log_probs_equals_log_probs_of_the_logits():
+    """Without a bias, K = 1, whatever the chunking: the fused head gives the
+    values and gradients of ``log_probs`` on the materialised logits."""
+    gen = torch.Generator().manual_seed(14)
+    h = torch.randn(11, 16, generator=gen, requires_grad=True)
+    W = (torch.randn(V, 16, generator=gen) * 0.5).requires_grad_()
+    index = torch.randint(0, V, (11,), generator=gen)
+    a = torch.randn(11, generator=gen)
+    logits = h @ W.t()
+    logits.retain_grad()
+    (ce_tvm.log_probs(logits, index, temperature=1.2) * a).sum().backward()
+    expected = [t.grad.clone() for t in (h, W)]
+    for rows in (None, 1, 4):
+        h.grad = W.grad = None
+        got = ce_tvm.linear_log_probs(h, W, index, temperature=1.2, chunk_rows=rows)
+        torch.testing.assert_close(got, ce_tvm.log_probs(logits.detach(), index,
+                                                         temperature=1.2))
+        (got * a).sum().backward()
+        for t, ref in zip((h, W), expected):
+            torch.testing.assert_close(t.grad, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        ce_tvm.linear_log_probs(h, W, index, chunk_rows=0)
+    with pytest.raises(ValueError, match="index must have shape"):
+        ce_tvm.linear_log_probs(h, W, index[:5])

@@ -325,13 +325,15 @@ def log_probs(x, index, options: LossOptions):
 
 
 def log_probs_backward(grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy,
-                       options: LossOptions) -> torch.Tensor:
+                       options: LossOptions, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The logits' gradient of ``sum grad_logp logp + sum grad_entropy entropy``
     (the upstream gradients and the forward's row outputs in the accumulation
-    dtype)."""
+    dtype). ``out`` may be ``x`` itself: each logit is read before its
+    gradient is written in its place."""
     grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy = (
         aligned(t) for t in (grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy))
-    x_grad = pool.empty_like(x)
+    x_grad = pool.empty_like(x) if out is None else out
+    _check_out(x_grad)
     if _rows_to_run(x) == 0:
         return x_grad
     variant = Variant(columns=index.shape[1], softcap=_capped(options))

@@ -107,10 +107,7 @@ class _ChunkBuffers:
 
     def project(self, x_rows: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
         """``x_rows @ W^T + b`` into the logits buffer."""
-        out = self.logits[: x_rows.shape[0]]
-        if b is None:
-            return torch.mm(x_rows, W.t(), out=out)
-        return torch.addmm(b, x_rows, W.t(), out=out)
+        return project(self.logits, x_rows, W, b)
 
     def outputs(self, n: int) -> launch.ForwardOutputs:
         """Where the chunk step writes a chunk of ``n`` rows."""
@@ -132,6 +129,14 @@ class _ChunkBuffers:
         if self.hit is None:
             return self.loss.new_empty(0, dtype=torch.float32)
         return launch.token_accuracy(self.hit, y, opts.ignore_index)
+
+
+def project(buffer: Tensor, x_rows: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+    """``x_rows @ W^T + b`` into the first rows of ``buffer`` (a chunk's logits)."""
+    out = buffer[: x_rows.shape[0]]
+    if b is None:
+        return torch.mm(x_rows, W.t(), out=out)
+    return torch.addmm(b, x_rows, W.t(), out=out)
 
 
 def chunk_loss(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
@@ -291,4 +296,44 @@ def _sweep_grads(bufs: _ChunkBuffers, x, W, b, y, w, opts, needs, grad_ce, grad_
             per_row=per_row)
         bufs.keep(sl)
         sink.add(sl, x[sl], logits, W)
+    return sink.finish(x)
+
+
+# --- Per-token log-probs and entropy (SPEC section 6) ------------------------
+# The upstream gradients of log-probs arrive only in the backward, so the
+# forward sweep computes the outputs and the backward sweep recomputes each
+# chunk's logits, turns them into their gradient in place and feeds the
+# GradSink: one more GEMM per chunk than the loss, whose forward knows its
+# upstream gradient.
+
+
+def policy_outputs(x: Tensor, W: Tensor, b: Tensor | None, index: Tensor, opts: LossOptions,
+                   rows: int) -> list[Tensor]:
+    """``launch.log_probs``'s outputs ``[logp, entropy, row_max, log_expsum]``
+    for the logits ``x @ W^T + b``, chunk by chunk."""
+    n, k = index.shape
+    acc = accum_torch_dtype(x)
+    logits = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
+    outs = [x.new_empty((n, k), dtype=acc)] + [x.new_empty(n, dtype=acc) for _ in range(3)]
+    for sl in _chunks(n, rows):
+        parts = launch.log_probs(project(logits, x[sl], W, b), index[sl], opts)
+        for full, part in zip(outs, parts):
+            full[sl].copy_(part)
+    return outs
+
+
+def policy_grads(grad_logp: Tensor, grad_entropy: Tensor, x: Tensor, W: Tensor,
+                 b: Tensor | None, index: Tensor, saved: list[Tensor], opts: LossOptions,
+                 rows: int, needs: Needs) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_x, grad_W, grad_b)`` of ``sum grad_logp logp + sum grad_entropy
+    entropy`` (``GradSink.finish``), from the forward's ``saved = [row_max,
+    log_expsum, entropy]``, each chunk's logits recomputed."""
+    logits = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
+    chunks = _chunks(x.shape[0], rows)
+    sink = GradSink(x, W, b, needs, len(chunks))
+    for sl in chunks:
+        z = project(logits, x[sl], W, b)
+        launch.log_probs_backward(grad_logp[sl], grad_entropy[sl], z, index[sl],
+                                  *(t[sl] for t in saved), opts, out=z)
+        sink.add(sl, x[sl], z, W)
     return sink.finish(x)
