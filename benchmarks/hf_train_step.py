@@ -4,7 +4,7 @@ Methods: ``stock`` (transformers' own loss), ``apply`` (``apply(model)``: the
 loss on ``ce_tvm.cross_entropy``) and ``fused_linear``
 (``apply(model, fused_linear=True)``: no logits). For each method, in a fresh
 process: the extra peak RSS of one step (forward + backward) beyond what was
-resident before it and the parameters' gradients (``ce_tvm.tools.peak_memory``).
+resident before it and the parameters' gradients (``ce_tvm.tools.measure``).
 Then, in one process, the step's time, methods interleaved rep by rep, min of
 ``--reps``. Prints a table and, last, one JSON line.
 
@@ -59,7 +59,7 @@ def step(model, inputs) -> float:
 
 def peak_child(method: str, vocab: int, hidden: int, layers: int, tokens: int) -> dict:
     """``{"extra_peak_mb", "loss"}`` of one step of ``method`` in this process."""
-    from ce_tvm.tools.peak_memory import PeakRSS
+    from ce_tvm.tools.measure import PeakRSS
 
     model, inputs = build(method, vocab, hidden, layers), batch(vocab, tokens)
     step(model, inputs)  # warm up: kernels loaded

@@ -45,8 +45,8 @@ LAYERS = [
     ("custom_ops", "validation"),
     ("functional", "ops", "nn", "distributed", "linear", "policy", "__init__"),
     # what users run beside the loss
-    ("tools.peak_memory",),
-    ("tools.bench_linear", "tools.tuning", "tools.bundle"),
+    ("tools.measure",),
+    ("tools.bench_linear", "tools.bench_policy", "tools.tuning", "tools.bundle"),
     ("tools.bench", "tools.demo"),
     ("tools.cli", "tools"),
     # training frameworks, on the public surface (each imports its framework)

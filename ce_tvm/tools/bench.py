@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -36,7 +35,7 @@ from ..functional import cross_entropy_loss
 from ..nn import cross_entropy
 from ..runtime.pool import POOL
 from ..runtime.tensors import TORCH_DTYPES
-from .peak_memory import PeakRSS
+from .measure import PeakRSS, interleaved_ms
 
 DEFAULT_SHAPES = "4096x32000,8192x50257,2048x128256"
 
@@ -53,24 +52,6 @@ class Row:
     def vs_floor(self, method: str = "ce_tvm") -> float:
         """Time as a multiple of the floor probe's (1.0 = at the floor)."""
         return self.ms[method] / self.ms[self.floor]
-
-
-def best_ms(fn, reps: int = 5, warmup: int = 1) -> float:
-    return interleaved_ms({"fn": fn}, reps, warmup)["fn"]
-
-
-def interleaved_ms(fns: dict, reps: int = 5, warmup: int = 1) -> dict:
-    """Best milliseconds of each callable, timed in turn within every rep."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: t * 1e3 for name, t in best.items()}
 
 
 def _inputs(n, c, dtype, seed=0):
@@ -223,6 +204,10 @@ def run(args) -> int:
         from .bench_linear import run as run_linear
 
         return run_linear(args)
+    if args.policy:
+        from .bench_policy import run as run_policy
+
+        return run_policy(args)
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
@@ -274,4 +259,9 @@ def add_parser(sub) -> None:
     b.add_argument("--linear", action="store_true",
                    help="fused linear + cross entropy (ce_tvm.linear_cross_entropy) against "
                         "eager, torch.compile, PyTorch's chunked path and the GEMM probe")
+    b.add_argument("--policy", action="store_true",
+                   help="per-token log-probs and entropy (ce_tvm.log_probs, linear_log_probs) "
+                        "against eager, torch.compile and TRL; shapes NxV or NxHxV "
+                        "(default 4096x32000,2048x256x128256)")
+    b.add_argument("--no-trl", action="store_true", help="with --policy: skip TRL")
     b.set_defaults(func=run)

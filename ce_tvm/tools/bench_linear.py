@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 import warnings
 from dataclasses import asdict, dataclass, field
 
@@ -34,7 +32,7 @@ import torch.nn.functional as F
 
 from ..linear import linear_cross_entropy
 from ..runtime.tensors import TORCH_DTYPES
-from .peak_memory import PeakRSS
+from .measure import PeakRSS, in_fresh_processes, interleaved_ms
 
 DEFAULT_SHAPES = "2048x256x32000,1024x512x128256"
 METHODS = ("ce_tvm", "eager", "compile", "torch_chunked", "gemm")
@@ -100,17 +98,8 @@ def time_shape(n, h, v, dtype, eps, methods, reps, warmup) -> dict:
     """Best milliseconds of a training step per method, interleaved rep by rep."""
     torch._dynamo.reset()
     x, W, y = _inputs(n, h, v, dtype)
-    fns = loss_fns(eps, methods)
-    for _ in range(warmup):
-        for fn in fns.values():
-            _step(fn, x, W, y)
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            _step(fn, x, W, y)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: 1e3 * s for name, s in best.items()}
+    return interleaved_ms({name: (lambda fn=fn: _step(fn, x, W, y))
+                           for name, fn in loss_fns(eps, methods).items()}, reps, warmup)
 
 
 def peak_child(method: str, n: int, h: int, v: int, dtype: str, eps: float) -> float:
@@ -125,16 +114,7 @@ def peak_child(method: str, n: int, h: int, v: int, dtype: str, eps: float) -> f
 
 
 def measure_peaks(n, h, v, dtype, eps, methods) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "CE_TVM_POOL_BYTES": "0"}
-    peaks = {}
-    for method in methods:
-        code = (f"import warnings; warnings.simplefilter('ignore'); "
-                f"from ce_tvm.tools.bench_linear import peak_child; "
-                f"print(peak_child({method!r}, {n}, {h}, {v}, {dtype!r}, {eps}))")
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env=env)
-        peaks[method] = float(done.stdout.split()[-1]) if done.returncode == 0 else float("nan")
-    return peaks
+    return in_fresh_processes(__name__, methods, n, h, v, dtype, eps)
 
 
 def format_table(rows: list[Row]) -> str:

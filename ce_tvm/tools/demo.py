@@ -22,7 +22,7 @@ from ..runtime.cache import entries
 from ..runtime.registry import loaded_specs
 from ..runtime.tensors import TORCH_DTYPES
 from ..store.paths import cache_dir
-from .bench import interleaved_ms
+from .measure import interleaved_ms
 
 EPS = 0.1  # label smoothing, as language models train
 

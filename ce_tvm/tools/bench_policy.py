@@ -1,0 +1,165 @@
+"""``ce-tvm bench --policy``: per-token log-probs and entropy (RL post-training)
+against PyTorch and TRL in one run.
+
+One step is ``logp, H = f(...); (a * logp).sum() + (b * H).sum()`` then
+``backward()`` (temperature 0.7, one index per row), for
+
+- logits ``N x V``: ``ce_tvm`` (``ce_tvm.log_probs``); ``eager`` and
+  ``compile`` (``torch.compile``) of the reference expression
+  (``log_softmax`` of the scaled logits, ``gather``, ``-(p * logp).sum``);
+  ``trl``: TRL's ``selective_log_softmax`` and ``entropy_from_logits`` (their
+  CPU paths); the floor ``copy`` (``dst.copy_(x)``: the logits read once and
+  a gradient written once; the step reads them twice, forward and backward).
+- the LM head ``N x H x V``: ``ce_tvm`` (``ce_tvm.linear_log_probs``),
+  ``eager`` (``F.linear`` then the reference expression) and the ``gemm``
+  probe (``F.linear(x, W).sum().backward()``: the step's three products).
+
+Methods are interleaved rep by rep and the best rep is kept. With
+``--memory``, the extra peak memory of one step beyond the inputs and the
+gradients, each method in a fresh process (``bench_linear``'s protocol).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..policy import linear_log_probs, log_probs
+from ..runtime.tensors import TORCH_DTYPES
+from .measure import PeakRSS, in_fresh_processes, interleaved_ms
+
+DEFAULT_SHAPES = "4096x32000,2048x256x128256"
+TEMPERATURE = 0.7
+
+
+@dataclass
+class Row:
+    shape: str
+    dtype: str
+    ms: dict = field(default_factory=dict)            # method -> best milliseconds
+    extra_peak_mb: dict = field(default_factory=dict)
+
+
+def reference(logits, index, temperature=TEMPERATURE):
+    """``(logp, entropy)`` in plain torch ops: what ``eager`` and ``compile`` run."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def _trl(logits, index, temperature=TEMPERATURE):
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    return (selective_log_softmax(logits, index, temperature),
+            entropy_from_logits(logits / temperature))
+
+
+def _inputs(shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dt = TORCH_DTYPES[dtype]
+    if len(shape) == 2:
+        n, v = shape
+        tensors = [(torch.randn(n, v, generator=gen) * 2).to(dt)]
+    else:
+        n, h, v = shape
+        tensors = [torch.randn(n, h, generator=gen).to(dt),
+                   (torch.randn(v, h, generator=gen) * h ** -0.5).to(dt)]
+    index = torch.randint(0, shape[-1], (n,), generator=gen)
+    return tensors, index, torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+
+
+def methods(shape, with_compile: bool = True, with_trl: bool = True) -> dict:
+    """``{name: f(*tensors, index) -> (logp, entropy)}`` for a logits or a head shape."""
+    if len(shape) == 2:
+        fns = {"ce_tvm": lambda x, i: log_probs(x, i, temperature=TEMPERATURE,
+                                                return_entropy=True),
+               "eager": reference}
+        if with_compile:
+            fns["compile"] = torch.compile(reference, dynamic=False)
+        if with_trl:
+            fns["trl"] = _trl
+        return fns
+    return {"ce_tvm": lambda x, W, i: linear_log_probs(x, W, i, temperature=TEMPERATURE,
+                                                       return_entropy=True),
+            "eager": lambda x, W, i: reference(F.linear(x, W), i)}
+
+
+def _step(fn, leaves, index, a, b):
+    logp, entropy = fn(*leaves, index)
+    ((logp * a).sum() + (entropy * b).sum()).backward()
+    for t in leaves:
+        t.grad = None
+
+
+def bench_shape(shape, dtype, reps, warmup, with_compile, with_trl) -> Row:
+    torch._dynamo.reset()
+    tensors, index, a, b = _inputs(shape, dtype)
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    timed = {name: (lambda fn=fn: _step(fn, leaves, index, a, b))
+             for name, fn in methods(shape, with_compile, with_trl).items()}
+    if len(shape) == 2:
+        out = torch.empty_like(tensors[0])
+        timed["copy"] = lambda: out.copy_(tensors[0])
+    else:
+        def gemm():
+            F.linear(*leaves).sum().backward()
+            for t in leaves:
+                t.grad = None
+        timed["gemm"] = gemm
+    return Row("x".join(map(str, shape)), dtype, interleaved_ms(timed, reps, warmup))
+
+
+def peak_child(method: str, shape: tuple, dtype: str) -> float:
+    """Extra peak RSS (MB) of one step beyond the inputs and their gradients,
+    after a warm-up step at the same shape."""
+    fn = methods(shape, with_compile=method == "compile", with_trl=method == "trl")[method]
+    tensors, index, a, b = _inputs(shape, dtype)
+    leaves = [t.requires_grad_() for t in tensors]
+    _step(fn, leaves, index, a, b)
+    with PeakRSS() as peak:
+        logp, entropy = fn(*leaves, index)
+        ((logp * a).sum() + (entropy * b).sum()).backward()
+    return peak.mb - sum(t.grad.numel() * t.grad.element_size() for t in leaves) / 2**20
+
+
+def measure_peaks(shape, dtype, names) -> dict:
+    return in_fresh_processes(__name__, names, tuple(shape), dtype)
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = []
+    for r in rows:
+        floor = "copy" if "copy" in r.ms else "gemm"
+        cells = "  ".join(f"{k} {v:8.1f} ms" for k, v in r.ms.items())
+        ratios = "  ".join(f"{k}/ce_tvm {v / r.ms['ce_tvm']:.2f}x" for k, v in r.ms.items()
+                           if k != "ce_tvm")
+        mem = "  ".join(f"{k} {v:.0f} MB" for k, v in r.extra_peak_mb.items())
+        lines.append(f"{r.shape} {r.dtype}: {cells}\n    {ratios}  (floor: {floor})"
+                     + (f"\n    extra peak: {mem}" if mem else ""))
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    shapes = [tuple(int(v) for v in s.lower().split("x"))
+              for s in (args.shapes or DEFAULT_SHAPES).split(",")]
+    rows = []
+    for shape in shapes:
+        for dtype in args.dtypes.split(","):
+            print(f"bench --policy {shape} {dtype} ...", file=sys.stderr, flush=True)
+            row = bench_shape(shape, dtype, args.reps, args.warmup, not args.no_compile,
+                              not args.no_trl)
+            if args.memory:
+                row.extra_peak_mb = measure_peaks(
+                    shape, dtype, [m for m in row.ms if m not in ("copy", "gemm")])
+            rows.append(row)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                                "temperature": TEMPERATURE, "command": " ".join(sys.argv)},
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0

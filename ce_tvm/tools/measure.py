@@ -1,0 +1,76 @@
+"""How the benchmarks measure: time, interleaved rep by rep, and peak memory.
+
+``interleaved_ms``: the best of several reps of each method, timed in turn
+within every rep (this machine's bandwidth swings between runs, so only
+ratios within one run mean much).
+
+Peak memory of a piece of code, from the process's RSS high-water mark
+(Linux): ``with PeakRSS() as peak: step()``, then ``peak.mb`` is how far the
+RSS rose above its value at entry, at its highest, in MB. Entering resets the
+high-water mark (``/proc/self/clear_refs``). ``in_fresh_processes`` runs a
+benchmark's ``peak_child`` once per method, each in a new process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+
+def interleaved_ms(fns: dict, reps: int = 5, warmup: int = 1) -> dict:
+    """Best milliseconds of each callable, timed in turn within every rep."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: t * 1e3 for name, t in best.items()}
+
+
+def _vm_kb(field_name: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return float(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+class PeakRSS:
+    """RSS high-water mark inside a ``with`` block, in MB above the RSS at entry."""
+
+    mb: float = float("nan")
+
+    def __enter__(self) -> PeakRSS:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self._before_kb = _vm_kb("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mb = (_vm_kb("VmHWM") - self._before_kb) / 1024
+
+
+# A child's allocator returns freed blocks at once (so the RSS follows the
+# live memory) and ce_tvm's buffer pool keeps nothing (its buffers count).
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "CE_TVM_POOL_BYTES": "0"}
+
+
+def in_fresh_processes(module: str, methods, *args) -> dict:
+    """``{method: MB}``: ``module.peak_child(method, *args)`` (which returns the
+    extra peak in MB) run in a fresh Python process per method; NaN for a
+    method whose process failed."""
+    peaks = {}
+    for method in methods:
+        code = (f"import warnings; warnings.simplefilter('ignore'); "
+                f"from {module} import peak_child; "
+                f"print(peak_child({', '.join(map(repr, (method, *args)))}))")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, **CHILD_ENV})
+        peaks[method] = float(done.stdout.split()[-1]) if done.returncode == 0 else float("nan")
+    return peaks
