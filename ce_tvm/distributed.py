@@ -50,8 +50,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         offset, classes = shard_layout(x.shape[1], group)
         y = check.targets(y, x, options.ignore_index, classes)
         w = check.weight(w, x)
-        rowmax, expsum, wxsum, logit, weight = launch.shard_stats(x, y, w, offset,
-                                                                   options.softcap)
+        rowmax, expsum, wxsum, logit, weight = launch.shard_stats(x, y, w, offset, options)
         gmax = rowmax.clone()
         dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
         wsum = w.sum().reshape(1) if w is not None else rowmax.new_zeros(1)
@@ -90,11 +89,11 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
                                  ignore_index: int = -100, reduction: str = "mean",
                                  label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                                  group=None, return_zloss: bool = False, *,
-                                 softcap: float = 0.0):
+                                 softcap: float = 0.0, temperature: float = 1.0):
     """Cross entropy of vocabulary-sharded logits ``[N, C_r]`` (see the module doc).
 
     ``weight`` is this rank's shard ``[C_r]`` of the class weights;
-    ``softcap`` caps every logit as ``ce_tvm.cross_entropy`` does. Returns
+    ``softcap`` and ``temperature`` act as in ``ce_tvm.cross_entropy``. Returns
     what ``ce_tvm.cross_entropy`` returns on the full logits (a 0-d loss for
     ``mean``/``sum``), the same on every rank; with ``return_zloss`` also the
     z-loss part, without gradient.
@@ -105,7 +104,7 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
         raise TypeError("target must be an int64 or int32 tensor of global class ids")
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                          softcap=softcap)
+                          softcap=softcap, temperature=temperature)
     loss, zloss = _VocabParallelCrossEntropy.apply(x, target, weight, options, group)
     if options.reduction != "none":
         loss, zloss = loss.reshape(()), zloss.reshape(())
@@ -117,12 +116,13 @@ class VocabParallelCrossEntropyLoss(nn.Module):
 
     def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0,
-                 lse_square_scale: float = 0.0, group=None, *, softcap: float = 0.0):
+                 lse_square_scale: float = 0.0, group=None, *, softcap: float = 0.0,
+                 temperature: float = 1.0):
         super().__init__()
         self.register_buffer("weight", weight)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                              softcap=softcap)
+                              softcap=softcap, temperature=temperature)
         store_on_module(self, options)
         self.group = group
 
@@ -130,4 +130,5 @@ class VocabParallelCrossEntropyLoss(nn.Module):
         return vocab_parallel_cross_entropy(
             logits_shard, target, self.weight, ignore_index=self.ignore_index,
             reduction=self.reduction, label_smoothing=self.label_smoothing,
-            lse_square_scale=self.lse_square_scale, group=self.group, softcap=self.softcap)
+            lse_square_scale=self.lse_square_scale, group=self.group, softcap=self.softcap,
+            temperature=self.temperature)

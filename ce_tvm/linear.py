@@ -31,14 +31,15 @@ from .ops import accuracy_like, loss_rows, options_of, schema_scalars, with_extr
 from .runtime import linear_sweep as sweep
 from .runtime.options import LossOptions, store_on_module
 
-_OP_ARGS = 16  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
+_OP_ARGS = 17  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
 
 
 @custom_op("ce_tvm::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_forward(
         input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, target: Tensor,
         weight: Tensor | None, reduction: str, ignore_index: int, label_smoothing: float,
-        lse_square_scale: float, softcap: float, token_accuracy: bool, chunk_rows: int,
+        lse_square_scale: float, softcap: float, temperature: float, token_accuracy: bool,
+        chunk_rows: int,
         grad_input: bool, grad_weight: bool, grad_bias: bool, allow_retain_graph: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, zloss, accuracy, grad_input, grad_weight, grad_bias)`` for ``input [N, H]``.
@@ -52,7 +53,8 @@ def linear_cross_entropy_forward(
     """
     y = check.targets(target, input, ignore_index, classes=linear_weight.shape[0])
     w = check.weight(weight, input, classes=linear_weight.shape[0])
-    opts = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
+    opts = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
+                      temperature)
     rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
     needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
     if reduction == "none" or not needs.any():
@@ -65,7 +67,8 @@ def linear_cross_entropy_forward(
 
 @linear_cross_entropy_forward.register_fake
 def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index,
-      label_smoothing, lse_square_scale, softcap, token_accuracy, chunk_rows, grad_input,
+      label_smoothing, lse_square_scale, softcap, temperature, token_accuracy, chunk_rows,
+      grad_input,
       grad_weight, grad_bias, allow_retain_graph):
     rows = loss_rows(input, reduction)
     scalar = reduction != "none"
@@ -84,12 +87,14 @@ def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index
 def linear_cross_entropy_backward(
         grad_loss: Tensor, input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None,
         target: Tensor, weight: Tensor | None, ignore_index: int, label_smoothing: float,
-        lse_square_scale: float, softcap: float, chunk_rows: int, grad_input: bool,
+        lse_square_scale: float, softcap: float, temperature: float, chunk_rows: int,
+        grad_input: bool,
         grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(grad_input, grad_weight, grad_bias)`` of the ``none`` loss for the
     per-row upstream gradient ``grad_loss [N]``, the logits recomputed chunk by
     chunk; an empty tensor for each gradient not asked for."""
-    opts = options_of("none", ignore_index, label_smoothing, lse_square_scale, softcap)
+    opts = options_of("none", ignore_index, label_smoothing, lse_square_scale, softcap,
+                      temperature)
     rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
     needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
     return sweep.grads_from_rows(grad_loss, input, linear_weight, linear_bias,
@@ -100,7 +105,8 @@ def linear_cross_entropy_backward(
 
 @linear_cross_entropy_backward.register_fake
 def _(grad_loss, input, linear_weight, linear_bias, target, weight, ignore_index,
-      label_smoothing, lse_square_scale, softcap, chunk_rows, grad_input, grad_weight,
+      label_smoothing, lse_square_scale, softcap, temperature, chunk_rows, grad_input,
+      grad_weight,
       grad_bias):
     def grad(like, wanted):
         return torch.empty_like(like) if wanted and like is not None else input.new_empty(0)
@@ -110,14 +116,14 @@ def _(grad_loss, input, linear_weight, linear_bias, target, weight, ignore_index
 
 
 def _setup_context(ctx, inputs, output):
-    (x, W, b, target, weight, reduction, ii, eps, s, cap, _, chunk_rows, *needs,
+    (x, W, b, target, weight, reduction, ii, eps, s, cap, temperature, _, chunk_rows, *needs,
      retain) = inputs
     ctx.needs = tuple(needs)
     ctx.in_place = not retain
     ctx.reduction = reduction
     if reduction == "none":
         ctx.save_for_backward(x, W, b, target, weight)
-        ctx.options = (ii, eps, s, cap, chunk_rows)
+        ctx.options = (ii, eps, s, cap, temperature, chunk_rows)
         ctx.grads = None
     else:
         # Detached: a forward output kept on ctx with its grad_fn would form a
@@ -180,7 +186,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          linear_bias: Tensor | None = None, weight: Tensor | None = None,
                          reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
-                         softcap: float = 0.0, return_zloss: bool = False,
+                         softcap: float = 0.0, temperature: float = 1.0,
+                         return_zloss: bool = False,
                          return_token_accuracy: bool = False, chunk_rows: int | None = None,
                          allow_retain_graph: bool = False):
     """``cross_entropy(input @ linear_weight.T + linear_bias, target, ...)`` without
@@ -190,7 +197,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     ``linear_bias [V]``, ``target [*]`` class indices; the class dimension of
     the logits is the last one. Returns the loss (0-d for ``mean``/``sum``,
     the target's shape for ``none``), z-loss included when
-    ``lse_square_scale > 0``; ``softcap``, ``return_zloss`` and
+    ``lse_square_scale > 0``; ``softcap``, ``temperature``, ``return_zloss`` and
     ``return_token_accuracy`` as ``ce_tvm.cross_entropy`` has them (the
     capped logits and the accuracy are computed chunk by chunk too).
     ``chunk_rows`` (or the environment variable ``CE_TVM_LINEAR_CHUNK_ROWS``)
@@ -201,7 +208,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     x, y = _flatten(input, linear_weight, target, linear_bias)
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                          softcap=softcap)
+                          softcap=softcap, temperature=temperature)
     rows = check.chunk_rows(chunk_rows)
     grad_on = torch.is_grad_enabled()
     loss, zloss, accuracy, *_ = linear_cross_entropy_forward(
@@ -231,12 +238,13 @@ class LinearCrossEntropyLoss(nn.Module):
                  reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, return_zloss: bool = False,
                  chunk_rows: int | None = None, allow_retain_graph: bool = False, *,
-                 softcap: float = 0.0, return_token_accuracy: bool = False):
+                 softcap: float = 0.0, return_token_accuracy: bool = False,
+                 temperature: float = 1.0):
         super().__init__()
         self.register_buffer("weight", weight)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                              softcap=softcap)
+                              softcap=softcap, temperature=temperature)
         store_on_module(self, options)
         self.return_zloss = return_zloss
         self.return_token_accuracy = return_token_accuracy
@@ -249,7 +257,7 @@ class LinearCrossEntropyLoss(nn.Module):
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
             reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
-            softcap=self.softcap, return_zloss=self.return_zloss,
+            softcap=self.softcap, temperature=self.temperature, return_zloss=self.return_zloss,
             return_token_accuracy=self.return_token_accuracy, chunk_rows=self.chunk_rows,
             allow_retain_graph=self.allow_retain_graph)
 
@@ -257,4 +265,5 @@ class LinearCrossEntropyLoss(nn.Module):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, "
                 f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, "
+                f"temperature={self.temperature}, "
                 f"chunk_rows={self.chunk_rows}")

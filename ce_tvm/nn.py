@@ -66,9 +66,9 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
                   reduce: bool | None = None, reduction: str = "mean",
                   label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0,
                   return_zloss: bool = False, softcap: float = 0.0,
-                  return_token_accuracy: bool = False):
-    """``torch.nn.functional.cross_entropy``, plus z-loss, logit softcapping and
-    token accuracy (SPEC sections 4 and 5).
+                  return_token_accuracy: bool = False, temperature: float = 1.0):
+    """``torch.nn.functional.cross_entropy``, plus z-loss, logit softcapping,
+    a temperature and token accuracy (SPEC sections 4 to 6).
 
     ``target``: class indices (int64/int32, ``ignore_index`` skipped) or
     probabilities of the input's shape (no ``ignore_index``; a float target
@@ -77,7 +77,9 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     target's batch shape for ``none``), z-loss ``lse_square_scale * lse^2``
     included when the scale is > 0. ``softcap`` ``t > 0``: the loss of the
     logits ``t * tanh(x / t)`` (Gemma's final logit softcapping), computed
-    inside the kernels. With ``return_zloss=True`` returns ``(loss, zloss)``:
+    inside the kernels. ``temperature`` ``T > 0``: every part of the loss is
+    computed on ``cap(x) / T`` (with probability targets: a fused
+    distillation loss). With ``return_zloss=True`` returns ``(loss, zloss)``:
     ``zloss`` is the z-loss part already inside ``loss``, reduced the same
     way, without gradient. With ``return_token_accuracy=True`` (class-index
     targets) the result is a tuple whose last element is the fraction of rows
@@ -88,7 +90,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     x, y, unflatten = _flatten(input, target)
     options = LossOptions(reduction=_reduction_of(size_average, reduce, reduction),
                           ignore_index=ignore_index, label_smoothing=label_smoothing,
-                          zloss_scale=lse_square_scale, softcap=softcap)
+                          zloss_scale=lse_square_scale, softcap=softcap,
+                          temperature=temperature)
     if y.dtype.is_floating_point:
         if return_token_accuracy:
             raise ValueError("return_token_accuracy needs class-index targets, "
@@ -132,23 +135,25 @@ def _probability_loss(x: Tensor, q: Tensor, weight, options: LossOptions):
     return cross_entropy_probs(x.to(dtype), q.to(dtype), weight, reduction=options.reduction,
                                label_smoothing=options.label_smoothing,
                                lse_square_scale=options.zloss_scale,
-                               softcap=options.softcap)[:2]
+                               softcap=options.softcap, temperature=options.temperature)[:2]
 
 
 class CrossEntropyLoss(nn.Module):
     """``torch.nn.CrossEntropyLoss`` (its constructor's signature and positional
-    order) backed by ce_tvm, plus z-loss, softcap and token accuracy (keyword-only)."""
+    order) backed by ce_tvm, plus z-loss, softcap, temperature and token accuracy
+    (keyword-only)."""
 
     def __init__(self, weight: Tensor | None = None, size_average: bool | None = None,
                  ignore_index: int = -100, reduce: bool | None = None, reduction: str = "mean",
                  label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0,
                  return_zloss: bool = False, softcap: float = 0.0,
-                 return_token_accuracy: bool = False):
+                 return_token_accuracy: bool = False, temperature: float = 1.0):
         super().__init__()
         self.register_buffer("weight", weight)
         options = LossOptions(reduction=_reduction_of(size_average, reduce, reduction),
                               ignore_index=ignore_index, label_smoothing=label_smoothing,
-                              zloss_scale=lse_square_scale, softcap=softcap)
+                              zloss_scale=lse_square_scale, softcap=softcap,
+                              temperature=temperature)
         store_on_module(self, options)
         self.return_zloss = return_zloss
         self.return_token_accuracy = return_token_accuracy
@@ -158,9 +163,11 @@ class CrossEntropyLoss(nn.Module):
                              reduction=self.reduction, label_smoothing=self.label_smoothing,
                              lse_square_scale=self.lse_square_scale,
                              return_zloss=self.return_zloss, softcap=self.softcap,
-                             return_token_accuracy=self.return_token_accuracy)
+                             return_token_accuracy=self.return_token_accuracy,
+                             temperature=self.temperature)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, "
-                f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}")
+                f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, "
+                f"temperature={self.temperature}")

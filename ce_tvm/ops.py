@@ -38,15 +38,15 @@ def schema_scalars(options: LossOptions) -> dict:
     """``options`` by the names of the ops' schema (whose scalars stay primitive)."""
     return dict(reduction=options.reduction, ignore_index=options.ignore_index,
                 label_smoothing=options.label_smoothing, lse_square_scale=options.zloss_scale,
-                softcap=options.softcap)
+                softcap=options.softcap, temperature=options.temperature)
 
 
 def options_of(reduction, ignore_index, label_smoothing, lse_square_scale,
-               softcap) -> LossOptions:
+               softcap, temperature) -> LossOptions:
     """The op schemas' scalars (primitive, as the schemas need) as one ``LossOptions``."""
     return LossOptions(reduction=reduction, ignore_index=ignore_index,
                        label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                       softcap=softcap)
+                       softcap=softcap, temperature=temperature)
 
 
 def accuracy_like(x: Tensor, wanted: bool) -> Tensor:
@@ -70,12 +70,13 @@ def loss_rows(x: Tensor, reduction: str) -> int:
 @custom_op("ce_tvm::cross_entropy_forward", mutates_args=())
 def cross_entropy_forward(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
                           ignore_index: int, label_smoothing: float, lse_square_scale: float,
-                          softcap: float, token_accuracy: bool
+                          softcap: float, temperature: float, token_accuracy: bool
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, zloss, lse, accuracy)``; ``loss``/``zloss`` are ``[N]`` for
     ``none``, else ``[1]``; ``accuracy`` (``launch.token_accuracy``) is 0-d
     when ``token_accuracy``, else empty."""
-    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
+    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
+                         temperature)
     y = check.targets(target, x, options.ignore_index)
     out = launch.forward(x.contiguous(), y, check.weight(weight, x), options, log_prob=False,
                          accuracy=token_accuracy)
@@ -91,7 +92,7 @@ def _accuracy(out: launch.ForwardOutputs, y: Tensor, options: LossOptions, x: Te
 
 @cross_entropy_forward.register_fake
 def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
-      token_accuracy):
+      temperature, token_accuracy):
     rows = loss_rows(x, reduction)
     return (x.new_empty(rows), x.new_empty(rows),
             x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)),
@@ -102,9 +103,10 @@ def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_sc
 def cross_entropy_backward(grad_loss: Tensor, x: Tensor, lse: Tensor, target: Tensor,
                            weight: Tensor | None, reduction: str, ignore_index: int,
                            label_smoothing: float, lse_square_scale: float,
-                           softcap: float) -> Tensor:
+                           softcap: float, temperature: float) -> Tensor:
     """The logits gradient, recomputed from the logits and their ``lse``."""
-    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
+    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
+                         temperature)
     g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
     return launch.backward(g, torch.zeros_like(g), x.contiguous(), lse.contiguous(),
                            target.to(torch.int64).contiguous(), check.weight(weight, x),
@@ -113,20 +115,20 @@ def cross_entropy_backward(grad_loss: Tensor, x: Tensor, lse: Tensor, target: Te
 
 @cross_entropy_backward.register_fake
 def _(grad_loss, x, lse, target, weight, reduction, ignore_index, label_smoothing,
-      lse_square_scale, softcap):
+      lse_square_scale, softcap, temperature):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-_OP_ARGS = 9  # inputs of cross_entropy_forward/_train, for the backward's None slots
+_OP_ARGS = 10  # inputs of cross_entropy_forward/_train, for the backward's None slots
 
 
 def _setup_context(ctx, inputs, output):
-    x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap, _ = (
-        inputs)
+    (x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
+     temperature, _) = inputs
     ctx.save_for_backward(x, output[2], target, weight)
     ctx.scalars = dict(reduction=reduction, ignore_index=ignore_index,  # checked by the forward
                        label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
-                       softcap=softcap)
+                       softcap=softcap, temperature=temperature)
     ctx.mark_non_differentiable(output[3])
 
 
@@ -146,12 +148,13 @@ cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
 @custom_op("ce_tvm::cross_entropy_train", mutates_args=())
 def cross_entropy_train(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
                         ignore_index: int, label_smoothing: float, lse_square_scale: float,
-                        softcap: float, token_accuracy: bool
+                        softcap: float, temperature: float, token_accuracy: bool
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, zloss, lse, accuracy, x_grad)``: ``loss``/``zloss`` ``[1]``;
     ``accuracy`` as in ``cross_entropy_forward``; ``x_grad`` is d(loss)/d(x)
     for a unit upstream gradient (``sum``/``mean`` only)."""
-    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
+    options = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
+                         temperature)
     y = check.targets(target, x, options.ignore_index)
     out, x_grad = launch.train(x.contiguous(), y, check.weight(weight, x), options,
                                accuracy=token_accuracy)
@@ -161,7 +164,7 @@ def cross_entropy_train(x: Tensor, target: Tensor, weight: Tensor | None, reduct
 
 @cross_entropy_train.register_fake
 def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
-      token_accuracy):
+      temperature, token_accuracy):
     return (x.new_empty(1), x.new_empty(1),
             x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)),
             accuracy_like(x, token_accuracy),
@@ -233,17 +236,19 @@ cross_entropy_train.register_autograd(_train_backward, setup_context=_setup_trai
 @custom_op("ce_tvm::cross_entropy_probs", mutates_args=())
 def cross_entropy_probs(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
                         label_smoothing: float, lse_square_scale: float,
-                        softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        softcap: float, temperature: float
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, zloss, lse, target_mass)`` for probability targets of ``x``'s shape
     and dtype; ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``."""
-    options = options_of(reduction, -100, label_smoothing, lse_square_scale, softcap)
+    options = options_of(reduction, -100, label_smoothing, lse_square_scale, softcap,
+                         temperature)
     q = check.probabilities(target, x)
     out, mass = launch.prob_forward(x.contiguous(), q, check.weight(weight, x), options)
     return out.loss, out.zloss, out.lse, mass
 
 
 @cross_entropy_probs.register_fake
-def _(x, target, weight, reduction, label_smoothing, lse_square_scale, softcap):
+def _(x, target, weight, reduction, label_smoothing, lse_square_scale, softcap, temperature):
     rows, acc = loss_rows(x, reduction), accum_torch_dtype(x)
     return (x.new_empty(rows), x.new_empty(rows), x.new_empty(x.shape[0], dtype=acc),
             x.new_empty(x.shape[0], dtype=acc))
@@ -253,11 +258,12 @@ def _(x, target, weight, reduction, label_smoothing, lse_square_scale, softcap):
 def cross_entropy_probs_backward(grad_loss: Tensor, x: Tensor, target: Tensor, lse: Tensor,
                                  target_mass: Tensor, weight: Tensor | None, reduction: str,
                                  label_smoothing: float, lse_square_scale: float,
-                                 softcap: float, grad_input: bool,
+                                 softcap: float, temperature: float, grad_input: bool,
                                  grad_target: bool) -> tuple[Tensor, Tensor]:
     """``(x_grad, target_grad)`` for probability targets, from the forward's ``lse``
     and ``target_mass``; an empty tensor for a gradient not asked for."""
-    options = options_of(reduction, -100, label_smoothing, lse_square_scale, softcap)
+    options = options_of(reduction, -100, label_smoothing, lse_square_scale, softcap,
+                         temperature)
     g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
     x, lse, w = x.contiguous(), lse.contiguous(), check.weight(weight, x)
     empty = x.new_empty(0)
@@ -269,7 +275,7 @@ def cross_entropy_probs_backward(grad_loss: Tensor, x: Tensor, target: Tensor, l
 
 @cross_entropy_probs_backward.register_fake
 def _(grad_loss, x, target, lse, target_mass, weight, reduction, label_smoothing,
-      lse_square_scale, softcap, grad_input, grad_target):
+      lse_square_scale, softcap, temperature, grad_input, grad_target):
     def grad(wanted):
         return torch.empty_like(x, memory_format=torch.contiguous_format) if wanted \
             else x.new_empty(0)
@@ -278,10 +284,11 @@ def _(grad_loss, x, target, lse, target_mass, weight, reduction, label_smoothing
 
 
 def _setup_probs_context(ctx, inputs, output):
-    x, target, weight, reduction, label_smoothing, lse_square_scale, softcap = inputs
+    x, target, weight, reduction, label_smoothing, lse_square_scale, softcap, temperature = inputs
     ctx.save_for_backward(x, target, output[2], output[3], weight)
     ctx.scalars = dict(reduction=reduction, label_smoothing=label_smoothing,  # checked already
-                       lse_square_scale=lse_square_scale, softcap=softcap)
+                       lse_square_scale=lse_square_scale, softcap=softcap,
+                       temperature=temperature)
 
 
 def _probs_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_mass):
@@ -289,12 +296,11 @@ def _probs_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_mass):
     x, target, lse, mass, weight = ctx.saved_tensors
     wanted = ctx.needs_input_grad[:2]
     if grad_loss is None or not any(wanted):
-        return None, None, None, None, None, None, None
+        return (None,) * 8
     x_grad, target_grad = cross_entropy_probs_backward(
         grad_loss, x, target, lse, mass, weight, **ctx.scalars, grad_input=wanted[0],
         grad_target=wanted[1])
-    return (x_grad if wanted[0] else None, target_grad if wanted[1] else None,
-            None, None, None, None, None)
+    return (x_grad if wanted[0] else None, target_grad if wanted[1] else None, *(None,) * 6)
 
 
 cross_entropy_probs.register_autograd(_probs_backward, setup_context=_setup_probs_context)

@@ -25,14 +25,16 @@ def shard_bounds(rank, world):
 
 
 def check_cases(rank, world):
-    """24 option combinations, and 2 with softcap; returns how many were checked."""
+    """24 option combinations, 2 with softcap, 1 with softcap and a temperature;
+    returns how many were checked."""
     n, c = 24, C
     widths, lo, hi = shard_bounds(rank, world)
     checked = 0
     plain = itertools.product(("none", "sum", "mean"), (False, True), (0.0, 0.1), (0.0, 1e-2),
-                              (0.0,))
-    capped = [("none", True, 0.1, 1e-2, 2.0), ("mean", True, 0.1, 1e-2, 2.0)]
-    for reduction, weighted, eps, zloss, softcap in itertools.chain(plain, capped):
+                              (0.0,), (1.0,))
+    capped = [("none", True, 0.1, 1e-2, 2.0, 1.0), ("mean", True, 0.1, 1e-2, 2.0, 1.0),
+              ("none", True, 0.1, 1e-2, 2.0, 0.7)]
+    for reduction, weighted, eps, zloss, softcap, temp in itertools.chain(plain, capped):
         gen = torch.Generator().manual_seed(7)
         full = torch.randn(n, c, generator=gen) * 3
         y = torch.randint(0, c, (n,), generator=gen)
@@ -41,7 +43,7 @@ def check_cases(rank, world):
         y[2] = widths[0] - 1  # the last column of the first shard
         w = torch.rand(c, generator=gen) + 0.5 if weighted else None
         opts = dict(ignore_index=-100, reduction=reduction, label_smoothing=eps,
-                    lse_square_scale=zloss, softcap=softcap)
+                    lse_square_scale=zloss, softcap=softcap, temperature=temp)
         ref_x = full.clone().requires_grad_()
         ref = ce_tvm.cross_entropy(ref_x, y, w, **opts)
         shard = full[:, lo:hi].clone().requires_grad_()

@@ -34,7 +34,7 @@ def run_ranks(world: int, mode: str, expect_checked: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_matches_single_process(world):
-    run_ranks(world, "cases", 26)
+    run_ranks(world, "cases", 27)
 
 
 def test_vocab_parallel_empty_batches_and_odd_strides():

@@ -8,9 +8,9 @@ from tvm import te, tirx
 
 from . import fastmath
 from .common import (
-    Logits,
     grad_coefficients,
     int64,
+    loss_logits,
     masked_target,
     mean_totals,
     same_class,
@@ -36,7 +36,8 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
     vocabulary), ``shard_offset``, ``weight_sum`` and ``global_classes``;
     then ``ignore_index``, ``label_smoothing``, ``zloss_scale``, and
     ``softcap`` (capped variant with a logits or shard source: the gradient
-    is taken through ``t * tanh(x / t)``); output ``x_grad[N, C]`` (dtype).
+    is taken through ``t * tanh(x / t)``), ``inv_temperature`` (tempered
+    variant, likewise); output ``x_grad[N, C]`` (dtype).
     """
     acc = accum_dtype(dtype)
     n_rows = symbolic_rows()
@@ -50,8 +51,10 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
     w = te.placeholder((int64(classes),), acc, name="weight") if variant.weighted else None
     if variant.softcap and variant.grad_source == "log_prob":
         raise ValueError("the backward from log_prob (the seed pair) has no softcap")
-    ii, eps, s, *cap = scalars = scalar_args(acc, variant.softcap)
-    logit = Logits(src, acc, tuple(cap))
+    if variant.tempered and variant.grad_source == "log_prob":
+        raise ValueError("the backward from log_prob (the seed pair) has no temperature")
+    ii, eps, s, *_ = scalars = scalar_args(acc, variant)
+    logit = loss_logits(src, acc, variant, scalars)
     mask, index = masked_target(y, ii, classes)
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
 

@@ -74,14 +74,16 @@ def int64(v: int):
     return tirx.IntImm("int64", v)
 
 
-def scalar_args(acc: str, softcap: bool = False) -> tuple:
+def scalar_args(acc: str, variant=None) -> tuple:
     """The scalar arguments: ``ignore_index``, ``label_smoothing``,
-    ``zloss_scale``, and ``softcap`` for a capped variant."""
+    ``zloss_scale``, then ``softcap`` for a capped ``variant`` and
+    ``inv_temperature`` for a tempered one (``loss_logits`` reads them)."""
     return (
         te.var("ignore_index", "int64"),
         te.var("label_smoothing", acc),
         te.var("zloss_scale", acc),
-    ) + ((te.var("softcap", acc),) if softcap else ())
+    ) + ((te.var("softcap", acc),) if variant is not None and variant.softcap else ()) + (
+        (te.var("inv_temperature", acc),) if variant is not None and variant.tempered else ())
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,15 @@ class Logits:
         one = tirx.const(1.0, self.acc)
         th = fastmath.tanh(self.x[n, c].astype(self.acc) * (one / self.cap[0]))
         return grad * (one - th * th)
+
+
+def loss_logits(x, acc: str, variant, scalars: tuple) -> Logits:
+    """``x`` as a loss kernel reads it, from the arguments ``scalar_args`` gave:
+    capped by ``softcap`` (capped variant), scaled by ``inv_temperature``
+    (tempered variant)."""
+    rest = list(scalars[3:])
+    cap = (rest.pop(0),) if variant.softcap else ()
+    return Logits(x, acc, cap, tuple(rest))
 
 
 def masked_target(y, ii, classes: int):

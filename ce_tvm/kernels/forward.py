@@ -7,10 +7,10 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from .common import (
-    Logits,
     class_weights,
     int64,
     logits_inputs,
+    loss_logits,
     masked_target,
     reduce_forward,
     row_hits,
@@ -35,20 +35,22 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     Arguments, in order: ``x[N, C]`` (dtype), ``target[N]`` (int64),
     ``weight[C]`` (accumulation dtype, weighted variant only), ``ignore_index``,
     ``label_smoothing``, ``zloss_scale``, ``softcap`` (capped variant only:
-    every logit is read as ``t * tanh(x / t)``); outputs ``loss`` and ``zloss``
+    every logit is read as ``t * tanh(x / t)``), ``inv_temperature``
+    (tempered variant only: then divided by ``T``); outputs ``loss`` and ``zloss``
     (``[N]`` for ``none``, else ``[1]``, dtype), ``lse[N]`` (accumulation
     dtype), ``log_prob[N, C]`` (dtype, log-prob variant only), and
     ``hit[N]`` (accumulation dtype, accuracy variant only: 1 where the row is
     not ignored and its target is its first maximal logit, else 0).
     """
     acc, n_rows, x, y, w = logits_inputs(classes, dtype, variant.weighted)
-    ii, eps, s, *cap = scalars = scalar_args(acc, variant.softcap)
-    logit = Logits(x, acc, tuple(cap))
+    ii, eps, s, *_ = scalars = scalar_args(acc, variant)
+    logit = loss_logits(x, acc, variant, scalars)
     mask, index = masked_target(y, ii, classes)
     st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk,
                     target=index if variant.accuracy else None, stage=stage)
     rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
-    lse = te.compute((n_rows,), lambda n: rowmax[n] + te.log(expsum[n]), name=LSE)
+    lse = te.compute((n_rows,), lambda n: logit.scaled(rowmax[n]) + te.log(expsum[n]),
+                     name=LSE)
     rows = row_losses(
         n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
         target_logit=lambda n: logit(n, index(n)),

@@ -40,7 +40,9 @@ class Variant:
     argument (SPEC section 5); without it the kernel has no ``tanh`` at all.
     ``accuracy``: the forward and training kernels also write, per row,
     whether the target is the row's first maximal logit (token accuracy).
-    ``columns``: the log-prob kernels' ``K``, the class indices per row
+    ``tempered``: the logits are divided by a temperature ``T``, its inverse a
+    scalar argument after ``softcap`` (SPEC section 6); without it the kernel
+    has no such multiply. ``columns``: the log-prob kernels' ``K``, the class indices per row
     (``index[N, K]``); 0 for the loss kernels.
     """
 
@@ -50,6 +52,7 @@ class Variant:
     grad_source: str = "log_prob"
     softcap: bool = False
     accuracy: bool = False
+    tempered: bool = False
     columns: int = 0
 
     def __post_init__(self):
@@ -63,6 +66,7 @@ class Variant:
         """A short string naming the variant (used in cache keys and file names)."""
         return "-".join(
             [self.reduction, "w" if self.weighted else "nw", "lp" if self.log_prob else "nolp",
-             *(["sc"] if self.softcap else []), *(["acc"] if self.accuracy else []),
+             *(["sc"] if self.softcap else []), *(["t"] if self.tempered else []),
+             *(["acc"] if self.accuracy else []),
              *([f"k{self.columns}"] if self.columns else []), self.grad_source]
         )

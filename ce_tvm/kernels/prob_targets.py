@@ -9,9 +9,9 @@ from tvm import te, tirx
 from . import fastmath
 from .common import (
     ElementWeights,
-    Logits,
     int64,
     logits_inputs,
+    loss_logits,
     reduce_forward,
     row_stats,
     scalar_args,
@@ -65,8 +65,8 @@ def prob_forward_func(classes: int, dtype: str, variant: Variant,
     takes.
     """
     acc, n_rows, x, q, w = logits_inputs(classes, dtype, variant.weighted, probs=True)
-    _, eps, s, *cap = scalar_args(acc, variant.softcap)
-    logit = Logits(x, acc, tuple(cap))
+    _, eps, s, *rest = scalars = scalar_args(acc, variant)
+    logit = loss_logits(x, acc, variant, scalars)
 
     def first_logit(n):  # a value near the row's others, read before the row's reductions
         first = logit(n, int64(0))
@@ -76,12 +76,14 @@ def prob_forward_func(classes: int, dtype: str, variant: Variant,
     ref = te.compute((n_rows,), first_logit, name=ROW_REF)
     st = row_stats(logit, ElementWeights(_target_mass(q, w, eps, classes, acc)), n_rows,
                     classes, acc, chunk, shift=lambda n: ref[n])
-    lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
+    lse = te.compute((n_rows,), lambda n: logit.scaled(st.rowmax[n]) + te.log(st.expsum[n]),
+                     name=LSE)
     mass = te.compute((n_rows,), st.weight_sum, name=ROW_MASS)
     every = te.compute((n_rows,), lambda n: tirx.const(1.0, acc), name=ROW_MASK)
     rows = {
         "ce": te.compute((n_rows,), lambda n: (
-            (st.rowmax[n] - first_logit(n)) + te.log(st.expsum[n])) * st.weight_sum(n)
+            (logit.scaled(st.rowmax[n]) - first_logit(n)) + te.log(st.expsum[n]))
+            * st.weight_sum(n)
             - st.wxsum[n],
             name=ROW_CE),
         "z": te.compute((n_rows,), lambda n: s * lse[n] * lse[n], name=ROW_Z),
@@ -89,7 +91,7 @@ def prob_forward_func(classes: int, dtype: str, variant: Variant,
     if variant.reduction == "mean":
         rows["weight"] = rows["count"] = every
     outs = reduce_forward(rows, n_rows, dtype, variant.reduction).outputs
-    args = [x, q] + ([w] if w is not None else []) + [eps, s, *cap] + outs + [lse, mass]
+    args = [x, q] + ([w] if w is not None else []) + [eps, s, *rest] + outs + [lse, mass]
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
 
@@ -125,8 +127,8 @@ def prob_backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimF
     g = _grad_input(n_rows, acc, variant.reduction)
     lse = te.placeholder((n_rows,), acc, name="lse")
     total = te.placeholder((n_rows,), acc, name="target_mass")
-    _, eps, s, *cap = scalar_args(acc, variant.softcap)
-    logit = Logits(x, acc, tuple(cap))
+    _, eps, s, *rest = scalars = scalar_args(acc, variant)
+    logit = loss_logits(x, acc, variant, scalars)
     mass = _target_mass(q, w, eps, classes, acc)
     zero, two = tirx.const(0.0, acc), tirx.const(2.0, acc)
     coef = _prob_row_grad(g, n_rows, variant.reduction, acc)
@@ -139,7 +141,7 @@ def prob_backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimF
         return logit.scaled_by_slope(n, c, p * p_scale[n] - coef[n] * mass(n, c)).astype(dtype)
 
     x_grad = te.compute((n_rows, int64(classes)), grad, name=X_GRAD)
-    args = [g, x, q, lse, total] + ([w] if w is not None else []) + [eps, s, *cap, x_grad]
+    args = [g, x, q, lse, total] + ([w] if w is not None else []) + [eps, s, *rest, x_grad]
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
 
@@ -155,8 +157,8 @@ def prob_target_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.Pr
     acc, n_rows, x, _, w = logits_inputs(classes, dtype, variant.weighted, probs=True)
     g = _grad_input(n_rows, acc, variant.reduction)
     lse = te.placeholder((n_rows,), acc, name="lse")
-    _, eps, _, *cap = scalar_args(acc, variant.softcap)
-    logit = Logits(x, acc, tuple(cap))
+    _, eps, _, *rest = scalars = scalar_args(acc, variant)
+    logit = loss_logits(x, acc, variant, scalars)
     coef = _prob_row_grad(g, n_rows, variant.reduction, acc)
     one = tirx.const(1.0, acc)
 
@@ -165,5 +167,5 @@ def prob_target_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.Pr
         return (-scale * (logit(n, c) - lse[n])).astype(dtype)
 
     target_grad = te.compute((n_rows, int64(classes)), grad, name=TARGET_GRAD)
-    args = [g, x, lse] + ([w] if w is not None else []) + [eps, *cap, target_grad]
+    args = [g, x, lse] + ([w] if w is not None else []) + [eps, *rest, target_grad]
     return te.create_prim_func(args).with_attr("global_symbol", "main")

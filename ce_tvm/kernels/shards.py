@@ -7,10 +7,10 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from .common import (
-    Logits,
     class_weights,
     int64,
     logits_inputs,
+    loss_logits,
     masked_target,
     reduce_forward,
     row_losses,
@@ -19,7 +19,7 @@ from .common import (
     symbolic_rows,
 )
 from .kinds import Variant, accum_dtype
-from .stages import SHARD_LOCAL, SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT
+from .stages import ROW_MAX, SHARD_LOCAL, SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT
 
 
 def shard_stats_func(classes: int, dtype: str, variant: Variant,
@@ -36,10 +36,12 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
     """
     acc, n_rows, x, y, w = logits_inputs(classes, dtype, variant.weighted)
     offset = te.var("shard_offset", "int64")
-    cap = scalar_args(acc, variant.softcap)[3:]
-    logit = Logits(x, acc, cap)
+    scalars = scalar_args(acc, variant)
+    logit = loss_logits(x, acc, variant, scalars)
     st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk, stage=stage)
     rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
+    if variant.tempered:  # the row max of the scaled logits, as the shards combine it
+        rowmax = te.compute((n_rows,), lambda n: logit.scaled(st.rowmax[n]), name=ROW_MAX)
     local = te.compute((n_rows,), lambda n: y[n] - offset, name=SHARD_LOCAL)
 
     def here(n):
@@ -54,7 +56,7 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
     wy = te.compute((n_rows,), lambda n: tirx.Select(
         here(n), w[clamp(n)] if w is not None else tirx.const(1.0, acc), zero),
         name=SHARD_TARGET_WEIGHT)
-    args = ([x, y] + ([w] if w is not None else []) + [offset, *cap]
+    args = ([x, y] + ([w] if w is not None else []) + [offset, *scalars[3:]]
             + [rowmax, expsum, wxsum, xt, wy])
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 

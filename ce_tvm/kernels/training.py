@@ -8,11 +8,11 @@ from tvm import te, tirx
 
 from . import fastmath
 from .common import (
-    Logits,
     class_weights,
     grad_coefficients,
     int64,
     logits_inputs,
+    loss_logits,
     masked_target,
     one_hot_tested_by_chunk,
     reduce_forward,
@@ -48,13 +48,14 @@ def train_func(classes: int, dtype: str, variant: Variant,
     if variant.reduction == "none":
         raise ValueError("train_func needs reduction 'sum' or 'mean'")
     acc, n_rows, x, y, w = logits_inputs(classes, dtype, variant.weighted)
-    ii, eps, s, *cap = scalars = scalar_args(acc, variant.softcap)
-    logit = Logits(x, acc, tuple(cap))
+    ii, eps, s, *_ = scalars = scalar_args(acc, variant)
+    logit = loss_logits(x, acc, variant, scalars)
     mask, index = masked_target(y, ii, classes)
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
     st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk, keep_exp=True,
                     target=index if variant.accuracy else None)
-    lse = te.compute((n_rows,), lambda n: st.rowmax[n] + te.log(st.expsum[n]), name=LSE)
+    lse = te.compute((n_rows,), lambda n: logit.scaled(st.rowmax[n]) + te.log(st.expsum[n]),
+                     name=LSE)
 
     def wc(c):
         return w[c] if w is not None else one

@@ -78,15 +78,33 @@ def _cuda_scratch(rows: int, dtype: torch.dtype, device) -> list:
 
 
 def _scalars(options: LossOptions) -> tuple:
-    """The kernels' scalar arguments, in their order (``softcap`` only when on:
-    the kernels without it have no such argument)."""
+    """The kernels' scalar arguments, in their order (``softcap`` only when on,
+    the inverse temperature only when not 1: the kernels without them have no
+    such arguments)."""
     return (options.ignore_index, options.label_smoothing, options.zloss_scale,
-            *((options.softcap,) if options.softcap else ()))
+            *_logit_scalars(options))
+
+
+def _logit_scalars(options: LossOptions) -> tuple:
+    """``softcap`` (capped) and the inverse temperature (tempered), as the kernels take them."""
+    return ((options.softcap,) if _capped(options) else ()) + (
+        (1.0 / options.temperature,) if _tempered(options) else ())
 
 
 def _capped(options: LossOptions) -> bool:
     """Whether the kernels for ``options`` are the softcap variants."""
     return options.softcap != 0.0
+
+
+def _tempered(options: LossOptions) -> bool:
+    """Whether the kernels for ``options`` divide the logits by a temperature."""
+    return options.temperature != 1.0
+
+
+def _variant(options: LossOptions, **fields) -> Variant:
+    """The loss kernels' ``Variant`` for ``options`` (reduction, softcap, temperature)."""
+    return Variant(options.reduction, softcap=_capped(options), tempered=_tempered(options),
+                   **fields)
 
 
 def _prob_scalars(options: LossOptions) -> tuple:
@@ -155,8 +173,7 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = F
     if _rows_to_run(x) == 0:
         _empty_reduction(out, options.reduction)
         return out
-    variant = Variant(options.reduction, w is not None, log_prob=log_prob,
-                      softcap=_capped(options), accuracy=accuracy)
+    variant = _variant(options, weighted=w is not None, log_prob=log_prob, accuracy=accuracy)
     _run(_spec("forward", x, variant), n, x, y, *_weight(w), *_scalars(options), out.loss,
          out.zloss, out.lse, *([out.log_prob] if log_prob else []),
          *([out.hit] if accuracy else []))
@@ -180,8 +197,7 @@ def train(x, y, w, options: LossOptions, *,
         _empty_reduction(out, options.reduction)
         return out, x_grad
     norms = [x.new_empty(2, dtype=acc)] if options.reduction == "mean" else []
-    variant = Variant(options.reduction, w is not None, log_prob=False,
-                      softcap=_capped(options), accuracy=accuracy)
+    variant = _variant(options, weighted=w is not None, log_prob=False, accuracy=accuracy)
     _run(_spec("train", x, variant), n, x, y, *_weight(w), *_scalars(options), *norms, x_grad,
          out.lse, out.loss, out.zloss, *([out.hit] if accuracy else []))
     return out, x_grad
@@ -197,23 +213,23 @@ def backward(grad_loss, grad_zloss, source, lse, y, w, options: LossOptions, *,
     _check_out(x_grad)
     if _rows_to_run(source) == 0:
         return x_grad
-    variant = Variant(options.reduction, w is not None, grad_source=source_kind,
-                      softcap=_capped(options))
+    variant = _variant(options, weighted=w is not None, grad_source=source_kind)
     _run(_spec("backward", source, variant), source.shape[0], grad_loss, grad_zloss, source, lse, y,
          *_weight(w), *_scalars(options), x_grad)
     return x_grad
 
 
-def shard_stats(x, y, w, offset: int, softcap: float = 0.0):
-    """Row statistics of a vocabulary shard (logits capped by ``softcap`` when
-    non-zero): ``(rowmax, expsum, wxsum, target_logit, target_weight)``, each
-    ``[N]`` in the accumulation dtype."""
+def shard_stats(x, y, w, offset: int, options: LossOptions):
+    """Row statistics of a vocabulary shard (its logits capped and scaled as
+    ``options`` say): ``(rowmax, expsum, wxsum, target_logit, target_weight)``,
+    each ``[N]`` in the accumulation dtype."""
     x, y, w = aligned(x), aligned(y), aligned(w)
     outs = [x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)) for _ in range(5)]
     if _rows_to_run(x) == 0:
         return outs
-    spec = _spec("shard_stats", x, Variant(weighted=w is not None, softcap=softcap != 0.0))
-    _run(spec, x.shape[0], x, y, *_weight(w), offset, *((softcap,) if softcap else ()), *outs)
+    spec = _spec("shard_stats", x, _variant(replace(options, reduction="mean"),
+                                            weighted=w is not None))
+    _run(spec, x.shape[0], x, y, *_weight(w), offset, *_logit_scalars(options), *outs)
     return outs
 
 
@@ -229,9 +245,9 @@ def shard_combine(lse, target_logit, target_weight, wxsum, y, *, weight_sum: flo
         return loss, zloss
     spec = KernelSpec("shard_combine", dtype_name(dtype), classes, Variant(options.reduction),
                       *kernel_target(lse))
-    # the statistics are of the capped logits already: this kernel has no softcap
+    # the statistics are of the capped, scaled logits already: this kernel has neither
     _run(spec, lse.shape[0], lse, target_logit, target_weight, wxsum, y, weight_sum,
-         *_scalars(replace(options, softcap=0.0)), loss, zloss)
+         *_scalars(replace(options, softcap=0.0, temperature=1.0)), loss, zloss)
     return loss, zloss
 
 
@@ -243,8 +259,7 @@ def shard_backward(grad_loss, x, lse, y, w, target_weight, *, offset: int, weigh
     x_grad = pool.empty_like(x)
     if _rows_to_run(x) == 0:
         return x_grad
-    variant = Variant(options.reduction, w is not None, grad_source="shard",
-                      softcap=_capped(options))
+    variant = _variant(options, weighted=w is not None, grad_source="shard")
     _run(_spec("backward", x, variant), x.shape[0], grad_loss, torch.zeros_like(grad_loss), x,
          lse, y, *_weight(w), target_weight, offset, weight_sum, float(global_classes),
          *_scalars(options), x_grad)
@@ -264,8 +279,7 @@ def prob_forward(x, q, w, options: LossOptions) -> tuple[ForwardOutputs, torch.T
     if _rows_to_run(x) == 0:
         _empty_reduction(out, options.reduction)
         return out, mass
-    spec = _spec("prob_forward", x, Variant(options.reduction, w is not None, log_prob=False,
-                                            softcap=_capped(options)))
+    spec = _spec("prob_forward", x, _variant(options, weighted=w is not None, log_prob=False))
     _run(spec, n, x, q, *_weight(w), *_prob_scalars(options), out.loss, out.zloss, out.lse, mass)
     return out, mass
 
@@ -277,8 +291,7 @@ def prob_backward(grad_loss, x, q, lse, mass, w, options: LossOptions) -> torch.
     x_grad = pool.empty_like(x)
     if _rows_to_run(x) == 0:
         return x_grad
-    spec = _spec("prob_backward", x, Variant(options.reduction, w is not None, log_prob=False,
-                                             softcap=_capped(options)))
+    spec = _spec("prob_backward", x, _variant(options, weighted=w is not None, log_prob=False))
     _run(spec, x.shape[0], grad_loss, x, q, lse, mass, *_weight(w), *_prob_scalars(options), x_grad)
     return x_grad
 
@@ -289,11 +302,10 @@ def prob_target_grad(grad_loss, x, lse, w, options: LossOptions) -> torch.Tensor
     target_grad = pool.empty_like(x)
     if _rows_to_run(x) == 0:
         return target_grad
-    spec = _spec("prob_target_grad", x, Variant(options.reduction, w is not None, log_prob=False,
-                                                softcap=_capped(options)))
-    softcap = (options.softcap,) if _capped(options) else ()
-    _run(spec, x.shape[0], grad_loss, x, lse, *_weight(w), options.label_smoothing, *softcap,
-         target_grad)
+    spec = _spec("prob_target_grad", x, _variant(options, weighted=w is not None,
+                                                 log_prob=False))
+    _run(spec, x.shape[0], grad_loss, x, lse, *_weight(w), options.label_smoothing,
+         *_logit_scalars(options), target_grad)
     return target_grad
 
 

@@ -78,4 +78,4 @@ def store_on_module(module, options: LossOptions) -> None:
     (``lse_square_scale`` for ``zloss_scale``), as torch's loss modules do."""
     module.ignore_index, module.reduction = options.ignore_index, options.reduction
     module.label_smoothing, module.lse_square_scale = options.label_smoothing, options.zloss_scale
-    module.softcap = options.softcap
+    module.softcap, module.temperature = options.softcap, options.temperature
