@@ -97,9 +97,10 @@ def test_gradcheck_float64(reduction):
 def test_opcheck():
     x, y = _inputs("NC")
     w = torch.rand(13) + 0.5
-    # (..., softcap, token_accuracy): a capped kernel with accuracy, and a plain one
-    for args in [(x, y, w, "mean", -100, 0.1, 1e-3, 5.0, True),
-                 (x, y, None, "none", -100, 0.0, 0.0, 0.0, False)]:
+    # (..., softcap, temperature, token_accuracy): a capped, tempered kernel with
+    # accuracy, and a plain one
+    for args in [(x, y, w, "mean", -100, 0.1, 1e-3, 5.0, 0.8, True),
+                 (x, y, None, "none", -100, 0.0, 0.0, 0.0, 1.0, False)]:
         torch.library.opcheck(cross_entropy_forward, (x.clone().requires_grad_(), *args[1:]))
         loss, _, lse, _ = cross_entropy_forward(*args)
         torch.library.opcheck(cross_entropy_backward,

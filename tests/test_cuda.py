@@ -362,3 +362,55 @@ def test_scratch_is_safe_under_cuda_graph_replay_and_side_streams():
     for loss, (xs, ys) in zip(losses, cases):
         torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(xs, ys),
                                    rtol=1e-5, atol=1e-5)
+
+
+# The log-prob kernels (SPEC section 6) and the losses' tempered variants: one
+# whole-row and one chunked C; the exp evaluated per sum (KEEPS_CHUNK_EXP).
+@needs_nvcc
+@pytest.mark.parametrize("classes", [1001, 32000])
+@pytest.mark.parametrize("op,variant", [
+    ("log_probs", Variant(columns=1)),
+    ("log_probs", Variant(columns=5, softcap=True)),
+    ("log_probs_grad", Variant(columns=5, softcap=True)),
+    ("forward", Variant("mean", True, False, tempered=True)),
+    ("backward", Variant("none", False, grad_source="logits", softcap=True, tempered=True)),
+])
+def test_log_prob_and_tempered_kernels_compile_with_nvcc(op, variant, classes):
+    spec = KernelSpec(op, "bfloat16", classes, variant, "cuda", (("arch", "sm_90"),))
+    source, cubin = cuda_binary(compile_spec(spec), spec)  # raises on any nvcc error
+    assert cubin[:4] == b"\x7fELF"
+    assert ("float inv_temperature" in source) == (op.startswith("log_probs") or
+                                                   variant.tempered)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("classes", [1001, 50257])
+def test_log_probs_and_tempered_loss_on_gpu(dtype, classes):
+    """Log-probs (K = 3, a masked row, softcap, temperature) with their gradient,
+    and a tempered loss, against torch in float32 on the CPU."""
+    import ce_tvm
+
+    gen = torch.Generator().manual_seed(classes)
+    x = (torch.randn(64, classes, generator=gen) * 4).to(dtype)
+    index = torch.randint(0, classes, (64, 3), generator=gen)
+    mask = torch.ones(64, dtype=torch.bool)
+    mask[5] = False
+    a, b = torch.randn(64, 3, generator=gen), torch.randn(64, generator=gen)
+    xg = x.cuda().requires_grad_()
+    logp, entropy = ce_tvm.log_probs(xg, index.cuda(), temperature=0.7, softcap=30.0,
+                                     row_mask=mask.cuda(), return_entropy=True)
+    ((logp * a.cuda()).sum() + (entropy * b.cuda()).sum()).backward()
+    xr = x.float().requires_grad_()
+    lp = torch.log_softmax(30.0 * torch.tanh(xr / 30.0) / 0.7, -1)
+    ref_logp = torch.where(mask[:, None], lp.gather(1, index), 0.0)
+    ref_entropy = -(lp.exp() * lp).sum(-1)
+    ((ref_logp * a).sum() + (ref_entropy * b).sum()).backward()
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(logp.cpu(), ref_logp.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(entropy.cpu(), ref_entropy.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(xg.grad.float().cpu(), xr.grad, rtol=tol, atol=tol * 1e-2)
+    y = index[:, 0]
+    loss = ce_tvm.cross_entropy(x.cuda(), y.cuda(), temperature=1.5)
+    expected = torch.nn.functional.cross_entropy(x.float() / 1.5, y)
+    torch.testing.assert_close(loss.float().cpu(), expected, rtol=tol, atol=tol)

@@ -234,8 +234,9 @@ def test_bit_identical_reruns():
 
 
 def _op_args(x, W, b, y, w, reduction="mean", grads=(True, True, True), retain=False,
-             softcap=0.0, accuracy=False):
-    return (x, W, b, y, w, reduction, -100, 0.1, 1e-2, softcap, accuracy, 4, *grads, retain)
+             softcap=0.0, accuracy=False, temperature=1.0):
+    return (x, W, b, y, w, reduction, -100, 0.1, 1e-2, softcap, temperature, accuracy, 4, *grads,
+            retain)
 
 
 def test_only_requested_gradients_are_computed():
@@ -292,12 +293,14 @@ def test_opcheck():
         args = _op_args(x.clone().requires_grad_(), W.clone().requires_grad_(),
                         b.clone().requires_grad_(), y, w, reduction, retain=True,
                         softcap=5.0 if reduction == "mean" else 0.0,
-                        accuracy=reduction != "sum")
+                        accuracy=reduction != "sum",
+                        temperature=0.8 if reduction == "none" else 1.0)
         torch.library.opcheck(linear_cross_entropy_forward, args)
     g = torch.rand(x.shape[0])
     for softcap in (0.0, 5.0):
         torch.library.opcheck(linear_cross_entropy_backward,
-                              (g, x, W, b, y, w, -100, 0.1, 1e-2, softcap, 4, True, True, True))
+                              (g, x, W, b, y, w, -100, 0.1, 1e-2, softcap, 1.0 if softcap else 1.4,
+                               4, True, True, True))
 
 
 class TinyLM(torch.nn.Module):

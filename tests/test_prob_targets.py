@@ -164,7 +164,8 @@ def test_opcheck_of_the_ops():
     w = torch.rand(11, generator=gen) + 0.5
     for reduction in ("none", "mean"):
         scalars = dict(reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-2,
-                       softcap=0.0 if reduction == "none" else 3.0)
+                       softcap=0.0 if reduction == "none" else 3.0,
+                       temperature=1.0 if reduction == "none" else 1.5)
         torch.library.opcheck(cross_entropy_probs, (x, q, w), scalars)
         _, _, lse, mass = cross_entropy_probs(x.detach(), q, w, **scalars)
         g = torch.ones(6 if reduction == "none" else 1)

@@ -168,9 +168,9 @@ def test_half_gradients_as_accurate_as_pytorchs(dtype):
 
 def test_opcheck():
     x, y, w = _inputs(5, 19, torch.float32, True, True)
-    # (..., softcap, token_accuracy)
-    for args in [(w, "mean", -100, 0.1, 1e-3, 5.0, True),
-                 (None, "sum", -100, 0.0, 0.0, 0.0, False)]:
+    # (..., softcap, temperature, token_accuracy)
+    for args in [(w, "mean", -100, 0.1, 1e-3, 5.0, 0.8, True),
+                 (None, "sum", -100, 0.0, 0.0, 0.0, 1.0, False)]:
         torch.library.opcheck(cross_entropy_train, (x.clone().requires_grad_(), y, *args))
 
 

@@ -67,8 +67,9 @@ def ahead_of_time_specs(target: str, dtype: str, classes: int,
 def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFunc:
     """The compute of ``spec``, unscheduled (forward rows chunked, the forward's
     chunk staged, ``exp`` scaled and NaN-tested, the overlap and one-hot tests written,
-    as the schedule asks: ``forward_chunk``, ``forward_stage``, ``exp_scaling``,
-    ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``, ``ONE_HOT_BY_CHUNK``).
+    a chunk's exponentials kept or not, as the schedule asks: ``forward_chunk``,
+    ``forward_stage``, ``exp_scaling``, ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``,
+    ``ONE_HOT_BY_CHUNK``, ``KEEPS_CHUNK_EXP``).
     The row chunk is ``chunk`` if given, else the tuning record's, else the schedule's."""
     schedule = schedule_module(spec.target)
     scaling = getattr(schedule, "exp_scaling", lambda target: "bits")(spec.tvm_target())
@@ -76,7 +77,8 @@ def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFu
         chunk = records.record_knobs(spec.tuned).get("chunk")
     with fastmath.scaling(scaling, nan_test=getattr(schedule, "EXP_NAN_TEST", False)), \
             common.last_chunk_peeled(getattr(schedule, "PEELS_LAST_CHUNK", False)), \
-            common.one_hot_by_chunk(getattr(schedule, "ONE_HOT_BY_CHUNK", False)):
+            common.one_hot_by_chunk(getattr(schedule, "ONE_HOT_BY_CHUNK", False)), \
+            common.chunk_exp_kept(getattr(schedule, "KEEPS_CHUNK_EXP", True)):
         return _declare(spec, schedule, chunk)
 
 

@@ -257,6 +257,28 @@ def one_hot_tested_by_chunk() -> bool:
     return _ONE_HOT_BY_CHUNK.get()
 
 
+_CHUNK_EXP_KEPT = contextvars.ContextVar("ce_tvm_chunk_exp_kept", default=True)
+
+
+@contextlib.contextmanager
+def chunk_exp_kept(kept: bool = True):
+    """Declare the log-prob kernels inside the block with a chunk's
+    ``exp(z - chunk_max)`` kept for its two sums (``ce_chunk_exp``), for a
+    schedule that holds it on chip (the CPU's L1), or evaluated in each sum
+    (``kept=False``: a target where ``exp`` is cheaper than the scratch). The
+    values are the same either way."""
+    token = _CHUNK_EXP_KEPT.set(kept)
+    try:
+        yield
+    finally:
+        _CHUNK_EXP_KEPT.reset(token)
+
+
+def exp_kept() -> bool:
+    """Whether the declaration is inside ``chunk_exp_kept(True)`` (the default)."""
+    return _CHUNK_EXP_KEPT.get()
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """How a row of ``classes`` is cut into ``n_chunks`` chunks of ``chunk``.
