@@ -333,3 +333,46 @@ def test_bfloat16_model_is_close_to_stock(fused):
         torch.testing.assert_close(grads[name].float(), grad.float(),
                                    **(dict(rtol=2e-2, atol=1e-3) if fused else TOL),
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_token_log_probs_equal_the_stock_logits(family):
+    """``token_log_probs`` (next-token log-probs and entropy at a temperature, the
+    family's softcap inside) against ``log_softmax`` of the stock model's logits:
+    values, and every parameter's gradient of ``a * logp + b * entropy``."""
+    model = build(family)
+    ids, _ = batch()
+    mask = torch.ones_like(ids)
+    mask[2, 7:] = 0  # padding
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(ids.shape, generator=g), torch.randn(ids.shape, generator=g)
+
+    def step(logp, entropy):
+        model.zero_grad(set_to_none=True)
+        ((logp * a).sum() + (entropy * b * mask).sum()).backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    logp, entropy = cehf.token_log_probs(model, ids, attention_mask=mask, temperature=0.8,
+                                         return_entropy=True)
+    grads = step(logp, entropy)
+    lp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float() / 0.8, -1)
+    live = F.pad((mask[:, :-1] * mask[:, 1:]).bool(), (0, 1), value=False)
+    ref_logp = torch.where(live, lp.gather(-1, F.pad(ids[:, 1:], (0, 1))[..., None])[..., 0], 0.0)
+    ref_entropy = -(lp.exp() * lp).sum(-1)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
+    expected = step(ref_logp, ref_entropy)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    k = cehf.token_log_probs(model, ids, index=torch.stack([ids, ids.flip(1)], -1))
+    torch.testing.assert_close(k[..., 0], lp.gather(-1, ids[..., None])[..., 0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_token_log_probs_refuses_other_models():
+    model = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64))
+    with pytest.raises(TypeError, match="token_log_probs supports"):
+        cehf.token_log_probs(model, torch.zeros(1, 3, dtype=torch.long))

@@ -14,6 +14,10 @@
   own forward runs. Families: ``FUSED_FAMILIES``.
 - ``compute_loss_func()``: the same causal-LM loss for
   ``Trainer(compute_loss_func=...)``, from the logits the model returns.
+- ``token_log_probs(model, input_ids, ...)``: per-position log-probs of the
+  next tokens (and the entropy) at a temperature, for RL post-training: the
+  model's body, then ``ce_tvm.linear_log_probs`` on the final hidden states
+  (the family's softcap applied), without logits. Families: ``FUSED_FAMILIES``.
 
 Loss options (keywords of all three): ``label_smoothing``,
 ``lse_square_scale`` (z-loss) and ``ignore_index``, as in ``ce_tvm.cross_entropy``.
@@ -33,6 +37,7 @@ from transformers.utils import can_return_tuple
 
 from ..linear import linear_cross_entropy
 from ..nn import cross_entropy
+from ..policy import linear_log_probs
 from ..runtime.options import LossOptions
 
 LOSS_OPTIONS = ("label_smoothing", "lse_square_scale", "ignore_index")
@@ -93,18 +98,19 @@ class CausalLMLoss:
                                logits.device)
 
 
-def _check_fused_family(model: nn.Module) -> None:
+def _check_fused_family(model: nn.Module, caller: str = "apply(fused_linear=True)") -> None:
     """A ``TypeError`` unless ``model`` is a ``FUSED_FAMILIES`` class (or a
     subclass that keeps its forward)."""
     family = next((cls for cls in type(model).__mro__ if cls.__name__ in FUSED_FAMILIES
                    and cls.__module__.startswith("transformers.")), None)
     if family is None:
-        raise TypeError(f"apply(fused_linear=True) supports {', '.join(FUSED_FAMILIES)} "
-                        f"(and subclasses), not {type(model).__name__}; "
-                        f"apply(model) without fused_linear works for any causal LM")
+        raise TypeError(f"{caller} supports {', '.join(FUSED_FAMILIES)} "
+                        f"(and subclasses), not {type(model).__name__}"
+                        + ("; apply(model) without fused_linear works for any causal LM"
+                           if caller.startswith("apply") else ""))
     if type(model).forward is not family.forward:
-        raise TypeError(f"apply(fused_linear=True): {type(model).__name__} overrides "
-                        f"{family.__name__}.forward, which the fused forward would replace")
+        raise TypeError(f"{caller}: {type(model).__name__} overrides "
+                        f"{family.__name__}.forward, whose head it would compute itself")
 
 
 def _fused_forward(model: nn.Module, options: LossOptions):
@@ -195,3 +201,37 @@ def compute_loss_func(**loss_options):
         return loss(logits, labels, logits.shape[-1], num_items_in_batch=num_items_in_batch)
 
     return causal_lm_loss
+
+
+def token_log_probs(model: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | None = None,
+                    index: Tensor | None = None, temperature: float = 1.0,
+                    return_entropy: bool = False, ignore_index: int = -100, **model_kwargs):
+    """Per-position log-probs of ``model`` (a ``FUSED_FAMILIES`` causal LM) at
+    ``temperature``, with gradients, without the ``[B, T, V]`` logits: the
+    model's body on ``input_ids`` (and ``attention_mask``, ``model_kwargs``),
+    then ``ce_tvm.linear_log_probs`` on the final hidden states with the
+    ``lm_head`` and the family's ``final_logit_softcapping``.
+
+    By default position ``t`` holds ``log p(input_ids[t + 1] | input_ids[:t + 1])``
+    (``[B, T]``; the last position, and any whose token or next token is
+    padding by ``attention_mask``, is 0). ``index`` ``[B, T]`` or ``[B, T, K]``
+    scores those tokens at each position instead (masked where
+    ``attention_mask`` is 0; ``ignore_index`` entries are 0). With
+    ``return_entropy=True`` returns ``(logp, entropy)``, the entropy ``[B, T]``
+    of every position.
+    """
+    _check_fused_family(model, "token_log_probs")
+    if attention_mask is not None:
+        model_kwargs["attention_mask"] = attention_mask
+    hidden = getattr(model, model.base_model_prefix)(input_ids=input_ids,
+                                                     **model_kwargs).last_hidden_state
+    live = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+            else attention_mask != 0)
+    if index is None:
+        index = nn.functional.pad(input_ids[:, 1:], (0, 1), value=ignore_index)
+        live = live & nn.functional.pad(live[:, 1:], (0, 1), value=False)
+    head = model.lm_head
+    softcap = getattr(model.config, "final_logit_softcapping", None) or 0.0  # 0: none
+    return linear_log_probs(hidden, head.weight, index, linear_bias=head.bias,
+                            temperature=temperature, softcap=softcap, row_mask=live,
+                            ignore_index=ignore_index, return_entropy=return_entropy)
