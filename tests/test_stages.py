@@ -7,7 +7,16 @@ from pathlib import Path
 import pytest
 from tvm import s_tir, tirx
 
-from ce_tvm.kernels import backward, forward, kinds, prob_targets, shards, stages, training
+from ce_tvm.kernels import (
+    backward,
+    forward,
+    kinds,
+    log_probs,
+    prob_targets,
+    shards,
+    stages,
+    training,
+)
 from ce_tvm.kernels.kinds import Variant
 from ce_tvm.schedules import _common
 
@@ -41,6 +50,11 @@ def declared_funcs():
         yield prob_targets.prob_forward_func(10, "float32", Variant(reduction, weighted, False), 4)
         yield prob_targets.prob_backward_func(10, "float32", Variant(reduction, weighted, False))
         yield prob_targets.prob_target_grad_func(10, "float32", Variant(reduction, weighted, False))
+    # the temperature (a shard's scaled row max), the log-prob kernels
+    yield shards.shard_stats_func(10, "float32", Variant(weighted=True, tempered=True), 4)
+    for softcap in (False, True):
+        yield log_probs.log_probs_func(10, "float32", Variant(columns=2, softcap=softcap), 4)
+        yield log_probs.log_probs_grad_func(10, "float32", Variant(columns=2, softcap=softcap))
 
 
 def block_names(func) -> set:

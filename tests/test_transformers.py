@@ -7,6 +7,7 @@ of every parameter, and for the loss options ``F.cross_entropy`` on its logits.
 """
 
 import copy
+import importlib.util
 import json
 import subprocess
 import sys
@@ -376,3 +377,13 @@ def test_token_log_probs_refuses_other_models():
         intermediate_size=64))
     with pytest.raises(TypeError, match="token_log_probs supports"):
         cehf.token_log_probs(model, torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_grpo_example_matches_trl():
+    """examples/grpo_step.py: GRPO steps through ``token_log_probs`` give TRL's
+    losses and gradients on the stock logits (it raises if they part)."""
+    spec = importlib.util.spec_from_file_location("grpo_step", ROOT / "examples" / "grpo_step.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    history = example.run(steps=2)
+    assert len(history) == 2 and history[1][0] != history[0][0]  # the steps moved the policy

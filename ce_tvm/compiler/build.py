@@ -8,6 +8,7 @@ import itertools
 import logging
 import shutil
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import tvm
@@ -25,7 +26,7 @@ from ..kernels import (
 from ..kernels.kinds import REDUCTIONS, Variant
 from ..store import records
 from ..store.files import copy_file
-from ..store.spec import KernelSpec, schedule_name, tuned_variants
+from ..store.spec import LOG_PROB_OPS, KernelSpec, schedule_name, tuned_variants
 
 log = logging.getLogger("ce_tvm")
 
@@ -38,10 +39,29 @@ def schedule_module(target: str):
 PROB_OPS = ("prob_forward", "prob_backward", "prob_target_grad")  # probability targets
 
 
-def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> list[KernelSpec]:
+@dataclass(frozen=True)
+class Extras:
+    """Kernel variants beyond the plain ones that ``ce-tvm compile`` and
+    ``ce-tvm bundle`` build when asked (``--softcap``, ``--temperature``,
+    ``--accuracy``, ``--log-probs K``): what calls with those options load.
+
+    ``softcap``/``temperature``: the capped / tempered variants (and both
+    together) of every loss kernel a drop-in call runs (not the seed pair's);
+    ``accuracy``: the forward and training kernels that also write the token
+    hits; ``log_probs``: the log-prob kernels for each ``K`` (capped too with
+    ``softcap``)."""
+
+    softcap: bool = False
+    temperature: bool = False
+    accuracy: bool = False
+    log_probs: tuple = ()
+
+
+def all_specs(target: str, dtype: str, classes: int, options: tuple = (),
+              extras: Extras = Extras()) -> list[KernelSpec]:
     """Every forward, training and backward variant for one (target, dtype, C)
     (training kernels where the target's schedule has them), for class-index
-    and probability targets."""
+    and probability targets; and the ``extras`` asked for."""
     fwd = [KernelSpec("forward", dtype, classes, Variant(r, w, lp), target, options)
            for r, w, lp in itertools.product(REDUCTIONS, (False, True), (True, False))]
     bwd = [KernelSpec("backward", dtype, classes, Variant(r, w, grad_source=src), target, options)
@@ -51,14 +71,36 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = ()) -> lis
              if hasattr(schedule_module(target), "train")]
     probs = [KernelSpec(op, dtype, classes, Variant(r, w, False), target, options)
              for op, r, w in itertools.product(PROB_OPS, REDUCTIONS, (False, True))]
-    return fwd + train + bwd + probs
+    plain = fwd + train + bwd + probs
+    return plain + _extra_specs(plain, extras)
 
 
-def ahead_of_time_specs(target: str, dtype: str, classes: int,
-                        options: tuple = ()) -> list[KernelSpec]:
+def _extra_specs(plain: list[KernelSpec], extras: Extras) -> list[KernelSpec]:
+    """The variants of ``Extras`` derived from the plain kernels."""
+    def seed_pair(spec):  # the seed-compatible ops have neither softcap nor temperature
+        return spec.variant.log_prob and spec.op == "forward" or (
+            spec.op == "backward" and spec.variant.grad_source == "log_prob")
+
+    flags = [f for f, on in (("softcap", extras.softcap), ("tempered", extras.temperature)) if on]
+    combos = [c for n in range(1, len(flags) + 1) for c in itertools.combinations(flags, n)]
+    options = [s for s in plain if not seed_pair(s)]
+    varied = [replace(s, variant=replace(s.variant, **dict.fromkeys(combo, True)))
+              for combo in combos for s in options]
+    hits = [replace(s, variant=replace(s.variant, accuracy=True)) for s in options + varied
+            if extras.accuracy and s.op in ("forward", "train")]
+    base = plain[0]
+    policy = [KernelSpec(op, base.dtype, base.classes, Variant(columns=k, softcap=cap),
+                         base.target, base.options)
+              for k in extras.log_probs for cap in (False, True)[:1 + extras.softcap]
+              for op in LOG_PROB_OPS]
+    return varied + hits + policy
+
+
+def ahead_of_time_specs(target: str, dtype: str, classes: int, options: tuple = (),
+                        extras: Extras = Extras()) -> list[KernelSpec]:
     """The kernels a call of one shape may load (``ce-tvm compile``, bundles):
     ``all_specs`` and, where tuning records apply (CPU), each tuned variant."""
-    specs = all_specs(target, dtype, classes, options)
+    specs = all_specs(target, dtype, classes, options, extras)
     if target == "llvm":
         specs += [t for spec in specs for t in tuned_variants(spec)]
     return specs

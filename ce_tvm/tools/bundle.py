@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..compiler.build import ahead_of_time_specs
+from ..compiler.build import Extras, ahead_of_time_specs
 from ..runtime import cache
 from ..store.files import copy_file, fingerprint, make_private_dir, manifest_path, write_file
 from ..store.paths import BUNDLE_MANIFEST
@@ -50,14 +50,15 @@ Check it with `ce-tvm cache verify --dir {out}`. Keep its files private
 
 
 def make_bundle(out: Path, *, target: str, dtype: str, classes: list[int],
-                arch: str | None = None, progress=print) -> dict:
+                arch: str | None = None, progress=print, extras: Extras = Extras()) -> dict:
     """Build the bundle in ``out`` (kernels already there or in the cache, and
-    verified, are reused); returns its manifest."""
+    verified, are reused) with the variants ``extras`` asks for; returns its
+    manifest."""
     options = (("arch", arch),) if target == "cuda" else ()
     make_private_dir(out)
     kernels = []
     for c in classes:
-        for spec in ahead_of_time_specs(target, dtype, c, options):
+        for spec in ahead_of_time_specs(target, dtype, c, options, extras):
             lib = out / spec.file_name()
             if cache.check_module(lib, spec) is not None:
                 _add_kernel(spec, out)

@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..compiler.build import ahead_of_time_specs
+from ..compiler.build import Extras, ahead_of_time_specs
 from ..kernels.kinds import DTYPES, Variant
 from ..runtime import cache
 from ..store import records
@@ -28,7 +28,7 @@ TRAINING_DTYPES = tuple(d for d in DTYPES if d != "float64")
 def cmd_compile(args) -> int:
     options = {"ascend": (("profile", args.profile),), "cuda": (("arch", args.arch),)}.get(
         args.target, ())
-    specs = ahead_of_time_specs(args.target, args.dtype, args.classes, options)
+    specs = ahead_of_time_specs(args.target, args.dtype, args.classes, options, _extras(args))
     out = Path(args.out) if args.out else None
     t0 = time.perf_counter()
     for spec in specs:
@@ -48,11 +48,30 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def _extras(args) -> Extras:
+    """The variants beyond the plain kernels that the flags ask for."""
+    return Extras(softcap=args.softcap, temperature=args.temperature, accuracy=args.accuracy,
+                  log_probs=tuple(args.log_probs or ()))
+
+
+def _add_variant_flags(p) -> None:
+    p.add_argument("--softcap", action="store_true",
+                   help="also the softcap variants (calls with softcap > 0)")
+    p.add_argument("--temperature", action="store_true",
+                   help="also the temperature variants (calls with temperature != 1)")
+    p.add_argument("--accuracy", action="store_true",
+                   help="also the kernels of return_token_accuracy=True")
+    p.add_argument("--log-probs", type=int, action="append", metavar="K",
+                   help="also log_probs / linear_log_probs with K indices per row "
+                        "(repeat for several K)")
+
+
 def cmd_bundle(args) -> int:
     out = Path(args.out)
     t0 = time.perf_counter()
     manifest = make_bundle(out, target=args.target, dtype=args.dtype, classes=args.classes,
-                           arch=args.arch if args.target == "cuda" else None)
+                           arch=args.arch if args.target == "cuda" else None,
+                           extras=_extras(args))
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"{len(manifest['kernels'])} kernels for {args.target}/{args.dtype}/C={args.classes} "
           f"and the TVM runtime ({', '.join(manifest['runtime_libs'])}), {size / 1e6:.1f} MB, "
@@ -222,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="write a precompiled directory here instead of the cache")
     c.add_argument("--profile", default="910b", help="Ascend profile (--target ascend)")
     c.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
+    _add_variant_flags(c)
     c.set_defaults(func=cmd_compile)
 
     b = sub.add_parser("bundle", help="kernels for some shapes + the TVM runtime, to run "
@@ -232,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--classes", type=int, action="append", required=True,
                    help="C (repeat for several)")
     b.add_argument("--out", required=True, help="the bundle directory")
+    _add_variant_flags(b)
     b.set_defaults(func=cmd_bundle)
 
     k = sub.add_parser("cache", help="list, verify or clear compiled modules")

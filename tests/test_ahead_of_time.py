@@ -1,0 +1,55 @@
+"""What ``ce-tvm compile`` and ``ce-tvm bundle`` build (``build.all_specs`` and
+its ``Extras``) covers what calls with those options load."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import ce_tvm
+from ce_tvm.compiler.build import Extras, all_specs
+from ce_tvm.runtime import launch, registry
+
+C = 37  # the softcap and temperature tests' class count: their kernels are built already
+
+
+def _untuned(spec):
+    return dataclasses.replace(spec, tuned="", tuned_digest="")
+
+
+def test_plain_build_is_unchanged_by_default():
+    """46 kernels per (target, dtype, C), as before the extras (issue 30)."""
+    assert len(all_specs("llvm", "float32", C)) == 46
+    assert all_specs("llvm", "float32", C, (), Extras()) == all_specs("llvm", "float32", C)
+
+
+@pytest.mark.parametrize("extras,calls", [
+    (Extras(softcap=True, temperature=True, accuracy=True), [
+        lambda x, y: ce_tvm.cross_entropy(x, y, softcap=5.0, temperature=0.8,
+                                          return_token_accuracy=True)[0],
+        lambda x, y: ce_tvm.cross_entropy(x, y, reduction="none", temperature=1.5),
+        lambda x, y: ce_tvm.cross_entropy(x, torch.softmax(x.detach(), 1), softcap=4.0),
+    ]),
+    (Extras(softcap=True, log_probs=(1, 3)), [
+        lambda x, y: ce_tvm.log_probs(x, y.clamp(min=0), softcap=5.0, temperature=0.7),
+        lambda x, y: ce_tvm.log_probs(x, torch.zeros(len(y), 3, dtype=torch.long)),
+    ]),
+], ids=["loss-variants", "log-probs"])
+def test_what_calls_load_is_built(extras, calls, monkeypatch):
+    """Every kernel the calls run (forward and backward) is in the build list."""
+    built = {_untuned(s) for s in all_specs("llvm", "float32", C, (), extras)}
+    ran = []
+
+    def recording(spec, *args):
+        ran.append(_untuned(spec))
+        return registry.call(spec, *args)
+
+    monkeypatch.setattr(launch, "call", recording)
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randint(0, C, (5,), generator=gen)
+    y[0] = -100
+    for call in calls:
+        x = torch.randn(5, C, generator=gen, requires_grad=True)
+        call(x, y).sum().backward()
+    assert len(ran) >= len(calls)
+    assert set(ran) <= built, sorted(s.stem() for s in set(ran) - built)
