@@ -118,8 +118,8 @@ class CPUKnobs:
     latency behind a second chain (measured on znver4/5). ``unroll``: vector
     steps per iteration of the forward's chunk reductions. ``row_grain``: rows
     per parallel task. ``prefetch``: how many chunks ahead the ``exp`` loop
-    prefetches the logits (0: none; a knob of the training kernel, the
-    forward keeps one). The chunk itself is a knob of the
+    prefetches the logits (0: none; a knob of the training and log-prob
+    kernels, the forward keeps one). The chunk itself is a knob of the
     compute (``forward_chunk``'s ``max_chunk``; ``knob_space``).
     """
 
@@ -139,6 +139,12 @@ _KNOB_CHOICES = {
     "train": {"accumulators": (2, 1, 4), "prefetch": (1, 0, 2), "row_grain": (1, 8)},
     "backward": {"accumulators": (2, 1, 4, 8), "row_grain": (1, 4, 16)},
 }
+# The log-prob kernels are a forward (its row sweep, the chunk's exp kept) and
+# a backward (one element-wise pass) for their schedules, and tuned as such.
+_KNOB_CHOICES["log_probs"] = {**_KNOB_CHOICES["forward"], "prefetch": (1, 0, 2)}
+_KNOB_CHOICES["log_probs_grad"] = _KNOB_CHOICES["backward"]
+_SCHEDULE_OF = {"forward": "forward", "train": "train", "backward": "backward",
+                "log_probs": "forward", "log_probs_grad": "backward"}
 
 
 def knob_space(op: str, classes: int, dtype: str, target: Target) -> dict:
@@ -148,7 +154,7 @@ def knob_space(op: str, classes: int, dtype: str, target: Target) -> dict:
     if op not in _KNOB_CHOICES:
         raise ValueError(f"no tunable schedule for {op!r}")
     space = {}
-    if op != "backward":
+    if _SCHEDULE_OF[op] != "backward":
         hand_chunk = forward_chunk(classes, dtype, target)
         space["chunk"] = (hand_chunk,) + tuple(sorted(
             {forward_chunk(classes, dtype, target, m) for m in MAX_CHUNK_CHOICES} - {hand_chunk}))
@@ -168,7 +174,7 @@ def hand_knobs(op: str, target: Target) -> CPUKnobs:
     znver1; ``tuning_logs/llvm-znver1-2c/*/summary.json``): at all six bench
     shapes this beat the default by 5-7% (bf16) and 11-16% (fp32); the
     training kernel's searches kept the default."""
-    if (op == "forward" and target_has_features("avx2", target)
+    if (_SCHEDULE_OF.get(op) == "forward" and target_has_features("avx2", target)
             and not target_has_features("avx512f", target)):
         return CPUKnobs(accumulators=1, unroll=2)
     return CPUKnobs()
@@ -188,7 +194,7 @@ def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | 
     if chunk is not None and chunk != _chunk(sch):
         raise ValueError(f"chunk {chunk} drawn for a compute declared with chunk {_chunk(sch)}")
     schedule = {"forward": schedule_forward, "backward": schedule_backward,
-                "train": schedule_train}[op]
+                "train": schedule_train}[_SCHEDULE_OF[op]]
     return schedule(sch, target, CPUKnobs(**knobs))
 
 
@@ -201,16 +207,22 @@ def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX
     """Chunk of the compute's row reduction, a multiple of ``CHUNK_VECTORS``
     native vectors: the largest one dividing ``C`` and at most ``max_chunk``;
     else (``C`` like 50257) equal chunks of at most ``max_chunk``, the last one
-    overlapping the one before (``compute._row_stats``); a row shorter than
-    ``max_chunk`` is one chunk. ``dtype`` does not matter here: the float32
-    accumulators size the chunk."""
+    overlapping the one before (``compute._row_stats``). A row no longer than
+    ``max_chunk`` is one chunk when ``C`` is a multiple of that step or too
+    short for two chunks of ``MIN_CHUNK_VECTORS`` steps; else it is two
+    overlapping chunks: one chunk of ``C = 4099`` (prime) reduced with one
+    scalar lane, 3.7x slower for the log-probs at 64 x 4099 (the tuner's
+    pick), and less accurate (thousands of terms summed into the row max's
+    ``exp(0) = 1`` lost up to 2e-4 of the lse). ``dtype`` does not matter
+    here: the float32 accumulators size the chunk."""
     lanes = vector_lanes(target) * CHUNK_VECTORS
-    if classes <= max_chunk:
+    if classes <= max_chunk and (classes % lanes == 0
+                                 or classes < 2 * lanes * MIN_CHUNK_VECTORS):
         return classes
     fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, max_chunk + 1, lanes) if classes % b == 0]
     if fits:
         return max(fits)
-    per_chunk = -(-classes // -(-classes // max_chunk))
+    per_chunk = -(-classes // max(2, -(-classes // max_chunk)))
     return -(-per_chunk // lanes) * lanes
 
 

@@ -204,7 +204,7 @@ def _points(op, classes):
 def test_every_knob_value_replays_and_matches_torch(ops, tmp_path, monkeypatch):
     """Records of each knob value: the compute re-declared with the record's chunk, the
     trace replayed on the symbolic-N kernel; loss and gradient against torch at row
-    counts other than the tuned one. C = 4099 has three chunk choices, one overlapping."""
+    counts other than the tuned one. C = 4099 has two chunk choices, both overlapping."""
     c = 4099
     monkeypatch.setattr(ce_nn, "ONE_PASS_TRAINING", ops == ("train",))
     specs = {op: KernelSpec(op, "float32", c, {"forward": FORWARD, "train": TRAIN,
@@ -383,3 +383,46 @@ def test_shipped_record_replays_on_the_current_compute(directory, tmp_path, monk
     func = declared_func(spec, summary.get("knobs", {}).get("chunk"))
     rid = f"{directory.parent.name}/{directory.name}"
     records.apply_record(rid, func, spec.tvm_target())  # raises on a stale record
+
+
+def test_log_prob_records_replay_and_match_the_reference(tmp_path, monkeypatch):
+    """The log-prob kernels are tuned like the others: records of the hand
+    knobs' corner and of each chunk (C = 4099: one overlapping) replay on the
+    symbolic-N kernels, which give the reference's values and gradient."""
+    import numpy as np
+
+    import reference
+
+    c = 4099
+    specs = {op: KernelSpec(op, "float32", c, Variant(columns=2)) for op in
+             ("log_probs", "log_probs_grad")}
+    points = {op: _points(op, c) for op in specs}
+    chunks = [p for p in points["log_probs"] if p != points["log_probs"][0]
+              and set(p.items()) - set(points["log_probs"][0].items()) <= {("chunk", p["chunk"])}]
+    picks = [points["log_probs"][-1], *chunks]
+    for i, knobs in enumerate(picks):
+        logs = tmp_path / str(i)
+        _record(logs, specs["log_probs"], knobs)
+        _record(logs, specs["log_probs_grad"], points["log_probs_grad"][-1])
+        monkeypatch.setenv("CE_TVM_TUNING_LOGS", str(logs))
+        records.forget()
+        gen = torch.Generator().manual_seed(i)
+        for rows in (1, 13):
+            x = (torch.randn(rows, c, generator=gen) * 4).requires_grad_()
+            index = torch.randint(0, c, (rows, 2), generator=gen)
+            a, b = torch.randn(rows, 2, generator=gen), torch.randn(rows, generator=gen)
+            logp, entropy = ce_tvm.log_probs(x, index, temperature=0.7, return_entropy=True)
+            ((logp * a).sum() + (entropy * b).sum()).backward()
+            live = np.ones(index.shape, bool)
+            xn = x.detach().double().numpy()
+            ref_logp, ref_entropy = reference.policy_outputs(xn, index.numpy(), live, 0.7)
+            ref_grad = reference.policy_grad(xn, index.numpy(), live, a.double().numpy(),
+                                             b.double().numpy(), 0.7)
+            tol = checks.TOL[torch.float32]
+            checks.assert_close(logp, ref_logp, tol, f"logp {knobs}")
+            checks.assert_close(entropy, ref_entropy, tol, f"entropy {knobs}")
+            checks.assert_close(x.grad, ref_grad, tol, f"x_grad {knobs}")
+        loaded = runtime.loaded_specs()
+        for op, spec in specs.items():
+            tuned = tuned_spec(spec, 13)
+            assert tuned.tuned and tuned in loaded, f"{op} did not run its record"

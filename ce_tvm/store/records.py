@@ -40,7 +40,8 @@ PACKAGE_LOGS = Path(str(importlib.resources.files("ce_tvm.tuning_logs")))
 # Scalar arguments bound while tuning (the search times a kernel on tensors
 # only); non-zero, so no branch of the compute folds away.
 TUNING_SCALARS = {"ignore_index": -100, "label_smoothing": 0.1, "zloss_scale": 1e-4,
-                  "shard_offset": 0, "weight_sum": 1000.0, "global_classes": 1000.0}
+                  "shard_offset": 0, "weight_sum": 1000.0, "global_classes": 1000.0,
+                  "inv_temperature": 1.0 / 0.7}
 # meta_schedule's run time of a candidate that failed to build or run.
 _FAILED_RUN_S = 1e10
 

@@ -103,7 +103,10 @@ def cmd_cache(args) -> int:
 
 TUNED_VARIANTS = {"forward": lambda r: Variant(r, False, False),
                   "backward": lambda r: Variant(r, False, grad_source="logits"),
-                  "train": lambda r: Variant(r, False, False)}
+                  "train": lambda r: Variant(r, False, False),
+                  # one index per row (the reduction does not apply)
+                  "log_probs": lambda r: Variant(columns=1),
+                  "log_probs_grad": lambda r: Variant(columns=1)}
 
 
 def record_spec(kernel_name: str) -> KernelSpec:

@@ -59,7 +59,7 @@ def _random_args(func, spec: KernelSpec):
     args = []
     for p in func.params:
         shape = [int(d) for d in p.shape]
-        if p.name == "target":
+        if p.name in ("target", "index"):
             args.append(torch.randint(0, spec.classes, shape, generator=gen))
         else:
             args.append(torch.randn(shape, generator=gen).to(TORCH_DTYPES[str(p.dtype)]))
@@ -279,7 +279,8 @@ CANDIDATE_RUNS = 8
 # Runs of the final, interleaved measurement of the hand schedule and the winners.
 FINAL_RUNS = 15
 # What a kernel computes, for reports: the backward is a gradient kernel.
-KIND_OF_OP = {"forward": "forward", "backward": "gradient", "train": "forward+gradient"}
+KIND_OF_OP = {"forward": "forward", "backward": "gradient", "train": "forward+gradient",
+              "log_probs": "log-probs", "log_probs_grad": "log-probs gradient"}
 
 
 def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool = False,
