@@ -305,6 +305,8 @@ OPS = {  # tool op -> (KernelSpec op, variant keywords)
     "forward-lp": ("forward", {"log_prob": True}),
     "backward": ("backward", {"grad_source": "logits"}),
     "train": ("train", {"log_prob": False}),
+    "log_probs": ("log_probs", {"columns": 1}),  # SPEC section 6: one index per row
+    "log_probs_grad": ("log_probs_grad", {"columns": 1}),
 }
 
 

@@ -366,9 +366,10 @@ def test_token_log_probs_equal_the_stock_logits(family):
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=name: f"{n}: {m}")
-    k = cehf.token_log_probs(model, ids, index=torch.stack([ids, ids.flip(1)], -1))
-    torch.testing.assert_close(k[..., 0], lp.gather(-1, ids[..., None])[..., 0],
-                               rtol=1e-5, atol=1e-5)
+    k = cehf.token_log_probs(model, ids, attention_mask=mask, temperature=0.8,
+                             index=torch.stack([ids, ids.flip(1)], -1))
+    torch.testing.assert_close(k[..., 0], torch.where(mask.bool(), lp.gather(
+        -1, ids[..., None])[..., 0], 0.0), rtol=1e-5, atol=1e-5)
 
 
 def test_token_log_probs_refuses_other_models():
