@@ -46,6 +46,12 @@ Budgets, per element of the row kernel's element loops (sm_90), and why:
 
 The weighted forward and training kernel are measured (the unweighted ones
 share their element loops).
+
+- The log-prob kernels (SPEC section 6, one index per row; session 10): the
+  forward evaluates ``exp`` in each of a chunk's two sums (``KEEPS_CHUNK_EXP``
+  is off on CUDA) and adds the entropy term: 47-51 per element (bf16/fp32,
+  C = 50257/128256), 126-130 for the whole short row; its gradient 28-39
+  (the high end C = 50257, rows not 16-byte aligned), 38-40 short.
 """
 
 import math
@@ -62,9 +68,10 @@ needs_tools = pytest.mark.skipif(
     shutil.which("nvcc") is None or cuda_static.disassembler() is None,
     reason="needs nvcc and nvdisasm/cuobjdump (pip install nvidia-cuda-nvdisasm)")
 
-BUDGET = {"forward": 43, "forward-lp": 54, "backward": 32, "train": 65}  # insn/el, loops
+BUDGET = {"forward": 43, "forward-lp": 54, "backward": 32, "train": 65,
+          "log_probs": 61, "log_probs_grad": 47}  # insn/el, loops
 SHORT_ROW_BUDGET = {"forward": 128, "forward-lp": 142, "backward": 85,
-                    "train": 209}  # C = 1001, no loops
+                    "train": 209, "log_probs": 156, "log_probs_grad": 48}  # C = 1001, no loops
 MAX_BROADCAST_LDS = {"train": 0.4}  # else 0.25
 MAX_REGISTERS = {"train": 80}  # else 64
 MAX_STATIC_SMEM = 48 * 1024
