@@ -19,14 +19,18 @@ statistics for a backward that computes it. The shard layout (one
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import validation as check
 from .ops import scale_unit_gradient
-from .runtime import launch
+from .runtime import launch, pool
+from .runtime import linear_sweep as sweep
 from .runtime.options import LossOptions, store_on_module
+from .runtime.tensors import accum_torch_dtype
 
 _LAYOUTS: dict = {}
 
@@ -44,21 +48,29 @@ def shard_layout(local_classes: int, group=None) -> tuple[int, int]:
     return _LAYOUTS[key]
 
 
+def _global_stats(x, y, w, offset: int, options: LossOptions, group, extra: Tensor):
+    """``(lse, target_logit, target_weight, wxsum, extra)`` of the full rows from
+    one shard's logits ``x`` (two all_reduces: the row max, then one packed sum,
+    which also sums ``extra``, a ``[k]`` accumulation-dtype tensor)."""
+    rowmax, expsum, wxsum, logit, weight = launch.shard_stats(x, y, w, offset, options)
+    gmax = rowmax.clone()
+    dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+    packed = torch.cat([expsum * torch.exp(rowmax - gmax), logit, weight, wxsum, extra])
+    dist.all_reduce(packed, group=group)
+    n = rowmax.shape[0]
+    sumexp, logit, weight, wxsum = packed[:4 * n].view(4, n)
+    return gmax + torch.log(sumexp), logit, weight, wxsum, packed[4 * n:]
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, w, options: LossOptions, group):
         offset, classes = shard_layout(x.shape[1], group)
         y = check.targets(y, x, options.ignore_index, classes)
         w = check.weight(w, x)
-        rowmax, expsum, wxsum, logit, weight = launch.shard_stats(x, y, w, offset, options)
-        gmax = rowmax.clone()
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
-        wsum = w.sum().reshape(1) if w is not None else rowmax.new_zeros(1)
-        packed = torch.cat([expsum * torch.exp(rowmax - gmax), logit, weight, wxsum, wsum])
-        dist.all_reduce(packed, group=group)
-        sumexp, logit, weight, wxsum = packed[:-1].view(4, -1)
-        lse = gmax + torch.log(sumexp)
-        weight_sum = float(packed[-1]) if w is not None else float(classes)
+        wsum = w.sum().reshape(1) if w is not None else x.new_zeros(1, dtype=torch.float32)
+        lse, logit, weight, wxsum, wsum = _global_stats(x, y, w, offset, options, group, wsum)
+        weight_sum = float(wsum) if w is not None else float(classes)
         loss, zloss = launch.shard_combine(lse, logit, weight, wxsum, y, weight_sum=weight_sum,
                                            classes=classes, dtype=x.dtype, options=options)
         layout = dict(offset=offset, weight_sum=weight_sum, global_classes=classes)
@@ -132,3 +144,194 @@ class VocabParallelCrossEntropyLoss(nn.Module):
             reduction=self.reduction, label_smoothing=self.label_smoothing,
             lse_square_scale=self.lse_square_scale, group=self.group, softcap=self.softcap,
             temperature=self.temperature)
+
+
+# --- The LM head sharded over the vocabulary (SPEC section 7) -----------------
+# Rank r holds rows [offset_r, offset_r + V_r) of the head's weight. Rows of
+# the input go through in chunks (``linear_sweep``): per chunk the shard's
+# logits ([rows, V_r], the only logits a rank ever holds), their statistics
+# combined over the group (``_global_stats``: O(rows) floats), the loss rows,
+# and for sum/mean the shard's gradient in the same sweep (the upstream
+# gradient is then a scalar the backward multiplies in). The input's
+# gradient is a sum over the shards: one all_reduce of [N, H] at the end.
+
+
+def _gathered_rows(x: Tensor, group) -> Tensor:
+    """The ranks' equal blocks of rows, in rank order (sequence parallelism)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _own_rows(t: Tensor, group) -> Tensor:
+    """This rank's block of the rows of ``t`` (sequence parallelism)."""
+    n = t.shape[0] // dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    return t[rank * n:(rank + 1) * n]
+
+
+def _summed_input_grad(grad: Tensor, group, sequence_parallel: bool) -> Tensor:
+    """The input's gradient: the shards' parts summed, this rank's block under SP."""
+    dist.all_reduce(grad, group=group)
+    return _own_rows(grad, group).clone() if sequence_parallel else grad
+
+
+class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_in, W, b, y, w, options: LossOptions, group, sequence_parallel: bool,
+                rows: int, needs: sweep.Needs):
+        offset, classes = shard_layout(W.shape[0], group)
+        x = _gathered_rows(x_in, group) if sequence_parallel else x_in.contiguous()
+        y = check.targets(y, x, options.ignore_index, classes)
+        w = check.weight(w, x, classes=W.shape[0])
+        acc = accum_torch_dtype(x)
+        n, kept = x.shape[0], y != options.ignore_index
+        count = kept.sum(dtype=acc).reshape(1)
+        if w is not None:  # D = sum_n w[y_n] m_n and sum_c w[c]: the shards' parts summed
+            local = y - offset
+            inside = kept & (local >= 0) & (local < W.shape[0])
+            wy = torch.where(inside, w[local.clamp(0, W.shape[0] - 1)], 0.0)
+            totals = torch.cat([wy.sum(dtype=acc).reshape(1), w.sum(dtype=acc).reshape(1)])
+            dist.all_reduce(totals, group=group)
+            denom, weight_sum = totals[:1], float(totals[1])
+        else:
+            denom, weight_sum = count, float(classes)
+        rows = sweep.chunk_rows(n, W.shape[0], x.dtype, rows)
+        buffer = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
+        per_row = replace(options, reduction="none")
+        loss_rows, z_rows = x.new_empty(n), x.new_empty(n)
+        lse_all, wy_all = x.new_empty(n, dtype=acc), x.new_empty(n, dtype=acc)
+        one_pass = options.reduction != "none" and needs.any()
+        slices = sweep.chunks(n, rows)
+        sink = sweep.GradSink(x, W, b, needs, len(slices)) if one_pass else None
+        grad_ce = (1.0 / denom if options.reduction == "mean" else count.new_ones(1))
+        grad_z = (1.0 / count if options.reduction == "mean" else count.new_ones(1))
+        for sl in slices:
+            logits = sweep.project(buffer, x[sl], W, b)
+            lse, logit, weight, wxsum, _ = _global_stats(logits, y[sl], w, offset, options,
+                                                         group, count.new_zeros(0))
+            loss_rows[sl], z_rows[sl] = launch.shard_combine(
+                lse, logit, weight, wxsum, y[sl], weight_sum=weight_sum, classes=classes,
+                dtype=x.dtype, options=per_row)
+            lse_all[sl], wy_all[sl] = lse, weight
+            if one_pass:
+                m = sl.stop - sl.start
+                launch.shard_backward(grad_ce.expand(m).contiguous(), logits, lse, y[sl], w,
+                                      weight, offset=offset, weight_sum=weight_sum,
+                                      global_classes=classes, options=per_row,
+                                      grad_zloss=(grad_z - grad_ce).expand(m).contiguous(),
+                                      out=logits)
+                sink.add(sl, x[sl], logits, W)
+        ctx.group, ctx.sp, ctx.needs = group, sequence_parallel, needs
+        ctx.mark_non_differentiable(z_rows)
+        if options.reduction == "none":
+            ctx.save_for_backward(x, W, b, y, w, lse_all, wy_all)
+            ctx.layout = dict(offset=offset, weight_sum=weight_sum, global_classes=classes)
+            ctx.options, ctx.rows, ctx.grads = per_row, rows, None
+            if sequence_parallel:
+                return _own_rows(loss_rows, group).clone(), _own_rows(z_rows, group).clone()
+            return loss_rows, z_rows
+        if one_pass:
+            gx, gW, gb = sink.finish(x)
+            if needs.input:
+                gx = _summed_input_grad(gx, group, sequence_parallel)
+            ctx.grads = (gx, gW, gb)
+        total = loss_rows.sum(dtype=acc).reshape(1)
+        z = z_rows.sum(dtype=acc).reshape(1)
+        if options.reduction == "mean":
+            total, z = (total - z) / denom + z / count, z / count
+        return total.to(x.dtype), z.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_zloss):
+        needs = ctx.needs
+        if ctx.grads is not None:
+            grads = [g * grad_loss if wanted else None for g, wanted in
+                     zip(ctx.grads, (needs.input, needs.weight, needs.bias))]
+        else:
+            x, W, b, y, w, lse, wy = ctx.saved_tensors
+            g = grad_loss.to(lse.dtype).contiguous()
+            if ctx.sp:
+                g = _gathered_rows(g, ctx.group)
+            buffer = pool.POOL.empty((ctx.rows, W.shape[0]), x.dtype, x.device)
+            slices = sweep.chunks(x.shape[0], ctx.rows)
+            sink = sweep.GradSink(x, W, b, needs, len(slices))
+            for sl in slices:
+                logits = sweep.project(buffer, x[sl], W, b)
+                launch.shard_backward(g[sl], logits, lse[sl], y[sl], w, wy[sl], **ctx.layout,
+                                      options=ctx.options, out=logits)
+                sink.add(sl, x[sl], logits, W)
+            gx, gW, gb = sink.finish(x)
+            if needs.input:
+                gx = _summed_input_grad(gx, ctx.group, ctx.sp)
+            grads = [g if wanted else None for g, wanted in
+                     zip((gx, gW, gb), (needs.input, needs.weight, needs.bias))]
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, target: Tensor, *,
+                                        group=None, local_bias: Tensor | None = None,
+                                        weight: Tensor | None = None, reduction: str = "mean",
+                                        ignore_index: int = -100, label_smoothing: float = 0.0,
+                                        lse_square_scale: float = 0.0, softcap: float = 0.0,
+                                        temperature: float = 1.0, return_zloss: bool = False,
+                                        sequence_parallel: bool = False,
+                                        chunk_rows: int | None = None):
+    """``ce_tvm.linear_cross_entropy`` with the LM head's weight sharded over the
+    vocabulary (SPEC section 7): rank ``r`` passes its rows ``local_weight [V_r,
+    H]`` (and ``local_bias``, ``weight``: its shards of the bias and the class
+    weights; ranks hold consecutive rows in rank order, widths free) and the
+    global class ids ``target``. No rank holds more than one chunk of its
+    shard's logits; per chunk only per-row statistics cross ranks.
+
+    ``input [*, H]`` is the same on every rank, its gradient the full one; with
+    ``sequence_parallel=True`` it is this rank's block of rows (equal blocks,
+    rank order) and ``target`` the global rows: a ``none`` loss and the input's
+    gradient are then this rank's block. Scalars are global; the weight's and
+    bias' gradients are this rank's shards of the full ones.
+    """
+    options = LossOptions(reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
+                          softcap=softcap, temperature=temperature)
+    x = check.linear_head(input, local_weight, local_bias)
+    if not isinstance(target, Tensor) or target.dtype not in check.TARGET_DTYPES:
+        raise TypeError("target must be an int64 or int32 tensor of global class ids")
+    rows = check.chunk_rows(chunk_rows)
+    grad_on = torch.is_grad_enabled()
+    needs = sweep.Needs(grad_on and input.requires_grad, grad_on and local_weight.requires_grad,
+                        grad_on and local_bias is not None and local_bias.requires_grad)
+    loss, zloss = _VocabParallelLinearCrossEntropy.apply(
+        x, local_weight, local_bias, target.reshape(-1), weight, options, group,
+        bool(sequence_parallel), rows, needs)
+    shape = tuple(input.shape[:-1]) if options.reduction == "none" else ()
+    loss, zloss = loss.reshape(shape), zloss.reshape(shape)
+    return (loss, zloss) if return_zloss else loss
+
+
+class VocabParallelLinearCrossEntropyLoss(nn.Module):
+    """``vocab_parallel_linear_cross_entropy`` as a module holding the loss options
+    (``weight``: this rank's shard of the class weights); the head's local weight
+    and bias are passed at call time."""
+
+    def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0,
+                 lse_square_scale: float = 0.0, group=None, *, softcap: float = 0.0,
+                 temperature: float = 1.0, sequence_parallel: bool = False,
+                 chunk_rows: int | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        options = LossOptions(reduction=reduction, ignore_index=ignore_index,
+                              label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
+                              softcap=softcap, temperature=temperature)
+        store_on_module(self, options)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.chunk_rows = check.chunk_rows(chunk_rows) or None
+
+    def forward(self, input: Tensor, local_weight: Tensor, target: Tensor,
+                local_bias: Tensor | None = None) -> Tensor:
+        return vocab_parallel_linear_cross_entropy(
+            input, local_weight, target, group=self.group, local_bias=local_bias,
+            weight=self.weight, reduction=self.reduction, ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap, temperature=self.temperature,
+            sequence_parallel=self.sequence_parallel, chunk_rows=self.chunk_rows)

@@ -13,7 +13,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ce_tvm
-from ce_tvm.distributed import VocabParallelCrossEntropyLoss, vocab_parallel_cross_entropy
+from ce_tvm.distributed import (
+    VocabParallelCrossEntropyLoss,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+)
 
 C = 53  # shards of unequal width for 2 and 3 ranks
 
@@ -107,7 +111,60 @@ def check_odd_strides(rank, world):
     return checked + 1
 
 
-CHECKS = {"cases": check_cases, "odd_strides": check_odd_strides}
+V_HEAD, H_HEAD = 5003, 16  # the LM head of check_linear_head: unequal shards over 3 ranks
+
+
+def check_linear_head(rank, world):
+    """``vocab_parallel_linear_cross_entropy`` against the single-process fused loss
+    on the full weight: loss, z-loss and the gradients of the input, the weight
+    shard and the bias shard, over option combinations, with and without
+    sequence parallelism, in several row chunks; returns how many were checked."""
+    widths = [V_HEAD // world + (r < V_HEAD % world) for r in range(world)]
+    lo = sum(widths[:rank])
+    hi = lo + widths[rank]
+    cases = [("mean", False, 0.0, 0.0, 0.0, 1.0, False),
+             ("sum", True, 0.1, 1e-2, 0.0, 1.0, False),
+             ("none", True, 0.1, 1e-2, 0.0, 1.0, False),
+             ("mean", True, 0.1, 1e-2, 5.0, 0.7, False),
+             ("mean", True, 0.1, 1e-2, 5.0, 0.7, True),
+             ("none", False, 0.0, 1e-2, 0.0, 1.3, True)]
+    checked = 0
+    for reduction, weighted, eps, zloss, softcap, temp, sp in cases:
+        gen = torch.Generator().manual_seed(21)
+        n = 6 * world
+        x = torch.randn(n, H_HEAD, generator=gen)
+        W = torch.randn(V_HEAD, H_HEAD, generator=gen) * 0.5
+        b = torch.randn(V_HEAD, generator=gen) * 0.1
+        y = torch.randint(0, V_HEAD, (n,), generator=gen)
+        y[::5] = -100
+        y[1], y[2] = widths[0] - 1, widths[0]  # the two sides of the first shard's edge
+        w = torch.rand(V_HEAD, generator=gen) + 0.5 if weighted else None
+        opts = dict(reduction=reduction, label_smoothing=eps, lse_square_scale=zloss,
+                    softcap=softcap, temperature=temp)
+        full = [t.clone().requires_grad_() for t in (x, W, b)]
+        ref = ce_tvm.linear_cross_entropy(full[0], full[1], y, linear_bias=full[2], weight=w,
+                                          **opts)
+        g = torch.rand(ref.shape, generator=gen) + 0.5
+        ref.backward(g)
+        block = slice(rank * 6, rank * 6 + 6)
+        mine = [(x[block] if sp else x).clone().requires_grad_(), W[lo:hi].clone()
+                .requires_grad_(), b[lo:hi].clone().requires_grad_()]
+        loss = vocab_parallel_linear_cross_entropy(
+            mine[0], mine[1], y, local_bias=mine[2], weight=None if w is None else w[lo:hi],
+            sequence_parallel=sp, chunk_rows=4, **opts)
+        expected = ref.detach()[block] if sp and reduction == "none" else ref.detach()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+        loss.backward(g[block] if sp and reduction == "none" else g)
+        torch.testing.assert_close(mine[0].grad, full[0].grad[block] if sp else full[0].grad,
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine[1].grad, full[1].grad[lo:hi], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine[2].grad, full[2].grad[lo:hi], rtol=1e-4, atol=1e-5)
+        checked += 1
+    return checked
+
+
+CHECKS = {"cases": check_cases, "odd_strides": check_odd_strides,
+          "linear_head": check_linear_head}
 
 
 def main():

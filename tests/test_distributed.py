@@ -79,3 +79,10 @@ def test_import_ce_tvm_reaches_distributed_lazily():
     done = subprocess.run([sys.executable, "-c", LAZY_DISTRIBUTED], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and "lazy ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_linear_head_matches_single_process(world):
+    """The LM head sharded over the vocabulary (unequal shards over 3 ranks), with
+    and without sequence parallelism, against the single-process fused loss."""
+    run_ranks(world, "linear_head", 6)

@@ -252,15 +252,21 @@ def shard_combine(lse, target_logit, target_weight, wxsum, y, *, weight_sum: flo
 
 
 def shard_backward(grad_loss, x, lse, y, w, target_weight, *, offset: int, weight_sum: float,
-                   global_classes: int, options: LossOptions):
-    """The gradient of one vocabulary shard, from the full rows' ``lse`` and ``w[y]``."""
-    grad_loss, x, lse, y, w, target_weight = (
-        aligned(t) for t in (grad_loss, x, lse, y, w, target_weight))
-    x_grad = pool.empty_like(x)
+                   global_classes: int, options: LossOptions, grad_zloss=None,
+                   out: torch.Tensor | None = None):
+    """The gradient of one vocabulary shard, from the full rows' ``lse`` and ``w[y]``
+    (``grad_zloss`` as ``backward`` takes it: zeros when ``None``; ``out`` may be
+    ``x`` itself, as there)."""
+    if grad_zloss is None:
+        grad_zloss = torch.zeros_like(grad_loss)
+    grad_loss, grad_zloss, x, lse, y, w, target_weight = (
+        aligned(t) for t in (grad_loss, grad_zloss, x, lse, y, w, target_weight))
+    x_grad = pool.empty_like(x) if out is None else out
+    _check_out(x_grad)
     if _rows_to_run(x) == 0:
         return x_grad
     variant = _variant(options, weighted=w is not None, grad_source="shard")
-    _run(_spec("backward", x, variant), x.shape[0], grad_loss, torch.zeros_like(grad_loss), x,
+    _run(_spec("backward", x, variant), x.shape[0], grad_loss, grad_zloss, x,
          lse, y, *_weight(w), target_weight, offset, weight_sum, float(global_classes),
          *_scalars(options), x_grad)
     return x_grad

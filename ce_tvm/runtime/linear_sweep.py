@@ -75,7 +75,8 @@ def _blocks(n: int, step: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
-def _chunks(n: int, rows: int) -> list[slice]:
+def chunks(n: int, rows: int) -> list[slice]:
+    """Slices of ``rows`` rows (the last shorter) covering ``n``."""
     return [slice(lo, hi) for lo, hi in _blocks(n, rows)]
 
 
@@ -251,7 +252,7 @@ def loss_only(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | Non
     """``(loss, zloss, accuracy)`` without any gradient (``accuracy`` empty
     unless asked for)."""
     bufs = _ChunkBuffers(rows, x, W.shape[0], accuracy)
-    for sl in _chunks(x.shape[0], rows):
+    for sl in chunks(x.shape[0], rows):
         chunk_loss(bufs.project(x[sl], W, b), y[sl], w, opts, bufs.outputs(sl.stop - sl.start))
         bufs.keep(sl)
     D, M = (normalisers(y, w, opts, accum_torch_dtype(x)) if opts.reduction == "mean"
@@ -286,9 +287,9 @@ def grads_from_rows(grad_loss: Tensor, x: Tensor, W: Tensor, b: Tensor | None, y
 
 def _sweep_grads(bufs: _ChunkBuffers, x, W, b, y, w, opts, needs, grad_ce, grad_z, *,
                  per_row: bool):
-    chunks = _chunks(x.shape[0], bufs.logits.shape[0])
-    sink = GradSink(x, W, b, needs, len(chunks))
-    for sl in chunks:
+    slices = chunks(x.shape[0], bufs.logits.shape[0])
+    sink = GradSink(x, W, b, needs, len(slices))
+    for sl in slices:
         logits = bufs.project(x[sl], W, b)
         chunk_loss_and_dlogits(
             logits, y[sl], w, opts, grad_ce[sl] if per_row else grad_ce,
@@ -315,7 +316,7 @@ def policy_outputs(x: Tensor, W: Tensor, b: Tensor | None, index: Tensor, opts: 
     acc = accum_torch_dtype(x)
     logits = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
     outs = [x.new_empty((n, k), dtype=acc)] + [x.new_empty(n, dtype=acc) for _ in range(3)]
-    for sl in _chunks(n, rows):
+    for sl in chunks(n, rows):
         parts = launch.log_probs(project(logits, x[sl], W, b), index[sl], opts)
         for full, part in zip(outs, parts):
             full[sl].copy_(part)
@@ -329,9 +330,9 @@ def policy_grads(grad_logp: Tensor, grad_entropy: Tensor, x: Tensor, W: Tensor,
     entropy`` (``GradSink.finish``), from the forward's ``saved = [row_max,
     log_expsum, entropy]``, each chunk's logits recomputed."""
     logits = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
-    chunks = _chunks(x.shape[0], rows)
-    sink = GradSink(x, W, b, needs, len(chunks))
-    for sl in chunks:
+    slices = chunks(x.shape[0], rows)
+    sink = GradSink(x, W, b, needs, len(slices))
+    for sl in slices:
         z = project(logits, x[sl], W, b)
         launch.log_probs_backward(grad_logp[sl], grad_entropy[sl], z, index[sl],
                                   *(t[sl] for t in saved), opts, out=z)
