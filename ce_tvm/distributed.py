@@ -335,3 +335,135 @@ class VocabParallelLinearCrossEntropyLoss(nn.Module):
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
             softcap=self.softcap, temperature=self.temperature,
             sequence_parallel=self.sequence_parallel, chunk_rows=self.chunk_rows)
+
+
+# Log-probs and entropy of the sharded head (SPEC sections 6 and 7). Per chunk
+# each rank runs the log-prob kernel on its logits, with the indices of other
+# shards dead; its row max ``m_r``, ``log S_r``, entropy and log-probs are
+# moved to the global max ``M`` (one all_reduce) and summed (one more):
+# ``S = sum_r S_r e^((m_r - M)/T)``, ``A = sum_r e^((m_r - M)/T) (A_r + (M -
+# m_r)/T S_r)`` with ``A_r = (H_r - log S_r) S_r``, and an index's log-prob
+# on its shard ``logp_r + log S_r + (m_r - M)/T`` less ``log S``: differences
+# only, as the kernel takes them. The backward's kernel gets the global
+# ``M``, ``log S`` and ``H``, and the other shards' live entries out of range
+# (they count in the sum of the upstream gradients, match no column).
+
+
+def _shard_index(index: Tensor, offset: int, width: int, ignore_index: int,
+                 others: int) -> Tensor:
+    """``index`` (global ids) as this shard sees it: its own entries local, the
+    other shards' live entries ``others`` (``ignore_index``: dead, or ``width``:
+    out of range), dead entries ``ignore_index``."""
+    local = index - offset
+    mine = (index != ignore_index) & (local >= 0) & (local < width)
+    return torch.where(mine, local, torch.where(index == ignore_index, ignore_index, others))
+
+
+class _VocabParallelLinearLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_in, W, b, index, options: LossOptions, group, sequence_parallel: bool,
+                rows: int, needs: sweep.Needs):
+        offset, classes = shard_layout(W.shape[0], group)
+        x = _gathered_rows(x_in, group) if sequence_parallel else x_in.contiguous()
+        check.in_range(index, classes, options.ignore_index, "index")
+        ii, width, inv_t = options.ignore_index, W.shape[0], 1.0 / options.temperature
+        forward_index = _shard_index(index, offset, width, ii, others=ii)
+        n, k = index.shape
+        rows = sweep.chunk_rows(n, width, x.dtype, rows)
+        buffer = pool.POOL.empty((rows, width), x.dtype, x.device)
+        acc = accum_torch_dtype(x)
+        logp_all, stats = x.new_empty((n, k), dtype=acc), x.new_empty((3, n), dtype=acc)
+        for sl in sweep.chunks(n, rows):
+            logits = sweep.project(buffer, x[sl], W, b)
+            logp, entropy, row_max, log_s = launch.log_probs(logits, forward_index[sl], options)
+            top = row_max.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            shift = (row_max - top) * inv_t  # <= 0
+            s = torch.exp(log_s + shift)
+            a = s * (entropy - log_s - shift)
+            mine = forward_index[sl] != ii
+            moved = torch.where(mine, logp + (log_s + shift)[:, None], 0.0)
+            packed = torch.cat([s, a, moved.reshape(-1)])
+            dist.all_reduce(packed, group=group)
+            m = sl.stop - sl.start
+            total_s, total_a = packed[:m], packed[m:2 * m]
+            log_total = torch.log(total_s)
+            live = index[sl] != ii
+            logp_all[sl] = torch.where(live, torch.clamp(
+                packed[2 * m:].view(m, k) - log_total[:, None], max=0.0), 0.0)
+            stats[:, sl] = torch.stack([top, log_total, log_total + total_a / total_s])
+        ctx.save_for_backward(x, W, b, _shard_index(index, offset, width, ii, others=width),
+                              stats)
+        ctx.options, ctx.group, ctx.sp, ctx.rows, ctx.needs = (options, group,
+                                                               sequence_parallel, rows, needs)
+        entropy = stats[2].clone()
+        if sequence_parallel:
+            return _own_rows(logp_all, group).clone(), _own_rows(entropy, group).clone()
+        return logp_all, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        x, W, b, index, stats = ctx.saved_tensors
+        needs = ctx.needs
+        none = (None,) * 6
+        if (grad_logp is None and grad_entropy is None) or not needs.any():
+            return (None, None, None, *none)
+        g = (torch.zeros_like(index, dtype=stats.dtype) if grad_logp is None
+             else grad_logp.to(stats.dtype))
+        h = (torch.zeros(index.shape[0], dtype=stats.dtype, device=stats.device)
+             if grad_entropy is None else grad_entropy.to(stats.dtype))
+        if ctx.sp:
+            g = _gathered_rows(g, ctx.group) if grad_logp is not None else g
+            h = _gathered_rows(h, ctx.group) if grad_entropy is not None else h
+        buffer = pool.POOL.empty((ctx.rows, W.shape[0]), x.dtype, x.device)
+        slices = sweep.chunks(x.shape[0], ctx.rows)
+        sink = sweep.GradSink(x, W, b, needs, len(slices))
+        for sl in slices:
+            logits = sweep.project(buffer, x[sl], W, b)
+            launch.log_probs_backward(g[sl].contiguous(), h[sl].contiguous(), logits, index[sl],
+                                      stats[0, sl], stats[1, sl], stats[2, sl], ctx.options,
+                                      out=logits)
+            sink.add(sl, x[sl], logits, W)
+        gx, gW, gb = sink.finish(x)
+        if needs.input:
+            gx = _summed_input_grad(gx, ctx.group, ctx.sp)
+        grads = [t if wanted else None for t, wanted in
+                 zip((gx, gW, gb), (needs.input, needs.weight, needs.bias))]
+        return (*grads, *none)
+
+
+def vocab_parallel_linear_log_probs(input: Tensor, local_weight: Tensor, index: Tensor, *,
+                                    group=None, local_bias: Tensor | None = None,
+                                    temperature: float = 1.0, softcap: float = 0.0,
+                                    row_mask: Tensor | None = None, ignore_index: int = -100,
+                                    return_entropy: bool = False,
+                                    sequence_parallel: bool = False,
+                                    chunk_rows: int | None = None):
+    """``ce_tvm.linear_log_probs`` with the LM head's weight sharded over the
+    vocabulary (SPEC sections 6 and 7; the layout of
+    ``vocab_parallel_linear_cross_entropy``): ``index`` ``[*]`` or ``[*, K]``
+    global class ids and ``row_mask`` ``[*]`` for the global rows. Without
+    sequence parallelism ``input [*, H]`` is the same on every rank; with it,
+    this rank's block of rows, and the log-probs, the entropy and the input's
+    gradient are this rank's block."""
+    options = LossOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap)
+    x = check.linear_head(input, local_weight, local_bias)
+    world = dist.get_world_size(group) if sequence_parallel else 1
+    rows_of = input.new_empty(()).expand(input.shape[0] * world, *input.shape[1:])  # no memory
+    idx, single = check.index_columns(index, rows_of)
+    mask = check.row_mask(row_mask, rows_of)
+    if mask is not None:
+        idx = torch.where(mask[:, None], idx, options.ignore_index)
+    k = idx.shape[1]
+    if k == 0:  # the kernels take at least one column: a dead one
+        idx = idx.new_full((idx.shape[0], 1), options.ignore_index)
+    rows = check.chunk_rows(chunk_rows)
+    grad_on = torch.is_grad_enabled()
+    needs = sweep.Needs(grad_on and input.requires_grad, grad_on and local_weight.requires_grad,
+                        grad_on and local_bias is not None and local_bias.requires_grad)
+    logp, entropy = _VocabParallelLinearLogProbs.apply(x, local_weight, local_bias, idx, options,
+                                                       group, bool(sequence_parallel), rows,
+                                                       needs)
+    lead = tuple(input.shape[:-1])
+    logp = logp[:, :k].reshape(lead if single else (*lead, k))
+    return (logp, entropy.reshape(lead)) if return_entropy else logp

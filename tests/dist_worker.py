@@ -17,6 +17,7 @@ from ce_tvm.distributed import (
     VocabParallelCrossEntropyLoss,
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
+    vocab_parallel_linear_log_probs,
 )
 
 C = 53  # shards of unequal width for 2 and 3 ranks
@@ -163,8 +164,51 @@ def check_linear_head(rank, world):
     return checked
 
 
+
+def check_linear_log_probs(rank, world):
+    """``vocab_parallel_linear_log_probs`` against the single-process
+    ``linear_log_probs`` on the full weight: log-probs, entropy and the gradients
+    of ``a * logp + b * entropy`` for the input, the weight and the bias shards;
+    returns how many cases were checked."""
+    widths = [V_HEAD // world + (r < V_HEAD % world) for r in range(world)]
+    lo = sum(widths[:rank])
+    hi = lo + widths[rank]
+    checked = 0
+    for temp, softcap, sp, k in [(1.0, 0.0, False, None), (0.7, 5.0, False, 2),
+                                 (1.3, 0.0, True, 2)]:
+        gen = torch.Generator().manual_seed(22)
+        n = 6 * world
+        x = torch.randn(n, H_HEAD, generator=gen)
+        W = torch.randn(V_HEAD, H_HEAD, generator=gen) * 0.5
+        b = torch.randn(V_HEAD, generator=gen) * 0.1
+        index = torch.randint(0, V_HEAD, (n,) if k is None else (n, k), generator=gen)
+        index.view(-1)[::7] = -100
+        index.view(-1)[1], index.view(-1)[2] = widths[0] - 1, widths[0]
+        mask = torch.rand(n, generator=gen) > 0.2
+        a = torch.randn(index.shape, generator=gen)
+        c = torch.randn(n, generator=gen)
+        opts = dict(temperature=temp, softcap=softcap, row_mask=mask, return_entropy=True)
+        full = [t.clone().requires_grad_() for t in (x, W, b)]
+        ref_logp, ref_entropy = ce_tvm.linear_log_probs(full[0], full[1], index,
+                                                        linear_bias=full[2], **opts)
+        ((ref_logp * a).sum() + (ref_entropy * c).sum()).backward()
+        block = slice(rank * 6, rank * 6 + 6) if sp else slice(None)
+        mine = [x[block].clone().requires_grad_(), W[lo:hi].clone().requires_grad_(),
+                b[lo:hi].clone().requires_grad_()]
+        logp, entropy = vocab_parallel_linear_log_probs(
+            mine[0], mine[1], index, local_bias=mine[2], sequence_parallel=sp, chunk_rows=4,
+            **opts)
+        torch.testing.assert_close(logp, ref_logp.detach()[block], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy, ref_entropy.detach()[block], rtol=1e-5, atol=1e-5)
+        ((logp * a[block]).sum() + (entropy * c[block]).sum()).backward()
+        torch.testing.assert_close(mine[0].grad, full[0].grad[block], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine[1].grad, full[1].grad[lo:hi], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine[2].grad, full[2].grad[lo:hi], rtol=1e-4, atol=1e-5)
+        checked += 1
+    return checked
+
 CHECKS = {"cases": check_cases, "odd_strides": check_odd_strides,
-          "linear_head": check_linear_head}
+          "linear_head": check_linear_head, "linear_log_probs": check_linear_log_probs}
 
 
 def main():

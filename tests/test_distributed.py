@@ -86,3 +86,10 @@ def test_vocab_parallel_linear_head_matches_single_process(world):
     """The LM head sharded over the vocabulary (unequal shards over 3 ranks), with
     and without sequence parallelism, against the single-process fused loss."""
     run_ranks(world, "linear_head", 6)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_linear_log_probs_match_single_process(world):
+    """Log-probs (K = 1 and 2, masked rows, softcap, temperature) and entropy of the
+    sharded head, with and without sequence parallelism."""
+    run_ranks(world, "linear_log_probs", 3)

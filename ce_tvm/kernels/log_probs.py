@@ -46,7 +46,9 @@ def _inputs(classes: int, dtype: str, variant: Variant):
 
 def _columns(index, ignore_index, classes: int):
     """``live(n, k)``: entry ``k`` of row ``n`` is not ``ignore_index``;
-    ``column(n, k)``: its class, always in ``[0, C)``."""
+    ``column(n, k)``: its class, always in ``[0, C)``; ``inside(n, k)``: the
+    index is in ``[0, C)`` (a vocabulary shard's gradient passes the live
+    entries of other shards out of range: they count in ``G``, match no column)."""
 
     def at(k):  # a column: a loop variable, or a constant one
         return int64(k) if isinstance(k, int) else k
@@ -54,11 +56,14 @@ def _columns(index, ignore_index, classes: int):
     def live(n, k):
         return index[n, at(k)] != ignore_index
 
-    def column(n, k):
+    def inside(n, k):
         i = index[n, at(k)]
-        return tirx.Select(tirx.all(i >= int64(0), i < int64(classes)), i, int64(0))
+        return tirx.all(i >= int64(0), i < int64(classes))
 
-    return live, column
+    def column(n, k):
+        return tirx.Select(inside(n, k), index[n, at(k)], int64(0))
+
+    return live, column, inside
 
 
 def log_probs_func(classes: int, dtype: str, variant: Variant,
@@ -83,7 +88,7 @@ def log_probs_func(classes: int, dtype: str, variant: Variant,
     hair above).
     """
     acc, n_rows, x, index, scalars, logit = _inputs(classes, dtype, variant)
-    live, column = _columns(index, scalars[0], classes)
+    live, column, _ = _columns(index, scalars[0], classes)
     zero = tirx.const(0.0, acc)
     st = row_stats(logit, None, n_rows, classes, acc, chunk, keep_exp=exp_kept(), stage=stage,
                    entropy=True)
@@ -106,7 +111,9 @@ def log_probs_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.Prim
     pass: the logits read once, the gradient written once (in their dtype).
 
     ``dz = p (h (-log p - H) - G) + sum_k g[k] [c = i_k]`` with
-    ``G = sum_k g[k]`` over the live entries (``ce_grad_pscale``), and
+    ``G = sum_k g[k]`` over the live entries (``ce_grad_pscale``; a live
+    index outside ``[0, C)`` counts there but matches no column: a vocabulary
+    shard's view of another shard's entry), and
     ``log p = (x' - max) / T - log(S)`` from the forward's ``row_max``,
     ``log_expsum`` and ``entropy`` (nothing cancels at a large offset); where
     ``p = 0`` the first term is 0.
@@ -116,7 +123,7 @@ def log_probs_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.Prim
     ``index[N, K]``, the scalars of ``log_probs_func``; output ``x_grad[N, C]``.
     """
     acc, n_rows, x, index, scalars, logit = _inputs(classes, dtype, variant)
-    live, column = _columns(index, scalars[0], classes)
+    live, column, inside = _columns(index, scalars[0], classes)
     zero = tirx.const(0.0, acc)
     g = te.placeholder((n_rows, int64(variant.columns)), acc, name="grad_logp")
     h = te.placeholder((n_rows,), acc, name="grad_entropy")
@@ -136,7 +143,7 @@ def log_probs_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.Prim
         p = fastmath.exp(logp, nonpositive=True)
         dz = tirx.Select(p == zero, zero, p * (h[n] * (-logp - ent[n]) - total[n]))
         for k in ks:
-            dz = dz + tirx.Select(tirx.all(live(n, k), same_class(c, column(n, k))),
+            dz = dz + tirx.Select(tirx.all(live(n, k), inside(n, k), same_class(c, column(n, k))),
                                   g[n, int64(k)], zero)
         return logit.scaled_by_slope(n, c, dz).astype(dtype)
 
