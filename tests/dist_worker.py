@@ -207,8 +207,44 @@ def check_linear_log_probs(rank, world):
         checked += 1
     return checked
 
+
+def check_bytes_independent_of_vocabulary(rank, world):
+    """The bytes the sharded head's collectives move per training step (loss,
+    then log-probs and entropy, forward and backward) are the same at V and 10 V:
+    only per-row statistics and the input's gradient cross ranks."""
+    counted = []
+
+    def counting(collective):
+        def call(tensor, *args, **kwargs):
+            counted.append(tensor.numel() * tensor.element_size())
+            return collective(tensor, *args, **kwargs)
+        return call
+
+    def step_bytes(vocab):
+        gen = torch.Generator().manual_seed(23)
+        x = torch.randn(8, H_HEAD, generator=gen, requires_grad=True)
+        W = torch.randn(vocab // world, H_HEAD, generator=gen, requires_grad=True)
+        y = torch.randint(0, vocab // world * world, (8,), generator=gen)
+        vocab_parallel_linear_cross_entropy(x, W, y, label_smoothing=0.1).backward()  # warm-up
+        counted.clear()
+        vocab_parallel_linear_cross_entropy(x, W, y, label_smoothing=0.1).backward()
+        logp, entropy = vocab_parallel_linear_log_probs(x, W, y, return_entropy=True)
+        (logp.sum() + entropy.sum()).backward()
+        return sum(counted)
+
+    saved = dist.all_reduce, dist.all_gather
+    dist.all_reduce = counting(dist.all_reduce)
+    try:
+        small, large = step_bytes(600), step_bytes(6000)
+    finally:
+        dist.all_reduce, dist.all_gather = saved
+    assert small == large > 0, (small, large)
+    assert small <= 64 * 8 * H_HEAD, small  # O(N x H)
+    return 1
+
 CHECKS = {"cases": check_cases, "odd_strides": check_odd_strides,
-          "linear_head": check_linear_head, "linear_log_probs": check_linear_log_probs}
+          "linear_head": check_linear_head, "linear_log_probs": check_linear_log_probs,
+          "bytes": check_bytes_independent_of_vocabulary}
 
 
 def main():

@@ -93,3 +93,7 @@ def test_vocab_parallel_linear_log_probs_match_single_process(world):
     """Log-probs (K = 1 and 2, masked rows, softcap, temperature) and entropy of the
     sharded head, with and without sequence parallelism."""
     run_ranks(world, "linear_log_probs", 3)
+
+
+def test_vocab_parallel_head_communicates_no_more_at_a_larger_vocabulary():
+    run_ranks(2, "bytes", 1)
