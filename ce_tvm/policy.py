@@ -226,6 +226,13 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
     logits and gives the gradients of ``input``, ``linear_weight`` and
     ``linear_bias``.
     """
+    if check.is_dtensor(linear_weight):  # a column-wise parallel lm_head
+        from .distributed import dtensor_linear_log_probs
+
+        return dtensor_linear_log_probs(
+            input, linear_weight, index, linear_bias=linear_bias, row_mask=row_mask,
+            temperature=temperature, softcap=softcap, ignore_index=ignore_index,
+            return_entropy=return_entropy, chunk_rows=chunk_rows)
     options = _options(ignore_index, temperature, softcap)
     x = check.linear_head(input, linear_weight, linear_bias)
     idx, single = check.index_columns(index, input)

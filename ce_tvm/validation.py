@@ -75,6 +75,12 @@ def in_range(y: torch.Tensor, classes: int, ignore_index: int, name: str) -> tor
     return y
 
 
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it):
+    the entry points hand such tensors to ``ce_tvm.distributed``."""
+    return type(t).__module__.startswith("torch.distributed.tensor")
+
+
 def class_last_logits(x, name: str = "logits") -> torch.Tensor:
     """Logits ``[..., V]`` (class dimension last, ``V >= 1``) as a contiguous
     ``[M, V]``, ``M`` the product of the leading dimensions."""

@@ -5,6 +5,7 @@ the default), or empty batches and size-1 dimensions with strides that are
 not the row-major ones (``odd_strides``)."""
 
 import itertools
+import re
 import sys
 
 import numpy as np
@@ -242,9 +243,69 @@ def check_bytes_independent_of_vocabulary(rank, world):
     assert small <= 64 * 8 * H_HEAD, small  # O(N x H)
     return 1
 
+
+def check_dtensor(rank, world):
+    """DTensor on a 1-D mesh: logits ``Shard(-1)`` given to ``ce_tvm.cross_entropy``,
+    an LM head weight ``Shard(0)`` given to ``linear_cross_entropy`` /
+    ``linear_log_probs`` (input replicated, or ``Shard(0)``): the single-process
+    values, and DTensor gradients of the same placements; other placements are
+    a clear error. Returns how many checks ran."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(24)
+    logits = torch.randn(2, 3 * world, V_HEAD, generator=gen) * 3
+    y = torch.randint(0, V_HEAD, (2, 3 * world), generator=gen)
+    y[0, 1] = -100
+    opts = dict(label_smoothing=0.1, lse_square_scale=1e-2, temperature=0.8)
+    ref_x = logits.clone().requires_grad_()
+    ref = ce_tvm.cross_entropy(ref_x.reshape(-1, V_HEAD), y.reshape(-1), **opts)
+    ref.backward()
+    dx = distribute_tensor(logits.clone(), mesh, [Shard(2)]).requires_grad_()
+    loss = ce_tvm.cross_entropy(dx, y, **opts)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    loss.backward()
+    assert dx.grad.placements == (Shard(2),)
+    torch.testing.assert_close(dx.grad.full_tensor(), ref_x.grad, rtol=1e-5, atol=1e-7)
+    checked = 1
+    x = torch.randn(4 * world, H_HEAD, generator=gen)
+    W = torch.randn(V_HEAD, H_HEAD, generator=gen) * 0.5
+    t = torch.randint(0, V_HEAD, (4 * world,), generator=gen)
+    for input_placement in (None, Replicate(), Shard(0)):
+        full = [x.clone().requires_grad_(), W.clone().requires_grad_()]
+        ref = ce_tvm.linear_cross_entropy(*full, t, **opts)
+        ref_logp = ce_tvm.linear_log_probs(*full, t, temperature=0.8)
+        (ref + ref_logp.sum()).backward()
+        dW = distribute_tensor(W.clone(), mesh, [Shard(0)]).requires_grad_()
+        dh = (x.clone() if input_placement is None else
+              distribute_tensor(x.clone(), mesh, [input_placement])).requires_grad_()
+        loss = ce_tvm.linear_cross_entropy(dh, dW, t, **opts)
+        logp = ce_tvm.linear_log_probs(dh, dW, t, temperature=0.8)
+        rows = slice(rank * 4, rank * 4 + 4) if input_placement == Shard(0) else slice(None)
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logp, ref_logp.detach()[rows], rtol=1e-5, atol=1e-5)
+        (loss + logp.sum()).backward()
+        assert dW.grad.placements == (Shard(0),)
+        torch.testing.assert_close(dW.grad.full_tensor(), full[1].grad, rtol=1e-4, atol=1e-5)
+        grad_h = dh.grad.full_tensor() if input_placement is not None else dh.grad
+        torch.testing.assert_close(grad_h, full[0].grad, rtol=1e-4, atol=1e-5)
+        checked += 1
+    for bad, call in [
+        ("Shard\\(-1\\)", lambda: ce_tvm.cross_entropy(
+            distribute_tensor(logits.clone(), mesh, [Shard(0)]), y)),
+        ("Shard\\(0\\)", lambda: ce_tvm.linear_cross_entropy(
+            x, distribute_tensor(W.clone(), mesh, [Replicate()]), t)),
+    ]:
+        try:
+            call()
+        except ValueError as err:
+            assert re.search(bad, str(err)), str(err)
+            checked += 1
+    return checked
+
 CHECKS = {"cases": check_cases, "odd_strides": check_odd_strides,
           "linear_head": check_linear_head, "linear_log_probs": check_linear_log_probs,
-          "bytes": check_bytes_independent_of_vocabulary}
+          "bytes": check_bytes_independent_of_vocabulary, "dtensor": check_dtensor}
 
 
 def main():

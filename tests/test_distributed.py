@@ -97,3 +97,9 @@ def test_vocab_parallel_linear_log_probs_match_single_process(world):
 
 def test_vocab_parallel_head_communicates_no_more_at_a_larger_vocabulary():
     run_ranks(2, "bytes", 1)
+
+
+def test_dtensor_placements_take_the_vocabulary_parallel_paths():
+    """torchtitan's setups (1-D mesh): logits Shard(-1); an lm_head weight Shard(0)
+    with the input plain, Replicate() or Shard(0); other placements refused."""
+    run_ranks(2, "dtensor", 6)
