@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import validation as check
-from .ops import scale_unit_gradient
+from .ops import scale_unit_gradient, with_extras
 from .runtime import launch, pool
 from .runtime import linear_sweep as sweep
 from .runtime.options import LossOptions, store_on_module
@@ -62,14 +62,48 @@ def _global_stats(x, y, w, offset: int, options: LossOptions, group, extra: Tens
     return gmax + torch.log(sumexp), logit, weight, wxsum, packed[4 * n:]
 
 
+def _target_raw_logit(x: Tensor, y: Tensor, offset: int) -> Tensor:
+    """Each row's raw target logit where the target is in this shard, else 0 (the
+    shards' values summed are the global ones)."""
+    local = y - offset
+    inside = (local >= 0) & (local < x.shape[1])
+    picked = x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None])[:, 0]
+    return torch.where(inside, picked.to(torch.float32), 0.0)
+
+
+def _shard_beats(x: Tensor, y: Tensor, offset: int, target: Tensor, group) -> Tensor:
+    """Per row, the columns of all shards ahead of the target in argmax order (a
+    larger raw logit, or an equal one at a smaller index): 0 iff the target is
+    the first maximum (token accuracy; one all_reduce of ``[N]``). The shards'
+    raw logits are compared: the cap and the temperature keep the order (ties a
+    cap saturates are broken by the raw values)."""
+    xs = x.to(torch.float32)
+    columns = torch.arange(offset, offset + x.shape[1], device=x.device)
+    ahead = (xs > target[:, None]) | ((xs == target[:, None]) & (columns < y[:, None]))
+    beats = ahead.sum(1, dtype=torch.float32)
+    dist.all_reduce(beats, group=group)
+    return beats
+
+
+def _accuracy(beats: Tensor, y: Tensor, ignore_index: int) -> Tensor:
+    """The fraction of counted rows whose target is the first maximum (NaN: none count)."""
+    kept = y != ignore_index
+    return ((beats == 0) & kept).sum(dtype=torch.float32) / kept.sum(dtype=torch.float32)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, w, options: LossOptions, group):
+    def forward(ctx, x, y, w, options: LossOptions, group, accuracy: bool):
         offset, classes = shard_layout(x.shape[1], group)
         y = check.targets(y, x, options.ignore_index, classes)
         w = check.weight(w, x)
         wsum = w.sum().reshape(1) if w is not None else x.new_zeros(1, dtype=torch.float32)
-        lse, logit, weight, wxsum, wsum = _global_stats(x, y, w, offset, options, group, wsum)
+        extra = torch.cat([wsum, _target_raw_logit(x, y, offset)]) if accuracy else wsum
+        lse, logit, weight, wxsum, extra = _global_stats(x, y, w, offset, options, group, extra)
+        wsum = extra[:1]
+        hits = (_accuracy(_shard_beats(x, y, offset, extra[1:], group), y, options.ignore_index)
+                if accuracy else x.new_empty(0, dtype=torch.float32))
+        ctx.mark_non_differentiable(hits)
         weight_sum = float(wsum) if w is not None else float(classes)
         loss, zloss = launch.shard_combine(lse, logit, weight, wxsum, y, weight_sum=weight_sum,
                                            classes=classes, dtype=x.dtype, options=options)
@@ -83,10 +117,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, lse, y, w, weight)
             ctx.layout, ctx.options = layout, options
-        return loss, zloss
+        return loss, zloss, hits
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_zloss):
+    def backward(ctx, grad_loss, grad_zloss, grad_hits):
         if hasattr(ctx, "x_grad"):
             grad = scale_unit_gradient(ctx.x_grad, grad_loss.reshape(-1))
         else:
@@ -94,21 +128,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             g = grad_loss.to(lse.dtype).reshape(-1).contiguous()
             grad = launch.shard_backward(g, x, lse, y, w, weight, **ctx.layout,
                                          options=ctx.options)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: Tensor | None = None,
                                  ignore_index: int = -100, reduction: str = "mean",
                                  label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                                  group=None, return_zloss: bool = False, *,
-                                 softcap: float = 0.0, temperature: float = 1.0):
+                                 softcap: float = 0.0, temperature: float = 1.0,
+                                 return_token_accuracy: bool = False):
     """Cross entropy of vocabulary-sharded logits ``[N, C_r]`` (see the module doc).
 
     ``weight`` is this rank's shard ``[C_r]`` of the class weights;
     ``softcap`` and ``temperature`` act as in ``ce_tvm.cross_entropy``. Returns
     what ``ce_tvm.cross_entropy`` returns on the full logits (a 0-d loss for
     ``mean``/``sum``), the same on every rank; with ``return_zloss`` also the
-    z-loss part, without gradient.
+    z-loss part, without gradient; with ``return_token_accuracy`` last the
+    token accuracy over the full rows (one more ``all_reduce`` of ``[N]``).
     """
     x = check.logits(logits_shard, "logits_shard")
     check.check_device(x)
@@ -117,10 +153,12 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                           softcap=softcap, temperature=temperature)
-    loss, zloss = _VocabParallelCrossEntropy.apply(x, target, weight, options, group)
+    loss, zloss, accuracy = _VocabParallelCrossEntropy.apply(x, target, weight, options, group,
+                                                             bool(return_token_accuracy))
     if options.reduction != "none":
         loss, zloss = loss.reshape(()), zloss.reshape(())
-    return (loss, zloss) if return_zloss else loss
+    return with_extras(loss, zloss if return_zloss else None,
+                       accuracy if return_token_accuracy else None)
 
 
 class VocabParallelCrossEntropyLoss(nn.Module):
@@ -179,7 +217,7 @@ def _summed_input_grad(grad: Tensor, group, sequence_parallel: bool) -> Tensor:
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, W, b, y, w, options: LossOptions, group, sequence_parallel: bool,
-                rows: int, needs: sweep.Needs):
+                rows: int, needs: sweep.Needs, accuracy: bool):
         offset, classes = shard_layout(W.shape[0], group)
         x = _gathered_rows(x_in, group) if sequence_parallel else x_in.contiguous()
         y = check.targets(y, x, options.ignore_index, classes)
@@ -201,6 +239,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         per_row = replace(options, reduction="none")
         loss_rows, z_rows = x.new_empty(n), x.new_empty(n)
         lse_all, wy_all = x.new_empty(n, dtype=acc), x.new_empty(n, dtype=acc)
+        beats = x.new_zeros(n, dtype=torch.float32)
         one_pass = options.reduction != "none" and needs.any()
         slices = sweep.chunks(n, rows)
         sink = sweep.GradSink(x, W, b, needs, len(slices)) if one_pass else None
@@ -208,8 +247,12 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         grad_z = (1.0 / count if options.reduction == "mean" else count.new_ones(1))
         for sl in slices:
             logits = sweep.project(buffer, x[sl], W, b)
-            lse, logit, weight, wxsum, _ = _global_stats(logits, y[sl], w, offset, options,
-                                                         group, count.new_zeros(0))
+            extra = (_target_raw_logit(logits, y[sl], offset) if accuracy
+                     else count.new_zeros(0))
+            lse, logit, weight, wxsum, target = _global_stats(logits, y[sl], w, offset, options,
+                                                              group, extra)
+            if accuracy:  # before the gradient takes the logits' place
+                beats[sl] = _shard_beats(logits, y[sl], offset, target, group)
             loss_rows[sl], z_rows[sl] = launch.shard_combine(
                 lse, logit, weight, wxsum, y[sl], weight_sum=weight_sum, classes=classes,
                 dtype=x.dtype, options=per_row)
@@ -223,14 +266,17 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                                       out=logits)
                 sink.add(sl, x[sl], logits, W)
         ctx.group, ctx.sp, ctx.needs = group, sequence_parallel, needs
-        ctx.mark_non_differentiable(z_rows)
+        hits = (_accuracy(beats, y, options.ignore_index) if accuracy
+                else x.new_empty(0, dtype=torch.float32))
+        ctx.mark_non_differentiable(z_rows, hits)
         if options.reduction == "none":
             ctx.save_for_backward(x, W, b, y, w, lse_all, wy_all)
             ctx.layout = dict(offset=offset, weight_sum=weight_sum, global_classes=classes)
             ctx.options, ctx.rows, ctx.grads = per_row, rows, None
             if sequence_parallel:
-                return _own_rows(loss_rows, group).clone(), _own_rows(z_rows, group).clone()
-            return loss_rows, z_rows
+                return (_own_rows(loss_rows, group).clone(), _own_rows(z_rows, group).clone(),
+                        hits)
+            return loss_rows, z_rows, hits
         if one_pass:
             gx, gW, gb = sink.finish(x)
             if needs.input:
@@ -240,10 +286,10 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         z = z_rows.sum(dtype=acc).reshape(1)
         if options.reduction == "mean":
             total, z = (total - z) / denom + z / count, z / count
-        return total.to(x.dtype), z.to(x.dtype)
+        return total.to(x.dtype), z.to(x.dtype), hits
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_zloss):
+    def backward(ctx, grad_loss, grad_zloss, grad_hits):
         needs = ctx.needs
         if ctx.grads is not None:
             grads = [g * grad_loss if wanted else None for g, wanted in
@@ -266,7 +312,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 gx = _summed_input_grad(gx, ctx.group, ctx.sp)
             grads = [g if wanted else None for g, wanted in
                      zip((gx, gW, gb), (needs.input, needs.weight, needs.bias))]
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, target: Tensor, *,
@@ -275,6 +321,7 @@ def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, tar
                                         ignore_index: int = -100, label_smoothing: float = 0.0,
                                         lse_square_scale: float = 0.0, softcap: float = 0.0,
                                         temperature: float = 1.0, return_zloss: bool = False,
+                                        return_token_accuracy: bool = False,
                                         sequence_parallel: bool = False,
                                         chunk_rows: int | None = None):
     """``ce_tvm.linear_cross_entropy`` with the LM head's weight sharded over the
@@ -288,7 +335,9 @@ def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, tar
     ``sequence_parallel=True`` it is this rank's block of rows (equal blocks,
     rank order) and ``target`` the global rows: a ``none`` loss and the input's
     gradient are then this rank's block. Scalars are global; the weight's and
-    bias' gradients are this rank's shards of the full ones.
+    bias' gradients are this rank's shards of the full ones. ``return_zloss``
+    and ``return_token_accuracy`` add the z-loss part and the token accuracy
+    (global) to the result, as ``ce_tvm.linear_cross_entropy`` does.
     """
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
@@ -300,12 +349,12 @@ def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, tar
     grad_on = torch.is_grad_enabled()
     needs = sweep.Needs(grad_on and input.requires_grad, grad_on and local_weight.requires_grad,
                         grad_on and local_bias is not None and local_bias.requires_grad)
-    loss, zloss = _VocabParallelLinearCrossEntropy.apply(
+    loss, zloss, accuracy = _VocabParallelLinearCrossEntropy.apply(
         x, local_weight, local_bias, target.reshape(-1), weight, options, group,
-        bool(sequence_parallel), rows, needs)
+        bool(sequence_parallel), rows, needs, bool(return_token_accuracy))
     shape = tuple(input.shape[:-1]) if options.reduction == "none" else ()
-    loss, zloss = loss.reshape(shape), zloss.reshape(shape)
-    return (loss, zloss) if return_zloss else loss
+    return with_extras(loss.reshape(shape), zloss.reshape(shape) if return_zloss else None,
+                       accuracy if return_token_accuracy else None)
 
 
 class VocabParallelLinearCrossEntropyLoss(nn.Module):
@@ -509,7 +558,8 @@ def _local_rows_of(t, width: int, group):
 def dtensor_cross_entropy(input, target, weight=None, *, ignore_index: int = -100,
                           reduction: str = "mean", label_smoothing: float = 0.0,
                           lse_square_scale: float = 0.0, softcap: float = 0.0,
-                          temperature: float = 1.0, return_zloss: bool = False):
+                          temperature: float = 1.0, return_zloss: bool = False,
+                          return_token_accuracy: bool = False):
     """``ce_tvm.cross_entropy`` of DTensor logits ``[..., V]`` sharded on the class
     dimension (``Shard(-1)``, 1-D mesh): the vocabulary-parallel loss."""
     supported = "logits Shard(-1), the class dimension last"
@@ -526,11 +576,14 @@ def dtensor_cross_entropy(input, target, weight=None, *, ignore_index: int = -10
         local.reshape(-1, local.shape[-1]), y.reshape(-1),
         _local_rows_of(weight, local.shape[-1], group), ignore_index=ignore_index,
         reduction=reduction, label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
-        group=group, return_zloss=return_zloss, softcap=softcap, temperature=temperature)
+        group=group, return_zloss=return_zloss, softcap=softcap, temperature=temperature,
+        return_token_accuracy=return_token_accuracy)
     if reduction != "none":
         return loss
-    shape = tuple(input.shape[:-1])
-    return (loss[0].reshape(shape), loss[1].reshape(shape)) if return_zloss else loss.reshape(shape)
+    shape = tuple(input.shape[:-1])  # the per-row parts (loss, zloss) back in the rows' shape
+    if not isinstance(loss, tuple):
+        return loss.reshape(shape)
+    return (*(t.reshape(shape) for t in loss[:1 + return_zloss]), *loss[1 + return_zloss:])
 
 
 def _head_shards(input, linear_weight, linear_bias):

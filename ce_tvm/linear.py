@@ -206,15 +206,14 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     backward through the same graph needs ``allow_retain_graph=True``.
     """
     if check.is_dtensor(linear_weight):  # a column-wise parallel lm_head
-        if return_token_accuracy:
-            raise ValueError("a DTensor LM head does not take return_token_accuracy yet")
         from .distributed import dtensor_linear_cross_entropy
 
         return dtensor_linear_cross_entropy(
             input, linear_weight, target, linear_bias=linear_bias, weight=weight,
             reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
             lse_square_scale=lse_square_scale, softcap=softcap, temperature=temperature,
-            return_zloss=return_zloss, chunk_rows=chunk_rows)
+            return_zloss=return_zloss, return_token_accuracy=return_token_accuracy,
+            chunk_rows=chunk_rows)
     x, y = _flatten(input, linear_weight, target, linear_bias)
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,

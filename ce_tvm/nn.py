@@ -88,15 +88,14 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     sweep as the loss.
     """
     if check.is_dtensor(input):  # logits sharded on the class dimension
-        if return_token_accuracy or size_average is not None or reduce is not None:
-            raise ValueError("DTensor logits take neither return_token_accuracy nor the "
-                             "deprecated size_average/reduce")
         from .distributed import dtensor_cross_entropy
 
-        return dtensor_cross_entropy(input, target, weight, ignore_index=ignore_index,
-                                     reduction=reduction, label_smoothing=label_smoothing,
-                                     lse_square_scale=lse_square_scale, softcap=softcap,
-                                     temperature=temperature, return_zloss=return_zloss)
+        return dtensor_cross_entropy(
+            input, target, weight, ignore_index=ignore_index,
+            reduction=_reduction_of(size_average, reduce, reduction),
+            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
+            temperature=temperature, return_zloss=return_zloss,
+            return_token_accuracy=return_token_accuracy)
     x, y, unflatten = _flatten(input, target)
     options = LossOptions(reduction=_reduction_of(size_average, reduce, reduction),
                           ignore_index=ignore_index, label_smoothing=label_smoothing,

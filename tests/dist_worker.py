@@ -162,7 +162,25 @@ def check_linear_head(rank, world):
         torch.testing.assert_close(mine[1].grad, full[1].grad[lo:hi], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(mine[2].grad, full[2].grad[lo:hi], rtol=1e-4, atol=1e-5)
         checked += 1
-    return checked
+    # token accuracy, the logits and the head sharded, ties across a shard edge
+    gen = torch.Generator().manual_seed(25)
+    x = torch.randn(4 * world, H_HEAD, generator=gen)
+    W = torch.randn(V_HEAD, H_HEAD, generator=gen)
+    W[widths[0]] = W[widths[0] - 1]  # equal logits on both sides of the first edge
+    x[1] = x[2] = W[widths[0]] * 10  # rows whose maximum is that tie
+    logits = x @ W.t()
+    y = logits.argmax(1)
+    y[::3] = torch.randint(0, V_HEAD, y[::3].shape, generator=gen)
+    y[1], y[2] = widths[0], widths[0] - 1  # the earlier column of the tie is the first maximum
+    y[4] = -100
+    expected = ce_tvm.cross_entropy(logits, y, return_token_accuracy=True, softcap=30.0)[1]
+    got = vocab_parallel_cross_entropy(logits[:, lo:hi].contiguous(), y, softcap=30.0,
+                                       return_token_accuracy=True)[1]
+    head = vocab_parallel_linear_cross_entropy(x, W[lo:hi], y, softcap=30.0, chunk_rows=3,
+                                               return_token_accuracy=True)[1]
+    assert 0 < float(expected) < 1
+    assert float(got) == float(expected) == float(head), (got, expected, head)
+    return checked + 1
 
 
 
