@@ -81,11 +81,12 @@ def test_import_ce_tvm_reaches_distributed_lazily():
     assert done.returncode == 0 and "lazy ok" in done.stdout, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_vocab_parallel_linear_head_matches_single_process(world):
-    """The LM head sharded over the vocabulary (unequal shards over 3 ranks), with
-    and without sequence parallelism, against the single-process fused loss."""
-    run_ranks(world, "linear_head", 7)
+    """The LM head sharded over the vocabulary (unequal shards over 3 and 4 ranks),
+    with and without sequence parallelism, float32 and bfloat16, against the
+    single-process fused loss."""
+    run_ranks(world, "linear_head", 8)
 
 
 @pytest.mark.parametrize("world", [2, 3])
