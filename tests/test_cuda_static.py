@@ -50,8 +50,13 @@ share their element loops).
 - The log-prob kernels (SPEC section 6, one index per row; session 10): the
   forward evaluates ``exp`` in each of a chunk's two sums (``KEEPS_CHUNK_EXP``
   is off on CUDA) and adds the entropy term: 47-51 per element (bf16/fp32,
-  C = 50257/128256), 126-130 for the whole short row; its gradient 28-39
-  (the high end C = 50257, rows not 16-byte aligned), 38-40 short.
+  C = 50257/128256), 126-130 for the whole short row. Its gradient took
+  28-39 (the high end C = 50257, rows not 16-byte aligned) until the
+  vocabulary-sharded head's gradient needed the index tested against the
+  shard (another shard's entry counts in the upstream sum, matches no
+  column): now 37-65 (the index is re-read per element: the compiler cannot
+  tell it from the gradient's stores), 40-42 short. A per-row stage of the
+  hot columns would win that back.
 """
 
 import math
@@ -69,9 +74,9 @@ needs_tools = pytest.mark.skipif(
     reason="needs nvcc and nvdisasm/cuobjdump (pip install nvidia-cuda-nvdisasm)")
 
 BUDGET = {"forward": 43, "forward-lp": 54, "backward": 32, "train": 65,
-          "log_probs": 61, "log_probs_grad": 47}  # insn/el, loops
+          "log_probs": 61, "log_probs_grad": 78}  # insn/el, loops
 SHORT_ROW_BUDGET = {"forward": 128, "forward-lp": 142, "backward": 85,
-                    "train": 209, "log_probs": 156, "log_probs_grad": 48}  # C = 1001, no loops
+                    "train": 209, "log_probs": 156, "log_probs_grad": 51}  # C = 1001, no loops
 MAX_BROADCAST_LDS = {"train": 0.4}  # else 0.25
 MAX_REGISTERS = {"train": 80}  # else 64
 MAX_STATIC_SMEM = 48 * 1024

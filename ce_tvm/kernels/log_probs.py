@@ -123,7 +123,7 @@ def log_probs_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.Prim
     ``index[N, K]``, the scalars of ``log_probs_func``; output ``x_grad[N, C]``.
     """
     acc, n_rows, x, index, scalars, logit = _inputs(classes, dtype, variant)
-    live, column, inside = _columns(index, scalars[0], classes)
+    live, _, inside = _columns(index, scalars[0], classes)
     zero = tirx.const(0.0, acc)
     g = te.placeholder((n_rows, int64(variant.columns)), acc, name="grad_logp")
     h = te.placeholder((n_rows,), acc, name="grad_entropy")
@@ -138,13 +138,15 @@ def log_probs_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.Prim
     total = te.compute((n_rows,), lambda n: functools.reduce(
         lambda a, k: a + live_grad(n, k), ks, zero), name=GRAD_PSCALE)
 
+    def hot_column(n, k):  # the entry's column; -1 (none) when dead or in another shard
+        return tirx.Select(tirx.all(live(n, k), inside(n, k)), index[n, int64(k)], int64(-1))
+
     def grad(n, c):
         logp = logit.scaled(logit.capped(logit.raw(n, c)) - row_max[n]) - log_s[n]
         p = fastmath.exp(logp, nonpositive=True)
         dz = tirx.Select(p == zero, zero, p * (h[n] * (-logp - ent[n]) - total[n]))
-        for k in ks:
-            dz = dz + tirx.Select(tirx.all(live(n, k), inside(n, k), same_class(c, column(n, k))),
-                                  g[n, int64(k)], zero)
+        for k in ks:  # one compare per element: the column is per row (hoisted)
+            dz = dz + tirx.Select(same_class(c, hot_column(n, k)), g[n, int64(k)], zero)
         return logit.scaled_by_slope(n, c, dz).astype(dtype)
 
     x_grad = te.compute((n_rows, int64(classes)), grad, name=X_GRAD)
