@@ -96,14 +96,14 @@ CHUNK_VECTORS = 2
 # TVM's LoopPartition also splits constant-extent loops on ``likely``
 # conditions: the chunk loop of a row whose last chunk overlaps the one before
 # (C = 50257) runs its other chunks without the overlap test, the last one
-# peeled after them (``compute.last_chunk_peeled``; in cache, fp32 4096x50257:
+# peeled after them (``kernels.choices.last_chunk_peeled``; in cache, fp32 4096x50257:
 # 0.25 -> 0.16 ns per element per core).
 PASS_CONFIG = {"s_tir.LoopPartition": {"partition_const_loop": True}}
 PEELS_LAST_CHUNK = True
 # The training gradient's columns are vectorised chunk by chunk
 # (``vectorize_gradient_by_chunk``), and LLVM takes the test on the chunk out
 # of a float32 chunk's loop, which is then a load, an FMA and a store per vector
-# (``compute.one_hot_by_chunk``; in-process A/B, fp32 4096x32000: 87.8 ->
+# (``kernels.choices.one_hot_by_chunk``; in-process A/B, fp32 4096x32000: 87.8 ->
 # 82.9 ms, 2048x50257 73.2 -> 71.5 ms; bf16 keeps the test in its loop).
 ONE_HOT_BY_CHUNK = True
 

@@ -106,7 +106,7 @@ WIDE_BLOCK = 1024
 # into a register once per reduction (``benchmarks/cuda_static.py``: bcast_lds/el).
 PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 # The log-prob kernels evaluate a chunk's exp in each of its two sums
-# (``compute.chunk_exp_kept``): exp2f is 5 instructions, a kept chunk a scratch
+# (``kernels.choices.chunk_exp_kept``): exp2f is 5 instructions, a kept chunk a scratch
 # the launch would have to provide.
 KEEPS_CHUNK_EXP = False
 

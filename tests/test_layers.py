@@ -19,7 +19,8 @@ PACKAGES = ("kernels", "schedules", "store", "compiler", "runtime", "", "tools",
 # layers of one package are contiguous, in PACKAGES' order ("" is ce_tvm's top level).
 LAYERS = [
     # the math, target-free
-    ("kernels.kinds", "kernels.fastmath"),  # dtypes, reductions, variants; the exp
+    # dtypes, reductions, variants; the exp; the lowering choices a schedule declares
+    ("kernels.kinds", "kernels.fastmath", "kernels.choices"),
     ("kernels.stages",),
     ("kernels.common",),
     ("kernels.forward", "kernels.shards", "kernels.backward", "kernels.training",

@@ -15,7 +15,7 @@ import tvm
 
 from ..kernels import (
     backward,
-    common,
+    choices,
     fastmath,
     forward,
     log_probs,
@@ -118,9 +118,9 @@ def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFu
     if chunk is None and spec.tuned:
         chunk = records.record_knobs(spec.tuned).get("chunk")
     with fastmath.scaling(scaling, nan_test=getattr(schedule, "EXP_NAN_TEST", False)), \
-            common.last_chunk_peeled(getattr(schedule, "PEELS_LAST_CHUNK", False)), \
-            common.one_hot_by_chunk(getattr(schedule, "ONE_HOT_BY_CHUNK", False)), \
-            common.chunk_exp_kept(getattr(schedule, "KEEPS_CHUNK_EXP", True)):
+            choices.last_chunk_peeled(getattr(schedule, "PEELS_LAST_CHUNK", False)), \
+            choices.one_hot_by_chunk(getattr(schedule, "ONE_HOT_BY_CHUNK", False)), \
+            choices.chunk_exp_kept(getattr(schedule, "KEEPS_CHUNK_EXP", True)):
         return _declare(spec, schedule, chunk)
 
 

@@ -8,13 +8,12 @@ gradient's per-row coefficients (SPEC sections 1 and 2). Stage names are in
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
 
 from tvm import te, tirx
 
 from . import fastmath
+from .choices import last_chunk_peeled
 from .kinds import accum_dtype
 from .stages import (
     CHUNK_BEATS,
@@ -216,69 +215,6 @@ def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = ()):
                                 f"{'t' if scale else ''}")
 
 
-_LAST_CHUNK_PEELED = contextvars.ContextVar("ce_tvm_last_chunk_peeled", default=False)
-
-
-@contextlib.contextmanager
-def last_chunk_peeled(peeled: bool = True):
-    """Declare computes inside the block for a lowering that peels a row's last
-    chunk off its chunk loop (TVM's LoopPartition on ``likely`` conditions,
-    ``partition_const_loop``): the overlap test (``ChunkLayout.fresh``) is then
-    written so that it vanishes from the other chunks. Otherwise it is one
-    compare per element against a per-chunk bound, which costs less where it
-    stays in every chunk. The predicate is the same either way."""
-    token = _LAST_CHUNK_PEELED.set(peeled)
-    try:
-        yield
-    finally:
-        _LAST_CHUNK_PEELED.reset(token)
-
-
-_ONE_HOT_BY_CHUNK = contextvars.ContextVar("ce_tvm_one_hot_by_chunk", default=False)
-
-
-@contextlib.contextmanager
-def one_hot_by_chunk(by_chunk: bool = True):
-    """Declare the training gradient inside the block for a schedule that loops
-    over its columns chunk by chunk, with a compiler that takes a loop-invariant
-    test out of the loop (LLVM): the one-hot term is then tested per column only
-    within the target's chunk, behind a test on the chunk. Otherwise it is one
-    compare per column (on CUDA the test on the chunk costs instructions). The
-    gradient is the same either way."""
-    token = _ONE_HOT_BY_CHUNK.set(by_chunk)
-    try:
-        yield
-    finally:
-        _ONE_HOT_BY_CHUNK.reset(token)
-
-
-def one_hot_tested_by_chunk() -> bool:
-    """Whether the declaration is inside ``one_hot_by_chunk``."""
-    return _ONE_HOT_BY_CHUNK.get()
-
-
-_CHUNK_EXP_KEPT = contextvars.ContextVar("ce_tvm_chunk_exp_kept", default=True)
-
-
-@contextlib.contextmanager
-def chunk_exp_kept(kept: bool = True):
-    """Declare the log-prob kernels inside the block with a chunk's
-    ``exp(z - chunk_max)`` kept for its two sums (``ce_chunk_exp``), for a
-    schedule that holds it on chip (the CPU's L1), or evaluated in each sum
-    (``kept=False``: a target where ``exp`` is cheaper than the scratch). The
-    values are the same either way."""
-    token = _CHUNK_EXP_KEPT.set(kept)
-    try:
-        yield
-    finally:
-        _CHUNK_EXP_KEPT.reset(token)
-
-
-def exp_kept() -> bool:
-    """Whether the declaration is inside ``chunk_exp_kept(True)`` (the default)."""
-    return _CHUNK_EXP_KEPT.get()
-
-
 @dataclass(frozen=True)
 class ChunkLayout:
     """How a row of ``classes`` is cut into ``n_chunks`` chunks of ``chunk``.
@@ -311,7 +247,7 @@ class ChunkLayout:
         every entry of a chunk but the last, the last's from ``overlap`` on."""
         overlap = tirx.const(self.n_chunks * self.chunk - self.classes, "int32")
         not_last = k < int64(self.n_chunks - 1)
-        if _LAST_CHUNK_PEELED.get():  # vanishes from the chunks before the last
+        if last_chunk_peeled.get():  # vanishes from the chunks before the last
             return tirx.any(tirx.likely(not_last), j.astype("int32") >= overlap)
         return j.astype("int32") >= tirx.Select(not_last, tirx.const(0, "int32"), overlap)
 

@@ -16,7 +16,8 @@ import functools
 from tvm import te, tirx
 
 from . import fastmath
-from .common import Logits, exp_kept, int64, row_stats, same_class, symbolic_rows
+from .choices import chunk_exp_kept
+from .common import Logits, int64, row_stats, same_class, symbolic_rows
 from .kinds import Variant, accum_dtype
 from .stages import (
     GRAD_PSCALE,
@@ -72,7 +73,7 @@ def log_probs_func(classes: int, dtype: str, variant: Variant,
     the logits (the forward's chunks, ``row_stats``; ``stage`` as there).
 
     Per chunk ``e = exp(z - chunk_max)`` is kept (unless the schedule asks
-    otherwise, ``common.chunk_exp_kept``) and reduced twice: its sum
+    otherwise, ``choices.chunk_exp_kept``) and reduced twice: its sum
     and ``A = sum e (chunk_max - z)``; merged over the chunks into the row's
     ``S`` and ``A``, ``H = log(S) + A / S`` and ``logp = (x' - max) / T -
     log(S)`` (``x'``: the capped logit, ``max`` the row's, before the
@@ -90,8 +91,8 @@ def log_probs_func(classes: int, dtype: str, variant: Variant,
     acc, n_rows, x, index, scalars, logit = _inputs(classes, dtype, variant)
     live, column, _ = _columns(index, scalars[0], classes)
     zero = tirx.const(0.0, acc)
-    st = row_stats(logit, None, n_rows, classes, acc, chunk, keep_exp=exp_kept(), stage=stage,
-                   entropy=True)
+    st = row_stats(logit, None, n_rows, classes, acc, chunk, keep_exp=chunk_exp_kept.get(),
+                   stage=stage, entropy=True)
     row_max = te.compute((n_rows,), lambda n: st.rowmax[n], name=ROW_MAX)
     log_s = te.compute((n_rows,), lambda n: te.log(st.expsum[n]), name=ROW_LOG_EXPSUM)
     entropy = te.compute((n_rows,), lambda n: log_s[n] + st.wxsum[n] / st.expsum[n],

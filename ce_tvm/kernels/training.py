@@ -7,6 +7,7 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from . import fastmath
+from .choices import one_hot_by_chunk
 from .common import (
     class_weights,
     grad_coefficients,
@@ -14,7 +15,6 @@ from .common import (
     logits_inputs,
     loss_logits,
     masked_target,
-    one_hot_tested_by_chunk,
     reduce_forward,
     row_hits,
     row_losses,
@@ -95,7 +95,7 @@ def train_func(classes: int, dtype: str, variant: Variant,
             k = tirx.Select(tail, int64(lay.n_chunks - 1), tirx.floordiv(c, size))
             j = tirx.Select(tail, c - int64(classes - lay.chunk), tirx.floormod(c, size))
         onehot = tirx.Select(same_class(c, index(n)), hot[n], zero)
-        if one_hot_tested_by_chunk():  # see one_hot_by_chunk
+        if one_hot_by_chunk.get():  # see choices.one_hot_by_chunk
             onehot = tirx.if_then_else(
                 tirx.floordiv(c, size) == tirx.floordiv(index(n), size), onehot, zero)
         return logit.scaled_by_slope(
