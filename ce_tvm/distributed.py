@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import validation as check
-from .ops import scale_unit_gradient, with_extras
+from .ops import graph_kept, scale_unit_gradient, with_extras
 from .runtime import launch, pool
 from .runtime import linear_sweep as sweep
 from .runtime.options import LossOptions, store_on_module
@@ -292,8 +292,11 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_zloss, grad_hits):
         needs = ctx.needs
         if ctx.grads is not None:
-            grads = [g * grad_loss if wanted else None for g, wanted in
-                     zip(ctx.grads, (needs.input, needs.weight, needs.bias))]
+            grads = ctx.grads
+            if not graph_kept():  # the graph dies: the leaves' .grad may take the buffers
+                ctx.grads = None
+            grads = [scale_unit_gradient(g, grad_loss) if wanted else None for g, wanted in
+                     zip(grads, (needs.input, needs.weight, needs.bias))]
         else:
             x, W, b, y, w, lse, wy = ctx.saved_tensors
             g = grad_loss.to(lse.dtype).contiguous()

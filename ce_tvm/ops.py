@@ -181,7 +181,7 @@ def _setup_train_context(ctx, inputs, output):
     ctx.x_grad = output[4]
 
 
-def _graph_kept() -> bool:
+def graph_kept() -> bool:
     """Whether the running backward keeps the graph (``retain_graph``, or
     ``autograd.grad``'s default); ``True`` when that cannot be known."""
     if torch.compiler.is_compiling():
@@ -201,7 +201,7 @@ def _is_exactly_one(g: Tensor) -> bool:
 
 def _train_backward(ctx, grad_loss, grad_zloss, grad_lse, grad_accuracy, grad_x_grad):
     x_grad = ctx.x_grad
-    if not _graph_kept():  # the graph dies after this pass: let a leaf's .grad take the buffer
+    if not graph_kept():  # the graph dies after this pass: let a leaf's .grad take the buffer
         del ctx.x_grad
     none = (None,) * (_OP_ARGS - 1)
     if grad_loss is None:
@@ -216,7 +216,7 @@ def scale_unit_gradient(x_grad: Tensor, grad_loss: Tensor) -> Tensor:
     is never modified). A kept graph needs ``x_grad`` again, and autograd may
     hand a view of what is returned here to a leaf's ``.grad``, which later
     passes accumulate into."""
-    if _is_exactly_one(grad_loss) and not _graph_kept():
+    if _is_exactly_one(grad_loss) and not graph_kept():
         return x_grad
     scaled = pool.empty_like(x_grad) if not is_fake(x_grad) else torch.empty_like(x_grad)
     return torch.mul(x_grad, grad_loss.to(x_grad.dtype), out=scaled)

@@ -245,7 +245,12 @@ def check_linear_log_probs(rank, world):
 def check_bytes_independent_of_vocabulary(rank, world):
     """The bytes the sharded head's collectives move per training step (loss,
     then log-probs and entropy, forward and backward) are the same at V and 10 V:
-    only per-row statistics and the input's gradient cross ranks."""
+    only per-row statistics and the input's gradient cross ranks. And the
+    loss's backward hands the forward's gradient buffers to the leaves (no
+    copy of the weight shard's gradient; the test runs with every large
+    allocation mapped afresh, so that a copy would raise the RSS)."""
+    from ce_tvm.tools.measure import PeakRSS
+
     counted = []
 
     def counting(collective):
@@ -254,26 +259,30 @@ def check_bytes_independent_of_vocabulary(rank, world):
             return collective(tensor, *args, **kwargs)
         return call
 
-    def step_bytes(vocab):
+    def step(vocab):
         gen = torch.Generator().manual_seed(23)
         x = torch.randn(8, H_HEAD, generator=gen, requires_grad=True)
         W = torch.randn(vocab // world, H_HEAD, generator=gen, requires_grad=True)
         y = torch.randint(0, vocab // world * world, (8,), generator=gen)
         vocab_parallel_linear_cross_entropy(x, W, y, label_smoothing=0.1).backward()  # warm-up
         counted.clear()
-        vocab_parallel_linear_cross_entropy(x, W, y, label_smoothing=0.1).backward()
+        loss = vocab_parallel_linear_cross_entropy(x, W, y, label_smoothing=0.1)
+        W.grad = None
+        with PeakRSS() as backward:
+            loss.backward()
         logp, entropy = vocab_parallel_linear_log_probs(x, W, y, return_entropy=True)
         (logp.sum() + entropy.sum()).backward()
-        return sum(counted)
+        return sum(counted), backward.mb, W.numel() * W.element_size() / 2**20
 
     saved = dist.all_reduce, dist.all_gather
     dist.all_reduce = counting(dist.all_reduce)
     try:
-        small, large = step_bytes(600), step_bytes(6000)
+        (small, _, _), (large, backward_mb, shard_mb) = step(6000), step(60000)
     finally:
         dist.all_reduce, dist.all_gather = saved
     assert small == large > 0, (small, large)
     assert small <= 64 * 8 * H_HEAD, small  # O(N x H)
+    assert backward_mb < shard_mb / 2, (backward_mb, shard_mb)
     return 1
 
 
