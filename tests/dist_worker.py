@@ -24,8 +24,22 @@ from ce_tvm.distributed import (
 C = 53  # shards of unequal width for 2 and 3 ranks
 
 
-def shard_bounds(rank, world):
-    widths = [C // world + (r < C % world) for r in range(world)]
+def _halves(n):
+    return [n - n // 2, n // 2]
+
+
+def shard_widths(total, world):
+    """Unequal widths in rank order for 2, 3 or 4 ranks, chosen so that the worlds
+    share widths (each width compiles its own kernels): 2 ranks take the halves,
+    4 the halves of the halves, 3 the first half and the halves of the second."""
+    first, second = _halves(total)
+    return {2: [first, second], 3: [first, *_halves(second)],
+            4: [*_halves(first), *_halves(second)]}[world]
+
+
+def shard_bounds(rank, world, total=C):
+    """``(widths, lo, hi)``: every rank's width and this rank's columns."""
+    widths = shard_widths(total, world)
     lo = sum(widths[:rank])
     return widths, lo, lo + widths[rank]
 
@@ -134,9 +148,7 @@ def check_linear_head(rank, world):
     on the full weight: loss, z-loss and the gradients of the input, the weight
     shard and the bias shard, over option combinations, with and without
     sequence parallelism, in several row chunks; returns how many were checked."""
-    widths = [V_HEAD // world + (r < V_HEAD % world) for r in range(world)]
-    lo = sum(widths[:rank])
-    hi = lo + widths[rank]
+    widths, lo, hi = shard_bounds(rank, world, V_HEAD)
     cases = [("mean", False, 0.0, 0.0, 0.0, 1.0, False),
              ("sum", True, 0.1, 1e-2, 0.0, 1.0, False),
              ("none", True, 0.1, 1e-2, 0.0, 1.0, False),
@@ -159,20 +171,24 @@ def check_linear_head(rank, world):
         opts = dict(reduction=reduction, label_smoothing=eps, lse_square_scale=zloss,
                     softcap=softcap, temperature=temp)
         full = [t.clone().requires_grad_() for t in (x, W, b)]
-        ref = ce_tvm.linear_cross_entropy(full[0], full[1], y, linear_bias=full[2], weight=w,
-                                          **opts)
+        ref, ref_z = ce_tvm.linear_cross_entropy(full[0], full[1], y, linear_bias=full[2],
+                                                 weight=w, return_zloss=True, **opts)
         g = torch.rand(ref.shape, generator=gen) + 0.5
         ref.backward(g)
         block = slice(rank * 6, rank * 6 + 6)
         mine = [(x[block] if sp else x).clone().requires_grad_(), W[lo:hi].clone()
                 .requires_grad_(), b[lo:hi].clone().requires_grad_()]
-        loss = vocab_parallel_linear_cross_entropy(
+        loss, z = vocab_parallel_linear_cross_entropy(
             mine[0], mine[1], y, local_bias=mine[2], weight=None if w is None else w[lo:hi],
-            sequence_parallel=sp, chunk_rows=4, **opts)
-        expected = ref.detach()[block] if sp and reduction == "none" else ref.detach()
+            sequence_parallel=sp, chunk_rows=4, return_zloss=True, **opts)
+
+        def own(t):  # a per-row output of sequence parallelism is the rank's block
+            return t[block] if sp and reduction == "none" else t
+
         close = _close_as(dtype)
-        close(loss, expected)
-        loss.backward(g[block] if sp and reduction == "none" else g)
+        close(loss, own(ref.detach()))
+        close(z, own(ref_z))
+        loss.backward(own(g))
         close(mine[0].grad, full[0].grad[block] if sp else full[0].grad)
         close(mine[1].grad, full[1].grad[lo:hi])
         close(mine[2].grad, full[2].grad[lo:hi])
@@ -204,9 +220,7 @@ def check_linear_log_probs(rank, world):
     ``linear_log_probs`` on the full weight: log-probs, entropy and the gradients
     of ``a * logp + b * entropy`` for the input, the weight and the bias shards;
     returns how many cases were checked."""
-    widths = [V_HEAD // world + (r < V_HEAD % world) for r in range(world)]
-    lo = sum(widths[:rank])
-    hi = lo + widths[rank]
+    widths, lo, hi = shard_bounds(rank, world, V_HEAD)
     checked = 0
     for temp, softcap, sp, k in [(1.0, 0.0, False, None), (0.7, 5.0, False, 2),
                                  (1.3, 0.0, True, 2)]:

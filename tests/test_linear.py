@@ -191,16 +191,24 @@ def test_chunk_step_may_write_the_gradient_over_the_logits(per_row):
 
 
 def test_chunk_rows_default_and_environment(monkeypatch):
+    """An eighth of the rows, at least MIN_CHUNK_ROWS, at most MAX_CHUNK_BYTES of
+    logits (the minimum wins), at most the batch; the environment, then the
+    argument, override it."""
     monkeypatch.delenv(linear_sweep.CHUNK_ROWS_ENV, raising=False)
-    by_budget = linear_sweep.DEFAULT_CHUNK_BYTES // (32000 * 4)
-    assert by_budget > linear_sweep.MIN_CHUNK_ROWS
-    assert linear_sweep.chunk_rows(100000, 32000, torch.float32) == by_budget
-    assert linear_sweep.chunk_rows(100000, 32000, torch.bfloat16) == 2 * by_budget
-    assert linear_sweep.chunk_rows(10, 32000, torch.float32) == 10
-    assert linear_sweep.chunk_rows(100000, 10**7, torch.float32) == linear_sweep.MIN_CHUNK_ROWS
+    least, chunks = linear_sweep.MIN_CHUNK_ROWS, linear_sweep.CHUNKS
+    rows = linear_sweep.chunk_rows
+    assert rows(4096, 128256, torch.float32) == 4096 // chunks > least
+    assert rows(4099, 128256, torch.float32) == 4096 // chunks + 1
+    assert rows(2048, 32000, torch.float32) == least == rows(1000, 32000, torch.float32)
+    assert rows(10, 32000, torch.float32) == 10
+    most = linear_sweep.MAX_CHUNK_BYTES // (128256 * 4)
+    assert least < most < 10**6 // chunks
+    assert rows(10**6, 128256, torch.float32) == most
+    assert rows(10**6, 128256, torch.bfloat16) == 2 * most
+    assert rows(10**6, 10**7, torch.float32) == least
     monkeypatch.setenv(linear_sweep.CHUNK_ROWS_ENV, "7")
-    assert linear_sweep.chunk_rows(100000, 32000, torch.float32) == 7
-    assert linear_sweep.chunk_rows(100000, 32000, torch.float32, requested=3) == 3
+    assert rows(100000, 32000, torch.float32) == 7
+    assert rows(100000, 32000, torch.float32, requested=3) == 3
 
 
 def test_equals_cross_entropy_of_linear():

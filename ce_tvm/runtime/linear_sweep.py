@@ -32,15 +32,16 @@ from .options import LossOptions
 from .tensors import accum_torch_dtype
 
 CHUNK_ROWS_ENV = "CE_TVM_LINEAR_CHUNK_ROWS"
-# One chunk's logits: small beside the [N, V] logits of an LM head. But at
-# least MIN_CHUNK_ROWS rows: every chunk costs a pass over [V, H] per GEMM
-# (the library re-packs W) and, for 16-bit weights, one more to add its
-# grad_W part in float32; only rows amortise that (measured on this 2-core
-# machine, loaded, at (2048, 256, 32000) fp32: +27% time at 256 rows, +11%
-# at 512; at (1024, 512, 128256) bf16: 1.58x the GEMM probe at 256 rows,
-# 1.30x at 512). The cost per chunk grows like V * H, the work like rows * V * H.
-DEFAULT_CHUNK_BYTES = 64 << 20
-MIN_CHUNK_ROWS = 512
+# One chunk's logits: an eighth of the [N, V] logits an unfused head would
+# hold. But at least MIN_CHUNK_ROWS rows: every chunk costs a pass over [V, H]
+# per GEMM (the library re-packs W), and only rows amortise it (measured on a
+# 2-core znver3, fp32 training step at (2048, 256, 128256): 128 rows 4895 ms,
+# 256 rows 4543, 384 rows 4294, 512 rows 4176; the sharded head at (2048, 512,
+# 128256) over 2 ranks is slower than the unfused path at 256 rows, faster at
+# 384). And at most MAX_CHUNK_BYTES of logits for very long batches.
+CHUNKS = 8
+MIN_CHUNK_ROWS = 384
+MAX_CHUNK_BYTES = 256 << 20
 # A 16-bit grad_W partial product goes through a scratch of SCRATCH_BYTES, a
 # block of classes at a time (not [V, H]; smaller blocks made the GEMM much
 # slower here: 16384 x 512 bf16 blocks took 2x the time of 32768 x 512), and
@@ -63,11 +64,13 @@ class Needs:
 
 def chunk_rows(n: int, classes: int, dtype: torch.dtype, requested: int = 0) -> int:
     """Rows per chunk: ``requested`` if positive, else ``$CE_TVM_LINEAR_CHUNK_ROWS``
-    if set, else as many rows as fit ``DEFAULT_CHUNK_BYTES`` of logits but at
-    least ``MIN_CHUNK_ROWS``; never more than ``n``, at least 1."""
+    if set, else ``n / CHUNKS`` rounded up, but at least ``MIN_CHUNK_ROWS`` and
+    no more than fit ``MAX_CHUNK_BYTES`` of logits (unless that is under the
+    minimum); never more than ``n``, at least 1."""
     rows = requested or int(os.environ.get(CHUNK_ROWS_ENV, "0") or 0)
     if rows <= 0:
-        rows = max(MIN_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // (classes * dtype.itemsize))
+        most = max(MIN_CHUNK_ROWS, MAX_CHUNK_BYTES // (classes * dtype.itemsize))
+        rows = min(max(MIN_CHUNK_ROWS, -(-n // CHUNKS)), most)
     return max(1, min(rows, n))
 
 
