@@ -29,66 +29,18 @@ from . import validation as check
 from .ops import graph_kept, scale_unit_gradient, with_extras
 from .runtime import launch, pool
 from .runtime import linear_sweep as sweep
+from .runtime.collectives import (
+    accuracy_of,
+    gathered_rows,
+    global_stats,
+    own_rows,
+    shard_beats,
+    shard_layout,
+    summed_input_grad,
+    target_raw_logit,
+)
 from .runtime.options import LossOptions, store_on_module
 from .runtime.tensors import accum_torch_dtype
-
-_LAYOUTS: dict = {}
-
-
-def shard_layout(local_classes: int, group=None) -> tuple[int, int]:
-    """``(offset of this rank's first column, global C)``, cached per group and width."""
-    key = (group, local_classes)
-    if key not in _LAYOUTS:
-        world = dist.get_world_size(group)
-        widths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(widths, torch.tensor([local_classes]), group=group)
-        widths = [int(w) for w in widths]
-        rank = dist.get_rank(group)
-        _LAYOUTS[key] = (sum(widths[:rank]), sum(widths))
-    return _LAYOUTS[key]
-
-
-def _global_stats(x, y, w, offset: int, options: LossOptions, group, extra: Tensor):
-    """``(lse, target_logit, target_weight, wxsum, extra)`` of the full rows from
-    one shard's logits ``x`` (two all_reduces: the row max, then one packed sum,
-    which also sums ``extra``, a ``[k]`` accumulation-dtype tensor)."""
-    rowmax, expsum, wxsum, logit, weight = launch.shard_stats(x, y, w, offset, options)
-    gmax = rowmax.clone()
-    dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
-    packed = torch.cat([expsum * torch.exp(rowmax - gmax), logit, weight, wxsum, extra])
-    dist.all_reduce(packed, group=group)
-    n = rowmax.shape[0]
-    sumexp, logit, weight, wxsum = packed[:4 * n].view(4, n)
-    return gmax + torch.log(sumexp), logit, weight, wxsum, packed[4 * n:]
-
-
-def _target_raw_logit(x: Tensor, y: Tensor, offset: int) -> Tensor:
-    """Each row's raw target logit where the target is in this shard, else 0 (the
-    shards' values summed are the global ones)."""
-    local = y - offset
-    inside = (local >= 0) & (local < x.shape[1])
-    picked = x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None])[:, 0]
-    return torch.where(inside, picked.to(torch.float32), 0.0)
-
-
-def _shard_beats(x: Tensor, y: Tensor, offset: int, target: Tensor, group) -> Tensor:
-    """Per row, the columns of all shards ahead of the target in argmax order (a
-    larger raw logit, or an equal one at a smaller index): 0 iff the target is
-    the first maximum (token accuracy; one all_reduce of ``[N]``). The shards'
-    raw logits are compared: the cap and the temperature keep the order (ties a
-    cap saturates are broken by the raw values)."""
-    xs = x.to(torch.float32)
-    columns = torch.arange(offset, offset + x.shape[1], device=x.device)
-    ahead = (xs > target[:, None]) | ((xs == target[:, None]) & (columns < y[:, None]))
-    beats = ahead.sum(1, dtype=torch.float32)
-    dist.all_reduce(beats, group=group)
-    return beats
-
-
-def _accuracy(beats: Tensor, y: Tensor, ignore_index: int) -> Tensor:
-    """The fraction of counted rows whose target is the first maximum (NaN: none count)."""
-    kept = y != ignore_index
-    return ((beats == 0) & kept).sum(dtype=torch.float32) / kept.sum(dtype=torch.float32)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -98,10 +50,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         y = check.targets(y, x, options.ignore_index, classes)
         w = check.weight(w, x)
         wsum = w.sum().reshape(1) if w is not None else x.new_zeros(1, dtype=torch.float32)
-        extra = torch.cat([wsum, _target_raw_logit(x, y, offset)]) if accuracy else wsum
-        lse, logit, weight, wxsum, extra = _global_stats(x, y, w, offset, options, group, extra)
+        extra = torch.cat([wsum, target_raw_logit(x, y, offset)]) if accuracy else wsum
+        lse, logit, weight, wxsum, extra = global_stats(x, y, w, offset, options, group, extra)
         wsum = extra[:1]
-        hits = (_accuracy(_shard_beats(x, y, offset, extra[1:], group), y, options.ignore_index)
+        hits = (accuracy_of(shard_beats(x, y, offset, extra[1:], group), y, options.ignore_index)
                 if accuracy else x.new_empty(0, dtype=torch.float32))
         ctx.mark_non_differentiable(hits)
         weight_sum = float(wsum) if w is not None else float(classes)
@@ -188,30 +140,21 @@ class VocabParallelCrossEntropyLoss(nn.Module):
 # Rank r holds rows [offset_r, offset_r + V_r) of the head's weight. Rows of
 # the input go through in chunks (``linear_sweep``): per chunk the shard's
 # logits ([rows, V_r], the only logits a rank ever holds), their statistics
-# combined over the group (``_global_stats``: O(rows) floats), the loss rows,
+# combined over the group (``global_stats``: O(rows) floats), the loss rows,
 # and for sum/mean the shard's gradient in the same sweep (the upstream
 # gradient is then a scalar the backward multiplies in). The input's
 # gradient is a sum over the shards: one all_reduce of [N, H] at the end.
 
 
-def _gathered_rows(x: Tensor, group) -> Tensor:
-    """The ranks' equal blocks of rows, in rank order (sequence parallelism)."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
-
-
-def _own_rows(t: Tensor, group) -> Tensor:
-    """This rank's block of the rows of ``t`` (sequence parallelism)."""
-    n = t.shape[0] // dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    return t[rank * n:(rank + 1) * n]
-
-
-def _summed_input_grad(grad: Tensor, group, sequence_parallel: bool) -> Tensor:
-    """The input's gradient: the shards' parts summed, this rank's block under SP."""
-    dist.all_reduce(grad, group=group)
-    return _own_rows(grad, group).clone() if sequence_parallel else grad
+def _head_grads(sink: sweep.GradSink, x: Tensor, needs: sweep.Needs, group,
+                sequence_parallel: bool) -> list:
+    """The sweep's ``[grad_input, grad_weight, grad_bias]``, ``None`` where not
+    needed; the input's summed over the group (this rank's block under SP)."""
+    gx, gW, gb = sink.finish(x)
+    if needs.input:
+        gx = summed_input_grad(gx, group, sequence_parallel)
+    return [g if wanted else None for g, wanted in
+            zip((gx, gW, gb), (needs.input, needs.weight, needs.bias))]
 
 
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
@@ -219,7 +162,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x_in, W, b, y, w, options: LossOptions, group, sequence_parallel: bool,
                 rows: int, needs: sweep.Needs, accuracy: bool):
         offset, classes = shard_layout(W.shape[0], group)
-        x = _gathered_rows(x_in, group) if sequence_parallel else x_in.contiguous()
+        x = gathered_rows(x_in, group) if sequence_parallel else x_in.contiguous()
         y = check.targets(y, x, options.ignore_index, classes)
         w = check.weight(w, x, classes=W.shape[0])
         acc = accum_torch_dtype(x)
@@ -247,12 +190,12 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         grad_z = (1.0 / count if options.reduction == "mean" else count.new_ones(1))
         for sl in slices:
             logits = sweep.project(buffer, x[sl], W, b)
-            extra = (_target_raw_logit(logits, y[sl], offset) if accuracy
+            extra = (target_raw_logit(logits, y[sl], offset) if accuracy
                      else count.new_zeros(0))
-            lse, logit, weight, wxsum, target = _global_stats(logits, y[sl], w, offset, options,
+            lse, logit, weight, wxsum, target = global_stats(logits, y[sl], w, offset, options,
                                                               group, extra)
             if accuracy:  # before the gradient takes the logits' place
-                beats[sl] = _shard_beats(logits, y[sl], offset, target, group)
+                beats[sl] = shard_beats(logits, y[sl], offset, target, group)
             loss_rows[sl], z_rows[sl] = launch.shard_combine(
                 lse, logit, weight, wxsum, y[sl], weight_sum=weight_sum, classes=classes,
                 dtype=x.dtype, options=per_row)
@@ -266,7 +209,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                                       out=logits)
                 sink.add(sl, x[sl], logits, W)
         ctx.group, ctx.sp, ctx.needs = group, sequence_parallel, needs
-        hits = (_accuracy(beats, y, options.ignore_index) if accuracy
+        hits = (accuracy_of(beats, y, options.ignore_index) if accuracy
                 else x.new_empty(0, dtype=torch.float32))
         ctx.mark_non_differentiable(z_rows, hits)
         if options.reduction == "none":
@@ -274,14 +217,11 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             ctx.layout = dict(offset=offset, weight_sum=weight_sum, global_classes=classes)
             ctx.options, ctx.rows, ctx.grads = per_row, rows, None
             if sequence_parallel:
-                return (_own_rows(loss_rows, group).clone(), _own_rows(z_rows, group).clone(),
+                return (own_rows(loss_rows, group).clone(), own_rows(z_rows, group).clone(),
                         hits)
             return loss_rows, z_rows, hits
         if one_pass:
-            gx, gW, gb = sink.finish(x)
-            if needs.input:
-                gx = _summed_input_grad(gx, group, sequence_parallel)
-            ctx.grads = (gx, gW, gb)
+            ctx.grads = _head_grads(sink, x, needs, group, sequence_parallel)
         total = loss_rows.sum(dtype=acc).reshape(1)
         z = z_rows.sum(dtype=acc).reshape(1)
         if options.reduction == "mean":
@@ -295,13 +235,12 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             grads = ctx.grads
             if not graph_kept():  # the graph dies: the leaves' .grad may take the buffers
                 ctx.grads = None
-            grads = [scale_unit_gradient(g, grad_loss) if wanted else None for g, wanted in
-                     zip(grads, (needs.input, needs.weight, needs.bias))]
+            grads = [None if g is None else scale_unit_gradient(g, grad_loss) for g in grads]
         else:
             x, W, b, y, w, lse, wy = ctx.saved_tensors
             g = grad_loss.to(lse.dtype).contiguous()
             if ctx.sp:
-                g = _gathered_rows(g, ctx.group)
+                g = gathered_rows(g, ctx.group)
             buffer = pool.POOL.empty((ctx.rows, W.shape[0]), x.dtype, x.device)
             slices = sweep.chunks(x.shape[0], ctx.rows)
             sink = sweep.GradSink(x, W, b, needs, len(slices))
@@ -310,11 +249,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 launch.shard_backward(g[sl], logits, lse[sl], y[sl], w, wy[sl], **ctx.layout,
                                       options=ctx.options, out=logits)
                 sink.add(sl, x[sl], logits, W)
-            gx, gW, gb = sink.finish(x)
-            if needs.input:
-                gx = _summed_input_grad(gx, ctx.group, ctx.sp)
-            grads = [g if wanted else None for g, wanted in
-                     zip((gx, gW, gb), (needs.input, needs.weight, needs.bias))]
+            grads = _head_grads(sink, x, needs, ctx.group, ctx.sp)
         return (*grads, None, None, None, None, None, None, None, None)
 
 
@@ -416,7 +351,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
     def forward(ctx, x_in, W, b, index, options: LossOptions, group, sequence_parallel: bool,
                 rows: int, needs: sweep.Needs):
         offset, classes = shard_layout(W.shape[0], group)
-        x = _gathered_rows(x_in, group) if sequence_parallel else x_in.contiguous()
+        x = gathered_rows(x_in, group) if sequence_parallel else x_in.contiguous()
         check.in_range(index, classes, options.ignore_index, "index")
         ii, width, inv_t = options.ignore_index, W.shape[0], 1.0 / options.temperature
         forward_index = _shard_index(index, offset, width, ii, others=ii)
@@ -450,7 +385,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
                                                                sequence_parallel, rows, needs)
         entropy = stats[2].clone()
         if sequence_parallel:
-            return _own_rows(logp_all, group).clone(), _own_rows(entropy, group).clone()
+            return own_rows(logp_all, group).clone(), own_rows(entropy, group).clone()
         return logp_all, entropy
 
     @staticmethod
@@ -465,8 +400,8 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         h = (torch.zeros(index.shape[0], dtype=stats.dtype, device=stats.device)
              if grad_entropy is None else grad_entropy.to(stats.dtype))
         if ctx.sp:
-            g = _gathered_rows(g, ctx.group) if grad_logp is not None else g
-            h = _gathered_rows(h, ctx.group) if grad_entropy is not None else h
+            g = gathered_rows(g, ctx.group) if grad_logp is not None else g
+            h = gathered_rows(h, ctx.group) if grad_entropy is not None else h
         buffer = pool.POOL.empty((ctx.rows, W.shape[0]), x.dtype, x.device)
         slices = sweep.chunks(x.shape[0], ctx.rows)
         sink = sweep.GradSink(x, W, b, needs, len(slices))
@@ -476,12 +411,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
                                       stats[0, sl], stats[1, sl], stats[2, sl], ctx.options,
                                       out=logits)
             sink.add(sl, x[sl], logits, W)
-        gx, gW, gb = sink.finish(x)
-        if needs.input:
-            gx = _summed_input_grad(gx, ctx.group, ctx.sp)
-        grads = [t if wanted else None for t, wanted in
-                 zip((gx, gW, gb), (needs.input, needs.weight, needs.bias))]
-        return (*grads, *none)
+        return (*_head_grads(sink, x, needs, ctx.group, ctx.sp), *none)
 
 
 def vocab_parallel_linear_log_probs(input: Tensor, local_weight: Tensor, index: Tensor, *,

@@ -41,6 +41,7 @@ LAYERS = [
     ("runtime.cache",),
     ("runtime.registry", "runtime.tensors", "runtime.pool"),
     ("runtime.launch",),
+    ("runtime.collectives",),  # what the ranks of a vocabulary-parallel group exchange
     ("runtime.linear_sweep", "runtime"),  # the chunked linear + loss sweep; no autograd
     # the torch surface
     ("custom_ops", "validation"),
@@ -63,8 +64,8 @@ SEARCH_ONLY = "tools.tuning"
 RUNTIME_PATH = ("kernels", "kernels.kinds", "store", "store.paths", "store.files",
                 "store.tvmlib", "store.targets", "store.records", "store.spec", "runtime",
                 "runtime.options", "runtime.cache", "runtime.registry", "runtime.tensors",
-                "runtime.pool", "runtime.launch", "validation", "functional", "ops", "nn",
-                "distributed", "__init__", "custom_ops", "policy")
+                "runtime.pool", "runtime.launch", "runtime.collectives", "validation",
+                "functional", "ops", "nn", "distributed", "__init__", "custom_ops", "policy")
 
 SUBPACKAGES = {"schedules": ROOT / "schedules",
                **{p: ROOT / "ce_tvm" / p for p in PACKAGES if p and p != "schedules"}}
