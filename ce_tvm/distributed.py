@@ -241,14 +241,11 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             g = grad_loss.to(lse.dtype).contiguous()
             if ctx.sp:
                 g = gathered_rows(g, ctx.group)
-            buffer = pool.POOL.empty((ctx.rows, W.shape[0]), x.dtype, x.device)
-            slices = sweep.chunks(x.shape[0], ctx.rows)
-            sink = sweep.GradSink(x, W, b, needs, len(slices))
-            for sl in slices:
-                logits = sweep.project(buffer, x[sl], W, b)
+            def to_grad(sl, logits):
                 launch.shard_backward(g[sl], logits, lse[sl], y[sl], w, wy[sl], **ctx.layout,
                                       options=ctx.options, out=logits)
-                sink.add(sl, x[sl], logits, W)
+
+            sink = sweep.recomputed_grads(x, W, b, ctx.rows, needs, to_grad)
             grads = _head_grads(sink, x, needs, ctx.group, ctx.sp)
         return (*grads, None, None, None, None, None, None, None, None)
 
@@ -284,9 +281,7 @@ def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, tar
     if not isinstance(target, Tensor) or target.dtype not in check.TARGET_DTYPES:
         raise TypeError("target must be an int64 or int32 tensor of global class ids")
     rows = check.chunk_rows(chunk_rows)
-    grad_on = torch.is_grad_enabled()
-    needs = sweep.Needs(grad_on and input.requires_grad, grad_on and local_weight.requires_grad,
-                        grad_on and local_bias is not None and local_bias.requires_grad)
+    needs = sweep.Needs.of(input, local_weight, local_bias)
     loss, zloss, accuracy = _VocabParallelLinearCrossEntropy.apply(
         x, local_weight, local_bias, target.reshape(-1), weight, options, group,
         bool(sequence_parallel), rows, needs, bool(return_token_accuracy))
@@ -402,15 +397,12 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         if ctx.sp:
             g = gathered_rows(g, ctx.group) if grad_logp is not None else g
             h = gathered_rows(h, ctx.group) if grad_entropy is not None else h
-        buffer = pool.POOL.empty((ctx.rows, W.shape[0]), x.dtype, x.device)
-        slices = sweep.chunks(x.shape[0], ctx.rows)
-        sink = sweep.GradSink(x, W, b, needs, len(slices))
-        for sl in slices:
-            logits = sweep.project(buffer, x[sl], W, b)
+        def to_grad(sl, logits):
             launch.log_probs_backward(g[sl].contiguous(), h[sl].contiguous(), logits, index[sl],
                                       stats[0, sl], stats[1, sl], stats[2, sl], ctx.options,
                                       out=logits)
-            sink.add(sl, x[sl], logits, W)
+
+        sink = sweep.recomputed_grads(x, W, b, ctx.rows, needs, to_grad)
         return (*_head_grads(sink, x, needs, ctx.group, ctx.sp), *none)
 
 
@@ -440,9 +432,7 @@ def vocab_parallel_linear_log_probs(input: Tensor, local_weight: Tensor, index: 
     if k == 0:  # the kernels take at least one column: a dead one
         idx = idx.new_full((idx.shape[0], 1), options.ignore_index)
     rows = check.chunk_rows(chunk_rows)
-    grad_on = torch.is_grad_enabled()
-    needs = sweep.Needs(grad_on and input.requires_grad, grad_on and local_weight.requires_grad,
-                        grad_on and local_bias is not None and local_bias.requires_grad)
+    needs = sweep.Needs.of(input, local_weight, local_bias)
     logp, entropy = _VocabParallelLinearLogProbs.apply(x, local_weight, local_bias, idx, options,
                                                        group, bool(sequence_parallel), rows,
                                                        needs)

@@ -61,6 +61,14 @@ class Needs:
     def any(self) -> bool:
         return self.input or self.weight or self.bias
 
+    @classmethod
+    def of(cls, x: Tensor, W: Tensor, b: Tensor | None) -> Needs:
+        """The gradients autograd will want now: of each tensor that requires one,
+        when grad mode is on."""
+        on = torch.is_grad_enabled()
+        return cls(on and x.requires_grad, on and W.requires_grad,
+                   on and b is not None and b.requires_grad)
+
 
 def chunk_rows(n: int, classes: int, dtype: torch.dtype, requested: int = 0) -> int:
     """Rows per chunk: ``requested`` if positive, else ``$CE_TVM_LINEAR_CHUNK_ROWS``
@@ -332,12 +340,23 @@ def policy_grads(grad_logp: Tensor, grad_entropy: Tensor, x: Tensor, W: Tensor,
     """``(grad_x, grad_W, grad_b)`` of ``sum grad_logp logp + sum grad_entropy
     entropy`` (``GradSink.finish``), from the forward's ``saved = [row_max,
     log_expsum, entropy]``, each chunk's logits recomputed."""
-    logits = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
+    def to_grad(sl: slice, z: Tensor) -> None:
+        launch.log_probs_backward(grad_logp[sl], grad_entropy[sl], z, index[sl],
+                                  *(t[sl] for t in saved), opts, out=z)
+
+    return recomputed_grads(x, W, b, rows, needs, to_grad).finish(x)
+
+
+def recomputed_grads(x: Tensor, W: Tensor, b: Tensor | None, rows: int, needs: Needs,
+                     to_grad) -> GradSink:
+    """A ``GradSink`` fed, chunk by chunk, with each chunk's logits recomputed into
+    one buffer and turned into their gradient there by ``to_grad(rows, logits)``
+    (a kernel writing in place); not yet finished."""
+    buffer = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
     slices = chunks(x.shape[0], rows)
     sink = GradSink(x, W, b, needs, len(slices))
     for sl in slices:
-        z = project(logits, x[sl], W, b)
-        launch.log_probs_backward(grad_logp[sl], grad_entropy[sl], z, index[sl],
-                                  *(t[sl] for t in saved), opts, out=z)
-        sink.add(sl, x[sl], z, W)
-    return sink.finish(x)
+        logits = project(buffer, x[sl], W, b)
+        to_grad(sl, logits)
+        sink.add(sl, x[sl], logits, W)
+    return sink
