@@ -15,7 +15,8 @@ are checked on the CPU:
    exp-sum, ``log_prob``) is computed from UB: one read of the logits. Longer
    rows keep an online max/sum over tiles (the compute's ``_softmax_merge``)
    and read the row a second time only to write ``log_prob``: two reads, where
-   the vendor kernel makes three plus the write.
+   the vendor kernel makes three plus the write. The log-probs and entropy read
+   the row once whatever its tiles (``log_probs``: no output tile in UB).
 
 Tile sizes are multiples of 32 bytes of the storage dtype and of one float32
 vector repeat (64 elements), unless the tile is the whole row.
@@ -59,6 +60,11 @@ def train_chunk(classes: int, dtype: str, target: Target, profile: str = "910b")
     return plan(get_profile(profile), 1, classes, dtype, "train").chunk
 
 
+def log_probs_chunk(classes: int, dtype: str, target: Target, profile: str = "910b") -> int:
+    """The log-prob compute's row chunk: the log-prob plan's UB tile (no output tile)."""
+    return plan(get_profile(profile), 1, classes, dtype, "log_probs").chunk
+
+
 def _stage(sch, consumers, loop, buffers: int, buffer: str = "x"):
     """Stage the tile of ``buffer`` read by ``consumers`` into a local buffer at ``loop``."""
     reads = [r.source.name for r in sch.get(consumers[0]).reads]
@@ -78,12 +84,23 @@ def _parallel_rows(sch, row, cores: int) -> None:
 
 def forward(func, target: Target, profile: str = "910b"):
     """Schedule ``ce_tvm.kernels.forward_func`` (built with ``forward_chunk``) from the plan."""
-    prof = get_profile(profile)
+    return _row_sweep(func, get_profile(profile), "forward")
+
+
+def log_probs(func, target: Target, profile: str = "910b"):
+    """Schedule ``ce_tvm.kernels.log_probs_func`` (built with ``log_probs_chunk``) as the
+    forward, from the log-prob plan."""
+    return _row_sweep(func, get_profile(profile), "log_probs")
+
+
+def _row_sweep(func, prof, op: str):
+    """Rows in one block per vector core; each plan tile staged into UB (double-
+    buffered when two fit), then reduced; a forward's log_prob written tile by tile."""
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
     inline_capped_chunk(sch)  # softcap: tanh per read of the staged tile
     dtype = str(matrix_param(func).dtype)
-    p = plan(prof, 1, classes_of(func), dtype, "forward")
+    p = plan(prof, 1, classes_of(func), dtype, op)
     lanes = row_lanes(p.chunk, prof.repeat_bytes // 4)
     row, tile_loop, stages = place_row_stages(sch, lanes)
     readers = [blocks[0] for name, blocks in stages.items() if name != CHUNK_WSUM]

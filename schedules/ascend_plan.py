@@ -2,8 +2,8 @@
 
 Plain arithmetic on public facts about the parts: how one (profile, N, C,
 dtype, op) is laid out on the vector cores and the Unified Buffer (UB), and
-what that costs next to the vendor's 3-read + 1-write tiling. The tiled
-schedule (``ascend.py``) is built from these plans.
+what that costs next to the vendor's kernels (the loss's 3-read + 1-write
+tiling; ``VENDOR_PASSES``). The tiled schedule (``ascend.py``) is built from these plans.
 
 Tile sizes are multiples of 32 bytes of the storage dtype and of one float32
 vector repeat (64 elements), unless the tile is the whole row.
@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 
 from ..kernels.kinds import DTYPE_BYTES
 
-OPS = ("forward", "backward", "train")
+# The kernels a plan lays out: the loss (forward, backward, the one-pass training
+# kernel) and the per-token log-probs with entropy (SPEC section 6) and their gradient.
+OPS = ("forward", "backward", "train", "log_probs", "log_probs_grad")
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,26 @@ PROFILES = {
                    note="Ascend 950: 64 vector cores, 248 KiB UB; HBM bandwidth assumed as 910B"),
 }
 
-# float32 vector operations per element and pass (cast, max, sub, exp ~4, add,
-# the smoothing sum, the log_prob subtract and cast); used by the cost model.
+# float32 vector operations per element and pass, used by the cost model. Forward:
+# cast, max, sub, exp ~4, add, the smoothing sum, the log_prob subtract and cast.
+# Log-probs: cast, max, sub, the 1/T scale, exp ~4, the sum and the entropy's
+# sum (sub, mul, add). Their gradient: cast, sub, scale, exp ~4, the entropy
+# term (add, mul), the index's select, the multiply and cast.
 FORWARD_OPS_PER_ELEMENT = 10
 BACKWARD_OPS_PER_ELEMENT = 8
+OPS_PER_ELEMENT = {"forward": FORWARD_OPS_PER_ELEMENT, "backward": BACKWARD_OPS_PER_ELEMENT,
+                   "train": FORWARD_OPS_PER_ELEMENT + BACKWARD_OPS_PER_ELEMENT,
+                   "log_probs": 13, "log_probs_grad": 13}
+# Passes over [N, C] of each op, ce_tvm's (reads beyond the first come from the
+# plan) and the vendor's: reads, writes. The vendor's log-probs are its
+# log_softmax (3 reads, 1 write), the gather, and the entropy over the
+# log_softmax (1 read); their gradient at best one fused log_softmax backward
+# (its output and the dense upstream gradient read, the gradient written).
+# The per-row outputs (log-probs of K indices, entropy) are not counted.
+WRITES = {"forward": 1, "backward": 1, "train": 1, "log_probs": 0, "log_probs_grad": 1}
+ONE_PASS_OPS = ("backward", "log_probs", "log_probs_grad")
+VENDOR_PASSES = {"forward": (3, 1), "backward": (1, 1), "train": (4, 2),
+                 "log_probs": (4, 1), "log_probs_grad": (2, 1)}
 
 
 @dataclass
@@ -80,18 +98,20 @@ def _align(nbytes: int, align: int) -> int:
 def ub_bytes(profile: Profile, chunk: int, dtype: str, op: str, buffers: int) -> int:
     """Peak UB bytes of one core for tiles of ``chunk`` elements, every live buffer counted.
 
-    Staged input and output tiles (storage dtype, ``buffers`` each), the
-    float32 cast of the input for half types, the training kernel's kept
-    float32 ``exp(x - max)``, a float32 work tile (x - max, exp), the float32
-    weight tile, and the reduction scratch (partial max and sums: four
-    repeats) plus 256 bytes of per-row scalars.
+    Staged input and output tiles (storage dtype, ``buffers`` each; the
+    log-probs write no tile), the float32 cast of the input for half types,
+    the kept float32 ``exp(x - max)`` (the training kernel's, for the
+    gradient; the log-probs', reduced twice), a float32 work tile (x - max,
+    exp), the float32 weight tile (the log-probs': their ``x - max``), and
+    the reduction scratch (partial max and sums: four repeats) plus 256
+    bytes of per-row scalars.
     """
     a, esize = profile.ub_align, DTYPE_BYTES[dtype]
     tile = _align(chunk * esize, a)
     f32 = _align(chunk * 4, a)
     cast = f32 if esize < 4 else 0
-    staged = 2 * tile * buffers  # input tile in, output tile (log_prob or x_grad) out
-    kept = f32 if op == "train" else 0  # the training kernel's exp(x - max), kept for the gradient
+    staged = (1 + WRITES[op]) * tile * buffers  # input tile in, output (log_prob, x_grad) out
+    kept = f32 if op in ("train", "log_probs") else 0
     return staged + cast + kept + f32 + f32 + 4 * profile.repeat_bytes + 256
 
 
@@ -162,8 +182,9 @@ def tiled(profile, rows: int, classes: int, dtype: str, op: str, chunk: int,
     tiles = -(-classes // chunk)
     # One read of the logits when the row's tiles fit the UB (the training
     # kernel keeps exp(x - max) there); else a second read (log_prob, or the
-    # training kernel's gradient, recomputing exp). The backward reads once.
-    passes = 1 if (tiles == 1 or op == "backward") else 2
+    # training kernel's gradient, recomputing exp). The gradients read once,
+    # and so do the log-probs (their chunks' sums merge as they stream by).
+    passes = 1 if (tiles == 1 or op in ONE_PASS_OPS) else 2
     return Plan(prof.name, op, dtype, rows, classes, len(per_core), per_core, chunk, tiles,
                 ub_bytes(prof, chunk, dtype, op, buffers), buffers, passes)
 
@@ -195,7 +216,8 @@ def search_plan(profile, rows: int, classes: int, dtype: str, op: str = "forward
 
 
 def cost(p: Plan) -> dict:
-    """Estimated time of ``p`` and of the vendor's 3-read + 1-write tiling.
+    """Estimated time of ``p`` and of the vendor's kernels for the same op
+    (``VENDOR_PASSES``: the loss's forward is its 3-read + 1-write tiling).
 
     Time = launch + global-memory bytes / HBM bandwidth + vector repeats of
     the busiest core x ``repeat_ns``, the memory and vector terms added (no
@@ -211,9 +233,8 @@ def cost(p: Plan) -> dict:
     row_bytes = p.classes * esize
     total = p.rows * row_bytes
     repeats_per_row = math.ceil(p.classes * 4 / prof.repeat_bytes)
-    ops = {"forward": FORWARD_OPS_PER_ELEMENT, "backward": BACKWARD_OPS_PER_ELEMENT,
-           "train": FORWARD_OPS_PER_ELEMENT + BACKWARD_OPS_PER_ELEMENT}[p.op]
-    vector_us = max(p.rows_per_core) * repeats_per_row * ops * prof.repeat_ns / 1e3
+    vector_us = (max(p.rows_per_core) * repeats_per_row * OPS_PER_ELEMENT[p.op]
+                 * prof.repeat_ns / 1e3)
 
     def estimate(reads: int, writes: int) -> dict:
         moved = (reads + writes) * total
@@ -234,9 +255,6 @@ def cost(p: Plan) -> dict:
                  time_us=prof.launch_us + body + steps * prof.tile_us + exposed)
         return e
 
-    if p.op == "backward":
-        return {"ce_tvm": tiled_estimate(1, 1), "vendor": estimate(1, 1)}
-    if p.op == "train":  # the vendor's training step: its forward, then its backward
-        return {"ce_tvm": tiled_estimate(p.passes, 1), "vendor": estimate(4, 2)}
-    return {"ce_tvm": tiled_estimate(p.passes, 1), "vendor": estimate(3, 1)}
+    return {"ce_tvm": tiled_estimate(p.passes, WRITES[p.op]),
+            "vendor": estimate(*VENDOR_PASSES[p.op])}
 

@@ -21,7 +21,7 @@ DTYPES = ["float32", "float16", "bfloat16"]
 
 @pytest.mark.parametrize("profile", sorted(ascend_plan.PROFILES))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", ["forward", "backward", "train"])
+@pytest.mark.parametrize("op", ascend_plan.OPS)
 def test_plans_fit_and_cover_every_row(profile, dtype, op):
     prof = ascend_plan.PROFILES[profile]
     esize = DTYPE_BYTES[dtype]
@@ -42,7 +42,8 @@ def test_plans_fit_and_cover_every_row(profile, dtype, op):
         assert sum(p.rows_per_core) == rows and len(p.rows_per_core) == p.block_dim, where
         assert p.block_dim <= prof.vector_cores, where
         assert max(p.rows_per_core) - min(p.rows_per_core) <= 1, where
-        assert p.passes <= 2 and (p.passes == 1) == (p.tiles == 1 or op == "backward"), where
+        one_pass = p.tiles == 1 or op in ascend_plan.ONE_PASS_OPS
+        assert p.passes <= 2 and (p.passes == 1) == one_pass, where
 
 
 def test_ub_accounting_of_a_worked_example():
@@ -84,6 +85,27 @@ def test_training_plan_reads_once_when_the_row_fits():
     assert est["ce_tvm"]["time_us"] < est["vendor"]["time_us"]
     # Keeping exp(x - max) costs UB: the training tile is never larger than the forward's.
     assert big.chunk <= ascend_plan.plan("910b", 8192, 151936, "bfloat16").chunk
+
+
+def test_log_prob_plans_read_once_and_write_no_matrix():
+    """The log-probs and entropy: one read whatever the tiles, no [N, C] written (the
+    vendor: log_softmax 3 + 1, then the entropy over it, 1 more read); their
+    gradient 1 + 1 (the vendor's log_softmax backward at best 2 + 1). No output
+    tile in UB: in float32 the log-prob tile is larger than the forward's."""
+    args = ("910b", 8192, 151936)
+    for dtype in ("bfloat16", "float32"):
+        p = ascend_plan.plan(*args, dtype, "log_probs")
+        est = ascend_plan.cost(p)
+        assert p.tiles > 1 and p.passes == 1
+        assert (est["ce_tvm"]["reads"], est["ce_tvm"]["writes"]) == (1, 0)
+        assert (est["vendor"]["reads"], est["vendor"]["writes"]) == (4, 1)
+        assert est["ce_tvm"]["bytes_moved"] == 8192 * 151936 * DTYPE_BYTES[dtype]
+        assert est["ce_tvm"]["time_us"] < est["vendor"]["time_us"] / 3
+        grad = ascend_plan.cost(ascend_plan.plan(*args, dtype, "log_probs_grad"))
+        assert (grad["ce_tvm"]["reads"], grad["ce_tvm"]["writes"]) == (1, 1)
+        assert (grad["vendor"]["reads"], grad["vendor"]["writes"]) == (2, 1)
+    forward = ascend_plan.plan(*args, "float32", "forward")
+    assert p.chunk > forward.chunk and p.ub_bytes <= ascend_plan.PROFILES["910b"].ub_bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -169,6 +191,10 @@ def test_plan_and_compile_cli(tmp_path):
     text = run([CLI, "plan", "--profile", "950", "--classes", "4096", "--rows", "64",
                 "--dtype", "float16"])
     assert "passes over the logits 1" in text
+    data = json.loads(run([CLI, "plan", "--classes", "151936", "--rows", "8192", "--op",
+                           "log_probs", "--json"]))
+    assert data["plan"]["op"] == "log_probs" and data["plan"]["passes"] == 1
+    assert (data["cost"]["ce_tvm"]["writes"], data["cost"]["vendor"]["reads"]) == (0, 4)
     built = run([CLI, "compile", "--target", "ascend", "--profile", "950", "--dtype", "bfloat16",
                  "--classes", "3000", "--out", tmp_path / "mods"])
     assert "46 kernels" in built  # 28 for class indices, 18 for probability targets

@@ -50,9 +50,11 @@ def test_search_beats_the_fixed_plan_where_double_buffered_tiles_pay():
 def test_tune_records_the_best_plan(tmp_path):
     report = tmp_path / "r.json"
     run([CLI, "tune", "--target", "ascend", "--profile", "910b", "--dtype", "float32",
-         "--classes", "8565", "--rows", "8192", "--log-dir", tmp_path, "--json", report])
+         "--classes", "8565", "--rows", "8192", "--log-dir", tmp_path, "--json", report,
+         "--ops", ",".join(ascend_plan.OPS)])
     kernels = json.loads(report.read_text())["kernels"]
-    assert [k["kind"] for k in kernels] == ["forward", "forward+gradient", "gradient"]
+    assert [k["kind"] for k in kernels] == ["forward", "gradient", "forward+gradient",
+                                            "log-probs", "log-probs gradient"]
     for k in kernels:
         assert k["tuned_ms"] <= k["hand_ms"] and k["space_size"] > 12
         summary = json.loads((tmp_path / "ascend-910b" / f"{k['name']}-N8192" / "summary.json")

@@ -151,6 +151,7 @@ def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc
     return whole[spec.op](*args)
 
 
+# The schedule function of each op, where the schedule module has none named after the op.
 SCHEDULE_OF_OP = {"forward": "forward", "train": "train", "shard_stats": "forward",
                   "backward": "backward", "shard_combine": "per_row",
                   "prob_forward": "forward", "prob_backward": "backward",
@@ -159,7 +160,8 @@ SCHEDULE_OF_OP = {"forward": "forward", "train": "train", "shard_stats": "forwar
 
 
 def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
-    """The compute of ``spec`` with its tuning record, or its target's hand schedule."""
+    """The compute of ``spec`` with its tuning record, or its target's hand schedule
+    (the schedule module's function named after the op, else ``SCHEDULE_OF_OP``'s)."""
     func = declared_func(spec)
     if spec.tuned:
         try:
@@ -167,7 +169,8 @@ def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
         except RuntimeError as err:  # a record of an older compute: never fail the build
             log.warning("ce_tvm: %s (it was tuned for another version of the compute); "
                         "using the hand schedule. Retune it with ce-tvm tune.", err)
-    schedule = getattr(schedule_module(spec.target), SCHEDULE_OF_OP[spec.op])
+    module = schedule_module(spec.target)
+    schedule = getattr(module, spec.op, None) or getattr(module, SCHEDULE_OF_OP[spec.op])
     return schedule(func, spec.tvm_target(), **spec.schedule_options())
 
 

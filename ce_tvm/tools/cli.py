@@ -15,6 +15,7 @@ from pathlib import Path
 from ..compiler.build import Extras, ahead_of_time_specs
 from ..kernels.kinds import DTYPES, Variant
 from ..runtime import cache
+from ..schedules import ascend_plan
 from ..store import records
 from ..store.files import make_private_dir
 from ..store.spec import KernelSpec
@@ -204,8 +205,6 @@ def _list_records(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from ..schedules import ascend_plan
-
     p = ascend_plan.plan(args.profile, args.rows, args.classes, args.dtype, args.op)
     est = ascend_plan.cost(p)
     if args.json:
@@ -294,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--classes", type=int, required=True)
     pl.add_argument("--rows", type=int, required=True)
     pl.add_argument("--dtype", choices=TRAINING_DTYPES, default="bfloat16")
-    pl.add_argument("--op", choices=["forward", "backward", "train"], default="forward")
+    pl.add_argument("--op", choices=ascend_plan.OPS, default="forward",
+                    help="the loss's kernels, or the per-token log-probs and their gradient")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
