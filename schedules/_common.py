@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import tvm_ffi
 from tvm import tirx
-from tvm.s_tir import ScheduleError
 
 from ..kernels.common import matrix_param
 from ..kernels.stages import (
@@ -116,13 +115,20 @@ def present_blocks(sch, names) -> list:
     unknown = [name for name in names if name not in STAGES]
     if unknown:
         raise ValueError(f"not stages of ce_tvm.kernels: {unknown}")
-    out = []
-    for name in names:
-        try:
-            out.append(sch.get_sblock(name))
-        except ScheduleError:  # get_sblock's "no block of this name": this variant lacks it
-            continue
-    return out
+    present = {sch.get(block).name_hint for block in all_blocks(sch)}
+    return [sch.get_sblock(name) for name in names if name in present]
+
+
+def all_blocks(sch) -> list:
+    """Every block of the function, walked from the root. (Asking ``get_sblock`` for a
+    missing name costs its error, which prints the whole function: 0.1 s a time for
+    a capped kernel, 5 of its 6 s of scheduling.)"""
+    found, todo = [], [sch.get_sblock("root")]
+    while todo:
+        children = sch.get_child_blocks(todo.pop())
+        found += children
+        todo += children
+    return found
 
 
 def has_stage(sch, name) -> bool:

@@ -72,6 +72,7 @@ from ._common import (
     ROW_PRODUCERS,
     ROW_TOTALS,
     SHARD_GATHERS,
+    all_blocks,
     classes_of,
     has_stage,
     inline_capped_chunk,
@@ -478,13 +479,7 @@ def _gradient_by_chunk(sch, classes: int, chunk: int, dtype: str, threads: int,
 
 def _blocks_writing(sch, buffer: str) -> list:
     """Every block that writes ``buffer`` (``loop_partition`` copies a block per part)."""
-    found, todo = [], [sch.get_sblock("root")]
-    while todo:
-        children = sch.get_child_blocks(todo.pop())
-        found += [b for b in children
-                  if [w.source.name for w in sch.get(b).writes] == [buffer]]
-        todo += children
-    return found
+    return [b for b in all_blocks(sch) if [w.source.name for w in sch.get(b).writes] == [buffer]]
 
 
 def finish(func):
