@@ -157,8 +157,12 @@ def tanh(x):
     vectorisable on float32 (float64 keeps the exact ``tanh``).
 
     A rational function (``_TANH_P``/``_TANH_Q``, one division), ``+-1``
-    beyond ``|x| = 9``, kept inside ``[-1, 1]``. Selects, not ``min``/``max``,
-    so that NaN propagates on every target (CUDA's ``fminf`` drops it).
+    beyond ``|x| = 9``, kept inside ``[-1, 1]``: by ``max(-1, r)`` then
+    ``min(1, .)``, which return ``r`` when it is NaN on x86 (``maxps``,
+    ``minps``), or, where ``scaling`` asks for the NaN test (CUDA's
+    ``fminf`` drops NaN), by Selects, which name ``r`` three times: every
+    name of ``x`` is a copy of its expression in the tree TVM lowers
+    (21 copies against 59; a capped kernel's compile time follows).
     Exactly odd; relative error below 1e-6 (``tests/test_fastmath.py``).
     """
     if str(x.ty) != "float32":
@@ -177,6 +181,9 @@ def tanh(x):
     ratio = x * horner(_TANH_P, square) / horner(_TANH_Q, square)
     one = f32(1.0)
     sign = tirx.Select(x < f32(0.0), -one, one)
-    inside = tirx.Select(ratio > one, one, tirx.Select(ratio < -one, -one, ratio))
+    if _SCALING.get()[1]:
+        inside = tirx.Select(ratio > one, one, tirx.Select(ratio < -one, -one, ratio))
+    else:
+        inside = tirx.min(one, tirx.max(-one, ratio))
     # NaN fails the comparison and stays NaN through ``inside``
     return tirx.Select(tirx.abs(x) >= f32(_TANH_SATURATION), sign, inside)
