@@ -183,6 +183,7 @@ def test_unknown_schedule_and_profile_are_rejected():
             ce_tvm.cross_entropy_loss(torch.randn(2, 3), torch.tensor([0, 1]))
 
 
+@pytest.mark.slow  # processes: the command line, and 46 kernels compiled
 def test_plan_and_compile_cli(tmp_path):
     out = run([CLI, "plan", "--profile", "910b", "--classes", "151936", "--rows", "8192",
                "--dtype", "bfloat16", "--json"])

@@ -188,6 +188,7 @@ def test_drop_in_rejects(kw, error, message):
         ce_tvm.cross_entropy(**args)
 
 
+@pytest.mark.slow  # a process: the example script
 def test_example_training_curves_agree():
     """examples/train_tiny_lm.py: ce_tvm and F.cross_entropy agree to 1e-5 for 50+ steps."""
     script = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_lm.py"

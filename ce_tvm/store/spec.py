@@ -122,13 +122,16 @@ _FINGERPRINTS: dict = {}
 
 def code_fingerprint(target: str) -> str:
     """Hash of the sources that define the generated code for ``target``: every
-    module of ``ce_tvm.kernels`` (the compute), and the target's schedule with the
-    schedule modules it imports (read from their files: nothing is imported)."""
+    module of ``ce_tvm.kernels`` (the compute) and of ``ce_tvm.compiler`` (which
+    schedule and lowering choices a kernel gets), and the target's schedule with
+    the schedule modules it imports (read from their files: nothing is imported).
+    So a cache kept between versions of the source rebuilds what a change touches."""
     if target not in _FINGERPRINTS:
         h = hashlib.sha256()
-        kernels = Path(importlib.util.find_spec("ce_tvm.kernels").submodule_search_locations[0])
-        for path in sorted(kernels.glob("*.py")):
-            h.update(path.read_text().encode())
+        for package in ("ce_tvm.kernels", "ce_tvm.compiler"):
+            folder = Path(importlib.util.find_spec(package).submodule_search_locations[0])
+            for path in sorted(folder.glob("*.py")):
+                h.update(path.read_text().encode())
         for name in _schedule_modules(f"ce_tvm.schedules.{schedule_name(target)}"):
             h.update(_source(name).encode())
         _FINGERPRINTS[target] = h.hexdigest()[:16]
