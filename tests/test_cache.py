@@ -36,10 +36,18 @@ def test_compile_then_second_process_reuses_cache(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in libs(cache)} == built
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip_bit", "drop_manifest"])
-def test_damaged_cache_entry_is_rebuilt(tmp_path, damage):
-    cache = tmp_path / "cache"
+@pytest.fixture(scope="module")
+def probed_cache(tmp_path_factory):
+    """A cache filled by one probe of C = 13 (each test damages a copy)."""
+    cache = tmp_path_factory.mktemp("probed") / "cache"
     probe(13, CE_TVM_CACHE=cache)
+    return cache
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_bit", "drop_manifest"])
+def test_damaged_cache_entry_is_rebuilt(probed_cache, tmp_path, damage):
+    cache = tmp_path / "cache"
+    shutil.copytree(probed_cache, cache)
     lib = next(p for p in libs(cache) if "forward" in p.name)
     data = lib.read_bytes()
     if damage == "truncate":
