@@ -7,6 +7,8 @@ acyclic and point downward (or sideways within a layer).
 
 import ast
 import graphlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -189,3 +191,12 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     path = tmp_path / "probe.py"
     path.write_text("def f():\n    from . import tuning\n    from .compute import Variant\n")
     assert {"ce_tvm.tuning", "ce_tvm.compute"} <= imports("probe", path)
+
+
+@pytest.mark.slow  # a process
+def test_the_command_line_starts_without_the_compiler():
+    """``ce-tvm cache``, ``plan`` and ``--help`` import no TVM (it took 5.4 of a
+    10 s ``ce-tvm cache list``); ``compile``, ``bundle`` and ``tune`` import it."""
+    code = "import sys, ce_tvm.tools.cli; assert 'tvm' not in sys.modules, sorted(sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,7 +1,8 @@
 """The ``ce-tvm`` command line: ``compile`` kernels ahead of time, ``bundle``
 them with the TVM runtime (to run without the compiler), inspect the module
 ``cache``, ``bench`` against PyTorch, ``tune`` kernels over their knobs, show an
-Ascend tiling ``plan``, and ``demo`` the loss."""
+Ascend tiling ``plan``, and ``demo`` the loss. The compiler (TVM) is imported by
+the commands that build (``compile``, ``bundle``, ``tune``) only."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..compiler.build import Extras, ahead_of_time_specs
 from ..kernels.kinds import DTYPES, Variant
 from ..runtime import cache
 from ..schedules import ascend_plan
@@ -21,12 +21,13 @@ from ..store.files import make_private_dir
 from ..store.spec import KernelSpec
 from ..store.targets import TARGETS, write_host_descriptor
 from . import bench
-from .bundle import make_bundle
 
 TRAINING_DTYPES = tuple(d for d in DTYPES if d != "float64")
 
 
 def cmd_compile(args) -> int:
+    from ..compiler.build import ahead_of_time_specs
+
     options = {"ascend": (("profile", args.profile),), "cuda": (("arch", args.arch),)}.get(
         args.target, ())
     specs = ahead_of_time_specs(args.target, args.dtype, args.classes, options, _extras(args))
@@ -49,8 +50,10 @@ def cmd_compile(args) -> int:
     return 0
 
 
-def _extras(args) -> Extras:
-    """The variants beyond the plain kernels that the flags ask for."""
+def _extras(args):
+    """The variants beyond the plain kernels that the flags ask for (``build.Extras``)."""
+    from ..compiler.build import Extras
+
     return Extras(softcap=args.softcap, temperature=args.temperature, accuracy=args.accuracy,
                   log_probs=tuple(args.log_probs or ()))
 
@@ -68,6 +71,8 @@ def _add_variant_flags(p) -> None:
 
 
 def cmd_bundle(args) -> int:
+    from .bundle import make_bundle
+
     out = Path(args.out)
     t0 = time.perf_counter()
     manifest = make_bundle(out, target=args.target, dtype=args.dtype, classes=args.classes,
