@@ -3,7 +3,7 @@
 Plain arithmetic on public facts about the parts: how one (profile, N, C,
 dtype, op) is laid out on the vector cores and the Unified Buffer (UB), and
 what that costs next to the vendor's kernels (the loss's 3-read + 1-write
-tiling; ``VENDOR_PASSES``). The tiled schedule (``ascend.py``) is built from these plans.
+tiling; ``OpModel.vendor``). The tiled schedule (``ascend.py``) is built from these plans.
 
 Tile sizes are multiples of 32 bytes of the storage dtype and of one float32
 vector repeat (64 elements), unless the tile is the whole row.
@@ -15,10 +15,6 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..kernels.kinds import DTYPE_BYTES
-
-# The kernels a plan lays out: the loss (forward, backward, the one-pass training
-# kernel) and the per-token log-probs with entropy (SPEC section 6) and their gradient.
-OPS = ("forward", "backward", "train", "log_probs", "log_probs_grad")
 
 
 @dataclass(frozen=True)
@@ -48,26 +44,43 @@ PROFILES = {
                    note="Ascend 950: 64 vector cores, 248 KiB UB; HBM bandwidth assumed as 910B"),
 }
 
-# float32 vector operations per element and pass, used by the cost model. Forward:
-# cast, max, sub, exp ~4, add, the smoothing sum, the log_prob subtract and cast.
-# Log-probs: cast, max, sub, the 1/T scale, exp ~4, the sum and the entropy's
-# sum (sub, mul, add). Their gradient: cast, sub, scale, exp ~4, the entropy
-# term (add, mul), the index's select, the multiply and cast.
-FORWARD_OPS_PER_ELEMENT = 10
-BACKWARD_OPS_PER_ELEMENT = 8
-OPS_PER_ELEMENT = {"forward": FORWARD_OPS_PER_ELEMENT, "backward": BACKWARD_OPS_PER_ELEMENT,
-                   "train": FORWARD_OPS_PER_ELEMENT + BACKWARD_OPS_PER_ELEMENT,
-                   "log_probs": 13, "log_probs_grad": 13}
-# Passes over [N, C] of each op, ce_tvm's (reads beyond the first come from the
-# plan) and the vendor's: reads, writes. The vendor's log-probs are its
-# log_softmax (3 reads, 1 write), the gather, and the entropy over the
-# log_softmax (1 read); their gradient at best one fused log_softmax backward
-# (its output and the dense upstream gradient read, the gradient written).
-# The per-row outputs (log-probs of K indices, entropy) are not counted.
-WRITES = {"forward": 1, "backward": 1, "train": 1, "log_probs": 0, "log_probs_grad": 1}
-ONE_PASS_OPS = ("backward", "log_probs", "log_probs_grad")
-VENDOR_PASSES = {"forward": (3, 1), "backward": (1, 1), "train": (4, 2),
-                 "log_probs": (4, 1), "log_probs_grad": (2, 1)}
+
+@dataclass(frozen=True)
+class OpModel:
+    """What the plan and the cost model know of one kernel: float32 vector
+    operations per element and pass; the ``[N, C]`` tiles it writes (staged in UB);
+    whether it reads the logits once whatever its tiles; whether it keeps
+    ``exp(x - max)`` in UB; the vendor's passes over ``[N, C]`` (reads, writes)."""
+
+    ops_per_element: int
+    writes: int
+    one_pass: bool
+    keeps_exp: bool
+    vendor: tuple
+
+
+# The kernels a plan lays out: the loss (forward, backward, the one-pass training
+# kernel) and the per-token log-probs with entropy (SPEC section 6) and their gradient.
+# Vector operations: the forward's cast, max, sub, exp ~4, add, the smoothing sum,
+# the log_prob subtract and cast; the backward's 8; the log-probs' cast, max, sub,
+# the 1/T scale, exp ~4, the sum and the entropy's sum (sub, mul, add); their
+# gradient's cast, sub, scale, exp ~4, the entropy term (add, mul), the index's
+# select, the multiply and cast. The gradients read once; so do the log-probs,
+# their chunks' sums merging as they stream by. The vendor's log-probs are its
+# log_softmax (3 reads, 1 write), the gather and the entropy over the log_softmax
+# (1 read); their gradient at best one fused log_softmax backward (its output and
+# the dense upstream gradient read, the gradient written); its training step is
+# its forward then its backward. Per-row outputs (log-probs of K indices,
+# entropy) are not counted.
+OP_MODELS = {
+    "forward": OpModel(10, writes=1, one_pass=False, keeps_exp=False, vendor=(3, 1)),
+    "backward": OpModel(8, writes=1, one_pass=True, keeps_exp=False, vendor=(1, 1)),
+    "train": OpModel(18, writes=1, one_pass=False, keeps_exp=True, vendor=(4, 2)),
+    "log_probs": OpModel(13, writes=0, one_pass=True, keeps_exp=True, vendor=(4, 1)),
+    "log_probs_grad": OpModel(13, writes=1, one_pass=True, keeps_exp=False, vendor=(2, 1)),
+}
+OPS = tuple(OP_MODELS)
+ONE_PASS_OPS = tuple(op for op, model in OP_MODELS.items() if model.one_pass)
 
 
 @dataclass
@@ -110,8 +123,9 @@ def ub_bytes(profile: Profile, chunk: int, dtype: str, op: str, buffers: int) ->
     tile = _align(chunk * esize, a)
     f32 = _align(chunk * 4, a)
     cast = f32 if esize < 4 else 0
-    staged = (1 + WRITES[op]) * tile * buffers  # input tile in, output (log_prob, x_grad) out
-    kept = f32 if op in ("train", "log_probs") else 0
+    model = OP_MODELS[op]
+    staged = (1 + model.writes) * tile * buffers  # input tile in, output (log_prob, x_grad) out
+    kept = f32 if model.keeps_exp else 0
     return staged + cast + kept + f32 + f32 + 4 * profile.repeat_bytes + 256
 
 
@@ -182,9 +196,8 @@ def tiled(profile, rows: int, classes: int, dtype: str, op: str, chunk: int,
     tiles = -(-classes // chunk)
     # One read of the logits when the row's tiles fit the UB (the training
     # kernel keeps exp(x - max) there); else a second read (log_prob, or the
-    # training kernel's gradient, recomputing exp). The gradients read once,
-    # and so do the log-probs (their chunks' sums merge as they stream by).
-    passes = 1 if (tiles == 1 or op in ONE_PASS_OPS) else 2
+    # training kernel's gradient, recomputing exp), unless the op reads once anyway.
+    passes = 1 if (tiles == 1 or OP_MODELS[op].one_pass) else 2
     return Plan(prof.name, op, dtype, rows, classes, len(per_core), per_core, chunk, tiles,
                 ub_bytes(prof, chunk, dtype, op, buffers), buffers, passes)
 
@@ -217,7 +230,7 @@ def search_plan(profile, rows: int, classes: int, dtype: str, op: str = "forward
 
 def cost(p: Plan) -> dict:
     """Estimated time of ``p`` and of the vendor's kernels for the same op
-    (``VENDOR_PASSES``: the loss's forward is its 3-read + 1-write tiling).
+    (``OpModel.vendor``: the loss's forward is its 3-read + 1-write tiling).
 
     Time = launch + global-memory bytes / HBM bandwidth + vector repeats of
     the busiest core x ``repeat_ns``, the memory and vector terms added (no
@@ -233,7 +246,8 @@ def cost(p: Plan) -> dict:
     row_bytes = p.classes * esize
     total = p.rows * row_bytes
     repeats_per_row = math.ceil(p.classes * 4 / prof.repeat_bytes)
-    vector_us = (max(p.rows_per_core) * repeats_per_row * OPS_PER_ELEMENT[p.op]
+    model = OP_MODELS[p.op]
+    vector_us = (max(p.rows_per_core) * repeats_per_row * model.ops_per_element
                  * prof.repeat_ns / 1e3)
 
     def estimate(reads: int, writes: int) -> dict:
@@ -255,6 +269,5 @@ def cost(p: Plan) -> dict:
                  time_us=prof.launch_us + body + steps * prof.tile_us + exposed)
         return e
 
-    return {"ce_tvm": tiled_estimate(p.passes, WRITES[p.op]),
-            "vendor": estimate(*VENDOR_PASSES[p.op])}
+    return {"ce_tvm": tiled_estimate(p.passes, model.writes), "vendor": estimate(*model.vendor)}
 
