@@ -1,9 +1,11 @@
 """One rank of the vocab-parallel tests (launched like torchrun: RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT); the mode (``CHECKS``) is the first argument. Every
+MASTER_ADDR, MASTER_PORT); the modes (``CHECKS``, comma-separated) are the
+first argument, run in that order. Every
 rank checks its outputs and gradient shards against the float64 reference of
 SPEC.md (``tests/reference.py``) on the full logits or head, or, for the
 DTensor paths, against the single-process ``ce_tvm`` calls they stand for."""
 
+import datetime
 import itertools
 import re
 import sys
@@ -404,18 +406,44 @@ def check_dtensor(rank, world):
             checked += 1
     return checked
 
-CHECKS = {"cases": check_cases, "odd_strides": check_odd_strides,
+def check_relayout(rank, world):
+    """Layouts that agree on one rank only, one after another in one process: the
+    check_cases widths, then every rank as wide as rank 0 (rank 0's width
+    unchanged, the others' new), then the first again; each loss and gradient
+    against PyTorch on the full logits. Returns the count."""
+    checked = 0
+    first = shard_widths(C, world)
+    for widths in (first, [first[0]] * world, first):
+        lo = sum(widths[:rank])
+        gen = torch.Generator().manual_seed(checked + 3)
+        full = torch.randn(5, sum(widths), generator=gen) * 3
+        y = torch.randint(0, sum(widths), (5,), generator=gen)
+        ref_x = full.clone().requires_grad_()
+        F.cross_entropy(ref_x, y).backward()
+        shard = full[:, lo:lo + widths[rank]].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(shard, y)
+        torch.testing.assert_close(loss, F.cross_entropy(full, y), rtol=1e-5, atol=1e-6)
+        loss.backward()
+        torch.testing.assert_close(shard.grad, ref_x.grad[:, lo:lo + widths[rank]],
+                                   rtol=1e-5, atol=1e-7)
+        checked += 1
+    return checked
+
+
+CHECKS = {"cases": check_cases, "odd_strides": check_odd_strides, "relayout": check_relayout,
           "linear_head": check_linear_head, "linear_log_probs": check_linear_log_probs,
           "bytes": check_bytes_independent_of_vocabulary, "dtensor": check_dtensor}
 
 
 def main():
-    mode = sys.argv[1] if len(sys.argv) > 1 else "cases"
-    dist.init_process_group("gloo")
+    modes = (sys.argv[1] if len(sys.argv) > 1 else "cases").split(",")
+    # a collective one rank misses fails (after 5 minutes) instead of hanging
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
-    checked = CHECKS[mode](rank, world)
-    dist.barrier()
-    print(f"rank {rank}/{world}: {checked} {mode} ok", flush=True)
+    for mode in modes:
+        checked = CHECKS[mode](rank, world)
+        dist.barrier()
+        print(f"rank {rank}/{world}: {checked} {mode} ok", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

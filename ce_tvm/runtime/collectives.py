@@ -13,20 +13,18 @@ from torch import Tensor
 from . import launch
 from .options import LossOptions
 
-_LAYOUTS: dict = {}
-
 
 def shard_layout(local_classes: int, group=None) -> tuple[int, int]:
-    """``(offset of this rank's first column, global C)``, cached per group and width."""
-    key = (group, local_classes)
-    if key not in _LAYOUTS:
-        world = dist.get_world_size(group)
-        widths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(widths, torch.tensor([local_classes]), group=group)
-        widths = [int(w) for w in widths]
-        rank = dist.get_rank(group)
-        _LAYOUTS[key] = (sum(widths[:rank]), sum(widths))
-    return _LAYOUTS[key]
+    """``(offset of this rank's first column, global C)``: one all_gather of the
+    widths, on every call. (A cache per rank and width skipped it on a rank
+    whose width it had seen while another rank's width was new to it: the
+    ranks' collectives then paired up wrongly and the group hung.)"""
+    world = dist.get_world_size(group)
+    widths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(widths, torch.tensor([local_classes]), group=group)
+    widths = [int(w) for w in widths]
+    rank = dist.get_rank(group)
+    return sum(widths[:rank]), sum(widths)
 
 
 def global_stats(x, y, w, offset: int, options: LossOptions, group, extra: Tensor):
