@@ -23,14 +23,29 @@ def _private_module_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def precompiled_modules(tmp_path_factory):
-    """Every kernel for float32 C=11, compiled once by ``ce-tvm compile --out``; tests
+def compiled_cache(tmp_path_factory):
+    """``(cache, output)``: a private cache that ``ce-tvm compile`` filled with every
+    kernel for float32 C=11. Tests read it, never change it."""
+    from processes import CLI, run
+
+    cache = tmp_path_factory.mktemp("compiled") / "cache"
+    return cache, run([CLI, "compile", "--dtype", "float32", "--classes", "11"],
+                      CE_TVM_CACHE=cache)
+
+
+@pytest.fixture(scope="session")
+def precompiled_modules(compiled_cache, tmp_path_factory):
+    """Every kernel for float32 C=11 in a directory made by ``ce-tvm compile --out``,
+    which copies them from ``compiled_cache`` (nothing is built twice); tests
     that change it work on a copy."""
     from processes import CLI, run
 
+    cache, _ = compiled_cache
     out = tmp_path_factory.mktemp("precompiled") / "modules"
-    text = run([CLI, "compile", "--dtype", "float32", "--classes", "11", "--out", out])
+    text = run([CLI, "compile", "--dtype", "float32", "--classes", "11", "--out", out],
+               CE_TVM_CACHE=cache)
     assert f"CE_TVM_MODULE_DIR={out}" in text
+    assert "\n0 built, " in text, text  # copied from the cache
     return out
 
 

@@ -19,7 +19,7 @@ from ce_tvm.store.spec import KernelSpec
 from checks import assert_close
 from processes import CLI, PROBE, probe, run
 
-# one worker for both cache modules: they share the precompiled_modules fixture
+# one worker for both cache modules: they share the compiled_cache and precompiled_modules fixtures
 pytestmark = pytest.mark.xdist_group("cache")
 
 

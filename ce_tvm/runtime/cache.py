@@ -36,6 +36,7 @@ from ..store.files import (
     ModuleIntegrityError,
     build_lock,
     content_problem,
+    copy_file,
     make_private_dir,
     manifest_path,
     read_manifest,
@@ -98,6 +99,22 @@ def write_module(spec: KernelSpec, directory: Path) -> Path:
                                  "source_sha256": hashlib.sha256(source.encode()).hexdigest()}
     seal(lib, **fields)
     return lib
+
+
+def export_module(spec: KernelSpec, directory: Path) -> tuple[Path, bool]:
+    """``spec``'s module in ``directory`` (``ce-tvm compile --out``, bundles): kept
+    when it is there and verified, else copied from the cache when it is there
+    and verified, else built there. Returns ``(library path, whether it was built)``."""
+    lib = directory / spec.file_name()
+    if check_module(lib, spec) is None:
+        return lib, False
+    cached = cache_dir() / spec.file_name()
+    if cached.parent != directory and check_module(cached, spec) is None:
+        for path in (cached, manifest_path(cached), cached.with_suffix(".cubin")):
+            if path.exists():
+                copy_file(path, directory / path.name)
+        return lib, False
+    return write_module(spec, directory), True
 
 
 def cuda_binary_of(lib: Path) -> tuple[str, bytes] | None:

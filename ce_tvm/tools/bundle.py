@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..compiler.build import Extras, ahead_of_time_specs
 from ..runtime import cache
-from ..store.files import copy_file, fingerprint, make_private_dir, manifest_path, write_file
+from ..store.files import copy_file, fingerprint, make_private_dir, write_file
 from ..store.paths import BUNDLE_MANIFEST
 from ..store.spec import __version__
 from ..store.targets import write_host_descriptor
@@ -59,9 +59,7 @@ def make_bundle(out: Path, *, target: str, dtype: str, classes: list[int],
     kernels = []
     for c in classes:
         for spec in ahead_of_time_specs(target, dtype, c, options, extras):
-            lib = out / spec.file_name()
-            if cache.check_module(lib, spec) is not None:
-                _add_kernel(spec, out)
+            lib, _ = cache.export_module(spec, out)
             kernels.append(lib.name)
             progress(f"  {lib.name}")
     if target == "llvm":
@@ -83,13 +81,3 @@ def make_bundle(out: Path, *, target: str, dtype: str, classes: list[int],
         ce_tvm=__version__, tvm=version, out=out.resolve()).encode())
     return manifest
 
-
-def _add_kernel(spec, out: Path) -> None:
-    """Copy ``spec``'s module from the cache when it is there and verified, else build it."""
-    cached = cache.cache_dir() / spec.file_name()
-    if cached.parent != out and cache.check_module(cached, spec) is None:
-        for path in (cached, manifest_path(cached), cached.with_suffix(".cubin")):
-            if path.exists():
-                copy_file(path, out / path.name)
-    else:
-        cache.write_module(spec, out)

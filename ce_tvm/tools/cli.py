@@ -33,10 +33,12 @@ def cmd_compile(args) -> int:
     specs = ahead_of_time_specs(args.target, args.dtype, args.classes, options, _extras(args))
     out = Path(args.out) if args.out else None
     t0 = time.perf_counter()
+    built = 0
     for spec in specs:
         if out is not None:
             make_private_dir(out)
-            path = cache.write_module(spec, out)
+            path, new = cache.export_module(spec, out)
+            built += new
         else:
             path = cache.ensure_cached(spec)
         print(f"  {path}")
@@ -44,6 +46,8 @@ def cmd_compile(args) -> int:
     print(f"{len(specs)} kernels for {args.target}/{args.dtype}/C={args.classes} in "
           f"{time.perf_counter() - t0:.1f} s -> {where}")
     if out is not None:
+        print(f"{built} built, {len(specs) - built} already there or copied from the cache "
+              f"{cache.cache_dir()}")
         if args.target != "cuda":  # lets the runtime name this CPU without TVM
             write_host_descriptor(out)
         print(f"use them with: export CE_TVM_MODULE_DIR={out.resolve()}")
