@@ -20,7 +20,7 @@ from ..store import records
 from ..store.files import make_private_dir
 from ..store.spec import KernelSpec
 from ..store.targets import TARGETS, write_host_descriptor
-from . import bench
+from . import bench_args
 
 TRAINING_DTYPES = tuple(d for d in DTYPES if d != "float64")
 
@@ -52,6 +52,12 @@ def cmd_compile(args) -> int:
             write_host_descriptor(out)
         print(f"use them with: export CE_TVM_MODULE_DIR={out.resolve()}")
     return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run  # torch
+
+    return run(args)
 
 
 def _extras(args):
@@ -271,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dir", help="a precompiled directory instead of the cache")
     k.set_defaults(func=cmd_cache)
 
-    bench.add_parser(sub)
+    bench_args.add_parser(sub).set_defaults(func=cmd_bench)
 
     t = sub.add_parser("tune", help="autotune the forward, training and backward kernels at "
                        "one shape over their schedules' knobs; or --list the records")
