@@ -8,7 +8,10 @@ import torch
 
 import ce_tvm
 from ce_tvm.compiler.build import Extras, all_specs
-from ce_tvm.runtime import launch, registry
+from ce_tvm.kernels.kinds import Variant
+from ce_tvm.runtime import cache, launch, registry
+from ce_tvm.store.files import sealed_problem
+from ce_tvm.store.spec import KernelSpec
 
 C = 37  # the softcap and temperature tests' class count: their kernels are built already
 
@@ -53,3 +56,24 @@ def test_what_calls_load_is_built(extras, calls, monkeypatch):
         call(x, y).sum().backward()
     assert len(ran) >= len(calls)
     assert set(ran) <= built, sorted(s.stem() for s in set(ran) - built)
+
+
+def test_export_module_keeps_copies_or_builds(tmp_path, monkeypatch):
+    """``cache.export_module`` (``ce-tvm compile --out``, bundles): a verified module
+    already in the directory is kept; else a verified one in the cache is copied;
+    else it is built there. Each result verifies against its manifest."""
+    spec = KernelSpec("forward", "float32", C, Variant("mean", False, False))
+    cached = cache.ensure_cached(spec)  # the run's cache
+    out = tmp_path / "out"
+    out.mkdir(mode=0o700)
+    lib, built = cache.export_module(spec, out)
+    assert (lib, built) == (out / cached.name, False)
+    assert lib.read_bytes() == cached.read_bytes() and sealed_problem(lib) is None
+    assert cache.export_module(spec, out) == (lib, False)  # kept
+    lib.write_bytes(lib.read_bytes()[:-1] + b"x")  # damaged: copied again
+    assert cache.export_module(spec, out) == (lib, False) and sealed_problem(lib) is None
+    monkeypatch.setenv("CE_TVM_CACHE", str(tmp_path / "empty"))
+    fresh = tmp_path / "fresh"
+    fresh.mkdir(mode=0o700)
+    lib, built = cache.export_module(spec, fresh)
+    assert built and sealed_problem(lib) is None and not (tmp_path / "empty").exists()

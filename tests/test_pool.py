@@ -31,6 +31,24 @@ def test_never_reuses_a_buffer_still_referenced_through_a_view():
     assert pool.pooled_bytes() == 2 * b.numel() * b.element_size()  # no third buffer
 
 
+def test_idle_buffers_that_do_not_fit_make_room_under_the_cap():
+    """Under a 7 MiB cap, with a 2 MiB buffer in use and an idle 4 MiB one, a 5 MiB
+    request fits in neither: the idle buffer is dropped (the one in use is not)
+    and the new one is pooled, and handed out again once released."""
+    pool, cpu = BufferPool(7 << 20), torch.device("cpu")
+    busy = pool.empty((2 << 20,), torch.uint8, cpu)
+    idle = pool.empty((4 << 20,), torch.uint8, cpu)
+    idle_ptr = idle.data_ptr()
+    del idle
+    assert pool.pooled_bytes() == 6 << 20
+    new = pool.empty((5 << 20,), torch.uint8, cpu)
+    assert new.data_ptr() != idle_ptr and pool.pooled_bytes() == 7 << 20
+    assert busy.data_ptr() in [b.data_ptr() for b, _ in pool._buffers]
+    new_ptr = new.data_ptr()
+    del new
+    assert pool.empty((5 << 20,), torch.uint8, cpu).data_ptr() == new_ptr
+
+
 def test_cap_and_small_tensors_bypass_the_pool():
     off = BufferPool(0)
     off.empty(SHAPE, torch.float32, torch.device("cpu"))
