@@ -13,6 +13,7 @@ import torch
 
 import ce_tvm
 import reference
+from ce_tvm.runtime.cache import ensure_cached
 from ce_tvm.store.files import build_lock
 from ce_tvm.store.paths import UnsafePermissionsError, check_permissions
 from ce_tvm.store.spec import KernelSpec
@@ -36,14 +37,26 @@ def failing_probe(c, **env):
     return done.stderr
 
 
-@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
-def test_writable_cache_directory_is_refused(tmp_path, mode):
+def test_writable_cache_directory_is_refused(tmp_path):
+    """A fresh process's first call refuses a cache directory others can write."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    cache.chmod(mode)
+    cache.chmod(0o777)
     err = failing_probe(7, CE_TVM_CACHE=cache)
     assert "UnsafePermissionsError" in err and str(cache) in err
     assert f"chmod go-w {cache}" in err
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707])
+def test_group_or_other_writable_cache_directory_is_refused(tmp_path, monkeypatch, mode):
+    """Writable by the group or by others alone is refused too (in this process:
+    the path from a call to the check is the one above)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(mode)
+    monkeypatch.setenv("CE_TVM_CACHE", str(cache))
+    with pytest.raises(UnsafePermissionsError, match=f"chmod go-w {cache}"):
+        ensure_cached(KernelSpec("forward", "float32", 7))
 
 
 def test_writable_precompiled_module_is_refused(precompiled_modules, tmp_path):
