@@ -78,15 +78,16 @@ def loss_fns(eps: float, methods=METHODS) -> dict:
     def eager(x, W, y):
         return F.cross_entropy(F.linear(x, W), y, label_smoothing=eps)
 
-    makers = {  # torch.compile is wrapped only when asked for (it imports dynamo)
-        "ce_tvm": lambda: lambda x, W, y: linear_cross_entropy(x, W, y, label_smoothing=eps),
-        "eager": lambda: eager,
-        "compile": lambda: torch.compile(eager, dynamic=False),
-        "torch_chunked": lambda: lambda x, W, y: F.linear_cross_entropy(
+    fns = {
+        "ce_tvm": lambda x, W, y: linear_cross_entropy(x, W, y, label_smoothing=eps),
+        "eager": eager,
+        "torch_chunked": lambda x, W, y: F.linear_cross_entropy(
             x, W, y, label_smoothing=eps, options=torch.nn.LinearCrossEntropyOptions()),
-        "gemm": lambda: lambda x, W, y: F.linear(x, W).sum(),
+        "gemm": lambda x, W, y: F.linear(x, W).sum(),
     }
-    return {name: makers[name]() for name in methods}
+    if "compile" in methods:  # wrapped only when asked for (it imports dynamo)
+        fns["compile"] = torch.compile(eager, dynamic=False)
+    return {name: fns[name] for name in methods}
 
 
 def _step(fn, x, W, y) -> None:
