@@ -1,17 +1,14 @@
 """Module cache and precompiled directories, across processes."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ce_tvm.compiler.build import ahead_of_time_specs
 from ce_tvm.store.paths import sha256_file
-from processes import PROBE, probe
+from processes import failing_probe, probe
 
 # one worker for both cache modules: they share the compiled_cache and precompiled_modules fixtures
 pytestmark = pytest.mark.xdist_group("cache")
@@ -68,9 +65,6 @@ def test_precompiled_directory_is_used_and_checked(precompiled_modules, tmp_path
     lib = next(p for p in libs(modules) if "backward" in p.name and "-mean-nw-log_prob" in p.name)
     data = lib.read_bytes()  # same size, one bit flipped: only the SHA-256 tells
     lib.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
-    done = subprocess.run([sys.executable, "-c", PROBE, "11"], capture_output=True, text=True,
-                          env={**os.environ, "CE_TVM_CACHE": str(cache),
-                               "CE_TVM_MODULE_DIR": str(modules)})
-    assert done.returncode != 0
-    assert "ModuleIntegrityError" in done.stderr and lib.name in done.stderr
-    assert "SHA-256 mismatch" in done.stderr
+    err = failing_probe(11, CE_TVM_CACHE=cache, CE_TVM_MODULE_DIR=modules)
+    assert "ModuleIntegrityError" in err and lib.name in err
+    assert "SHA-256 mismatch" in err

@@ -18,23 +18,10 @@ from ce_tvm.store.files import build_lock
 from ce_tvm.store.paths import UnsafePermissionsError, check_permissions
 from ce_tvm.store.spec import KernelSpec
 from checks import assert_close
-from processes import CLI, PROBE, probe, run
+from processes import CLI, PROBE, Forked, failing_probe, probe, run
 
 # one worker for both cache modules: they share the compiled_cache and precompiled_modules fixtures
 pytestmark = pytest.mark.xdist_group("cache")
-
-
-def start_probe(c, **env):
-    return subprocess.Popen([sys.executable, "-c", PROBE, str(c)], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, **{k: str(v) for k, v in env.items()}})
-
-
-def failing_probe(c, **env):
-    done = subprocess.run([sys.executable, "-c", PROBE, str(c)], capture_output=True, text=True,
-                          env={**os.environ, **{k: str(v) for k, v in env.items()}})
-    assert done.returncode != 0
-    return done.stderr
 
 
 def test_writable_cache_directory_is_refused(tmp_path):
@@ -79,11 +66,10 @@ def test_new_cache_directories_are_private(tmp_path):
 
 def test_four_processes_on_an_empty_cache_build_each_module_once(tmp_path):
     cache = tmp_path / "cache"
-    procs = [start_probe(21, CE_TVM_CACHE=cache) for _ in range(4)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and "probe ok" in out, err
-    built = [line for out, _ in outs for line in out.splitlines() if line.startswith("BUILT")]
+    done = [p.result() for p in [Forked(PROBE, 21, CE_TVM_CACHE=cache) for _ in range(4)]]
+    for d in done:
+        assert d.returncode == 0 and "probe ok" in d.stdout, d.stderr
+    built = [line for d in done for line in d.stdout.splitlines() if line.startswith("BUILT")]
     assert len(built) == len(set(built)) == 3  # forward, backward and training, once each
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from processes import Forked
+
 WORKER = Path(__file__).with_name("dist_worker.py")
 # ranks_of runs each world once per pytest worker: keep the module on one
 pytestmark = pytest.mark.xdist_group("distributed")
@@ -29,17 +31,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(world: int, modes: str, extra_env: dict | None = None) -> list[tuple]:
-    """Run ``dist_worker.py modes`` (comma-separated) on ``world`` ranks
-    (``extra_env`` added to their environment): ``(returncode, stdout, stderr)``
-    per rank."""
+def launch_ranks(world: int, modes: str, fresh_env: dict | None = None) -> list[tuple]:
+    """Run ``dist_worker.py modes`` (comma-separated) on ``world`` ranks:
+    ``(returncode, stdout, stderr)`` per rank. The ranks are forked
+    (``processes.Forked``), or, with ``fresh_env``, new interpreters with it
+    added to their environment (glibc reads ``MALLOC_*`` when a process starts)."""
     port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, **(extra_env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TVM_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), modes], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    ranks = [{"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port), "TVM_NUM_THREADS": "1"} for rank in range(world)]
+    if fresh_env is None:
+        started = [Forked(str(WORKER), modes, **env) for env in ranks]
+        return [(d.returncode, d.stdout, d.stderr) for d in (p.result(900) for p in started)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), modes], text=True,
+                              env={**os.environ, **fresh_env, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for env in ranks]
     outs = [p.communicate(timeout=900) for p in procs]
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
 

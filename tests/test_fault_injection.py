@@ -9,16 +9,16 @@ empty), four processes starting on an empty cache.
 """
 
 import contextlib
-import multiprocessing
 import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from processes import Forked
 
 # its module fixture and mounts: every test of the module on one worker
 pytestmark = pytest.mark.xdist_group("faults")
@@ -26,36 +26,25 @@ pytestmark = pytest.mark.xdist_group("faults")
 C = 13
 
 
-def probe(env: dict, log: str) -> None:
-    """The case's process: the forward on C classes, checked against torch.
-
-    ``env`` is applied first; its ``PATCH`` (optional) is code run before the
-    call, to make the process fail where a test wants it to. Output goes to
-    the file ``log``.
-    """
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.environ.update(env)
-    tempfile.tempdir = None  # TMPDIR as the case sets it
-    import torch
-
+# The case's process: the forward on C classes, checked against torch. Its
+# environment's PATCH (optional) is code run before the call, to make the
+# process fail where a test wants it to.
+PROBE = textwrap.dedent(f"""
+    import os, signal, torch
     import ce_tvm
     import ce_tvm.runtime.cache as cache
     import ce_tvm.store.files as files
-
     write_module = cache.write_module
-
     def reporting_write(spec, directory):
         print("BUILT", directory / spec.file_name(), flush=True)
         return write_module(spec, directory)
-
     cache.write_module = reporting_write
-    exec(env.get("PATCH", ""), {"os": os, "signal": signal, "files": files, "cache": cache})
-    x = torch.randn(8, C, dtype=torch.float64).float()
-    y = torch.randint(0, C, (8,))
+    exec(os.environ.get("PATCH", ""))
+    x = torch.randn(8, {C}, dtype=torch.float64).float()
+    y = torch.randint(0, {C}, (8,))
     torch.testing.assert_close(ce_tvm.cross_entropy(x, y), torch.nn.functional.cross_entropy(x, y))
     print("probe ok", flush=True)
+""")
 
 
 # Kills the process halfway through writing the file whose name holds WHAT, or
@@ -76,31 +65,17 @@ KILL_WHILE_WRITING = textwrap.dedent("""
     cache.seal = dying_seal
 """)
 
-# Each case is a new process forked from a server that has imported torch,
-# ce_tvm and TVM and called nothing: no state of ce_tvm's crosses cases, and
-# a case costs its own work, not 5-7 s of imports.
-_context = multiprocessing.get_context("forkserver")
-_context.set_forkserver_preload(["torch", "ce_tvm", "tvm"])
+
+def start(cache: Path, **env) -> Forked:
+    """The probe forked (``processes.Forked``: no state of ce_tvm's crosses cases,
+    and a case costs its own work, not 5-7 s of imports), on ``cache``."""
+    return Forked(PROBE, CE_TVM_CACHE=cache, **env)
 
 
-def start(cache: Path, **env) -> tuple:
-    log = tempfile.NamedTemporaryFile(prefix="ce_tvm_probe_", suffix=".log", delete=False).name
-    env = {"CE_TVM_CACHE": str(cache), **{k: str(v) for k, v in env.items()}}
-    proc = _context.Process(target=probe, args=(env, log))
-    proc.start()
-    return proc, log
-
-
-def finish(started: tuple) -> tuple[int, str]:
+def finish(started: Forked) -> tuple[int, str]:
     """``(exit code, output)``; the exit code is ``-signal`` for a signal."""
-    proc, log = started
-    proc.join(timeout=600)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    out = Path(log).read_text()
-    os.unlink(log)
-    return proc.exitcode, out
+    done = started.result()
+    return done.returncode, done.stdout + done.stderr
 
 
 def served(cache: Path, **env) -> str:
