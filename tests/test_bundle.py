@@ -22,10 +22,11 @@ from ce_tvm.store.files import fingerprint
 from ce_tvm.store.paths import sha256_file
 from processes import CLI, run
 
-# its bundles are built once (session fixtures): every test of the module on one worker
-pytestmark = pytest.mark.xdist_group("bundle")
+# its bundles are built once (session fixtures), the CPU one from compiled_cache: every
+# test of the module on the cache modules' worker
+pytestmark = pytest.mark.xdist_group("cache")
 
-C = 300
+C = 11  # the bundle takes its kernels from conftest's compiled_cache (nothing is built twice)
 BLOCK_TVM = textwrap.dedent("""
     import importlib.machinery, sys
     class BlockTVM:
@@ -74,10 +75,10 @@ PROBE = BLOCK_TVM + textwrap.dedent("""
 
 
 @pytest.fixture(scope="session")
-def bundle(tmp_path_factory):
+def bundle(compiled_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("bundle") / "b"
     text = run([CLI, "bundle", "--target", "llvm", "--dtype", "float32", "--classes", str(C),
-                "--out", out])
+                "--out", out], CE_TVM_CACHE=compiled_cache[0])
     assert f"CE_TVM_MODULE_DIR={out}" in text
     return out
 

@@ -10,7 +10,7 @@ from ce_tvm.compiler.build import ahead_of_time_specs
 from ce_tvm.store.paths import sha256_file
 from processes import failing_probe, probe
 
-# one worker for both cache modules: they share the compiled_cache and precompiled_modules fixtures
+# one worker for the cache modules and test_bundle: they share the compiled_cache fixture
 pytestmark = pytest.mark.xdist_group("cache")
 
 

@@ -20,7 +20,7 @@ from ce_tvm.store.spec import KernelSpec
 from checks import assert_close
 from processes import CLI, PROBE, Forked, failing_probe, probe, run
 
-# one worker for both cache modules: they share the compiled_cache and precompiled_modules fixtures
+# one worker for the cache modules and test_bundle: they share the compiled_cache fixture
 pytestmark = pytest.mark.xdist_group("cache")
 
 
