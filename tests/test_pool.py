@@ -38,11 +38,12 @@ def test_idle_buffers_that_do_not_fit_make_room_under_the_cap():
     pool, cpu = BufferPool(7 << 20), torch.device("cpu")
     busy = pool.empty((2 << 20,), torch.uint8, cpu)
     idle = pool.empty((4 << 20,), torch.uint8, cpu)
-    idle_ptr = idle.data_ptr()
     del idle
     assert pool.pooled_bytes() == 6 << 20
     new = pool.empty((5 << 20,), torch.uint8, cpu)
-    assert new.data_ptr() != idle_ptr and pool.pooled_bytes() == 7 << 20
+    # (the allocator may hand the dropped buffer's address to the new one: sizes tell)
+    assert sorted(b.numel() for b, _ in pool._buffers) == [2 << 20, 5 << 20]
+    assert pool.pooled_bytes() == 7 << 20
     assert busy.data_ptr() in [b.data_ptr() for b, _ in pool._buffers]
     new_ptr = new.data_ptr()
     del new
