@@ -106,17 +106,18 @@ def run(args, **env):
     """``args`` run with ``env`` added to the environment (``ce-tvm`` commands
     forked, other programs in a new process); their output, they must pass."""
     if args[0] == CLI:
-        done = Forked(CLI_MAIN, *args[1:], **env).result()
-    else:
-        done = subprocess.run(args, env={**os.environ, **{k: str(v) for k, v in env.items()}},
-                              capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout + done.stderr
+        return _passed(Forked(CLI_MAIN, *args[1:], **env).result())
+    return _passed(subprocess.run(args, env={**os.environ, **{k: str(v) for k, v in env.items()}},
+                                  capture_output=True, text=True, timeout=600))
 
 
 def probe(c, **env):
     """The probe's output; it must have passed."""
-    done = Forked(PROBE, c, **env).result()
+    return _passed(Forked(PROBE, c, **env).result())
+
+
+def _passed(done: subprocess.CompletedProcess) -> str:
+    """The process's output (stdout, then stderr); it must have exited with 0."""
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 
