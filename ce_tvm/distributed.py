@@ -14,7 +14,11 @@ With ``sum``/``mean`` under autograd the shard's gradient is computed in the
 forward, right after the all_reduces, and the backward only scales it (the
 shard's logits are not kept); ``none`` keeps the logits and the global row
 statistics for a backward that computes it. The shard layout (one
-``all_gather`` of the widths) is exchanged once per (group, width) and cached.
+``all_gather`` of the widths) is exchanged on every call.
+
+These functions take local shards and a process group. What a DTensor (or an
+LM head given as a module) means is decided in ``ce_tvm.sharding``, which
+calls them.
 """
 
 from __future__ import annotations
@@ -439,115 +443,3 @@ def vocab_parallel_linear_log_probs(input: Tensor, local_weight: Tensor, index: 
     lead = tuple(input.shape[:-1])
     logp = logp[:, :k].reshape(lead if single else (*lead, k))
     return (logp, entropy.reshape(lead)) if return_entropy else logp
-
-
-# --- DTensor (1-D mesh), as torchtitan sets things up --------------------------
-# Logits sharded on the class dimension, or an LM head weight sharded on its
-# rows (a column-wise parallel lm_head), take the vocabulary-parallel paths
-# above on their local shards; autograd returns DTensor gradients of the same
-# placements (``to_local`` is differentiable). The results are plain tensors,
-# the same on every rank (a ``none`` loss and per-row outputs: this rank's rows
-# under sequence parallelism).
-
-
-def _placement(t, name: str, supported: str):
-    """The placement of ``t`` on its 1-D mesh, else a ``ValueError`` naming ``supported``."""
-    if t.device_mesh.ndim != 1:
-        raise ValueError(f"{name}: ce_tvm takes DTensors on a 1-D mesh ({supported}), "
-                         f"got a {t.device_mesh.ndim}-D mesh")
-    return t.placements[0]
-
-
-def _sharded_on(placement, dim: int, ndim: int) -> bool:
-    return placement.is_shard() and placement.dim % ndim == dim % ndim
-
-
-def _full(t):
-    """A DTensor's full value (targets, indices and masks are global), else ``t``."""
-    return t.full_tensor() if check.is_dtensor(t) else t
-
-
-def _local_rows_of(t, width: int, group):
-    """A per-class tensor (class weights, bias) for this rank's classes: a
-    DTensor's local shard, or the rank's slice of a full tensor."""
-    if t is None:
-        return None
-    if check.is_dtensor(t):
-        return t.to_local()
-    offset, _ = shard_layout(width, group)
-    return t[offset:offset + width]
-
-
-def dtensor_cross_entropy(input, target, weight=None, *, ignore_index: int = -100,
-                          reduction: str = "mean", label_smoothing: float = 0.0,
-                          lse_square_scale: float = 0.0, softcap: float = 0.0,
-                          temperature: float = 1.0, return_zloss: bool = False,
-                          return_token_accuracy: bool = False):
-    """``ce_tvm.cross_entropy`` of DTensor logits ``[..., V]`` sharded on the class
-    dimension (``Shard(-1)``, 1-D mesh): the vocabulary-parallel loss."""
-    supported = "logits Shard(-1), the class dimension last"
-    placement = _placement(input, "input", supported)
-    if not _sharded_on(placement, -1, input.dim()):
-        raise ValueError(f"input: ce_tvm.cross_entropy takes DTensor logits as {supported}, "
-                         f"got {placement}")
-    group = input.device_mesh.get_group()
-    local = input.to_local()
-    y = _full(target)
-    if y.dtype.is_floating_point:
-        raise ValueError("DTensor logits take class-index targets, not probabilities")
-    loss = vocab_parallel_cross_entropy(
-        local.reshape(-1, local.shape[-1]), y.reshape(-1),
-        _local_rows_of(weight, local.shape[-1], group), ignore_index=ignore_index,
-        reduction=reduction, label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
-        group=group, return_zloss=return_zloss, softcap=softcap, temperature=temperature,
-        return_token_accuracy=return_token_accuracy)
-    if reduction != "none":
-        return loss
-    shape = tuple(input.shape[:-1])  # the per-row parts (loss, zloss) back in the rows' shape
-    if not isinstance(loss, tuple):
-        return loss.reshape(shape)
-    return (*(t.reshape(shape) for t in loss[:1 + return_zloss]), *loss[1 + return_zloss:])
-
-
-def _head_shards(input, linear_weight, linear_bias):
-    """``(local input, local weight rows, local bias, group, sequence_parallel)`` of a
-    head whose weight is a DTensor ``Shard(0)``; the input replicated (a plain
-    tensor, or ``Replicate()``) or sequence-sharded (``Shard(0)``)."""
-    supported = ("linear_weight Shard(0) (a column-wise parallel lm_head), input "
-                 "replicated or Shard(0)")
-    if not _sharded_on(_placement(linear_weight, "linear_weight", supported), 0, 2):
-        raise ValueError(f"linear_weight: ce_tvm takes an LM head DTensor as {supported}, "
-                         f"got {linear_weight.placements[0]}")
-    group = linear_weight.device_mesh.get_group()
-    sequence_parallel = False
-    if check.is_dtensor(input):
-        placement = _placement(input, "input", supported)
-        if placement.is_shard() and placement.dim == 0:
-            sequence_parallel = True
-        elif not placement.is_replicate():
-            raise ValueError(f"input: ce_tvm takes the hidden states replicated or Shard(0) "
-                             f"beside {supported}, got {placement}")
-        input = input.to_local()
-    weight = linear_weight.to_local()
-    return input, weight, _local_rows_of(linear_bias, weight.shape[0], group), group, \
-        sequence_parallel
-
-
-def dtensor_linear_cross_entropy(input, linear_weight, target, *, linear_bias=None,
-                                 weight=None, **options):
-    """``ce_tvm.linear_cross_entropy`` with the head's weight a DTensor ``Shard(0)``:
-    ``vocab_parallel_linear_cross_entropy`` on the local shards."""
-    x, W, b, group, sp = _head_shards(input, linear_weight, linear_bias)
-    return vocab_parallel_linear_cross_entropy(
-        x, W, _full(target), group=group, local_bias=b,
-        weight=_local_rows_of(weight, W.shape[0], group), sequence_parallel=sp, **options)
-
-
-def dtensor_linear_log_probs(input, linear_weight, index, *, linear_bias=None, row_mask=None,
-                             **options):
-    """``ce_tvm.linear_log_probs`` with the head's weight a DTensor ``Shard(0)``:
-    ``vocab_parallel_linear_log_probs`` on the local shards."""
-    x, W, b, group, sp = _head_shards(input, linear_weight, linear_bias)
-    mask = None if row_mask is None else _full(row_mask)
-    return vocab_parallel_linear_log_probs(x, W, _full(index), group=group, local_bias=b,
-                                           row_mask=mask, sequence_parallel=sp, **options)

@@ -195,7 +195,12 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
 
     ``input [*, H]`` (any leading dimensions), ``linear_weight [V, H]``,
     ``linear_bias [V]``, ``target [*]`` class indices; the class dimension of
-    the logits is the last one. Returns the loss (0-d for ``mean``/``sum``,
+    the logits is the last one. ``linear_weight`` may be the head module itself
+    (``model.lm_head``, ``nn.Linear``-like; its bias comes along): the loss then
+    runs inside the module's own call, so FSDP2 / FSDP / ZeRO-3 gather its
+    weight and reduce its gradient. A DTensor weight needs the input as a
+    DTensor on the same mesh (tensor parallelism); ``ce_tvm.sharding`` has the
+    rule. Returns the loss (0-d for ``mean``/``sum``,
     the target's shape for ``none``), z-loss included when
     ``lse_square_scale > 0``; ``softcap``, ``temperature``, ``return_zloss`` and
     ``return_token_accuracy`` as ``ce_tvm.cross_entropy`` has them (the
@@ -205,15 +210,16 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     backward consumes gradients computed in the forward, so a second
     backward through the same graph needs ``allow_retain_graph=True``.
     """
-    if check.is_dtensor(linear_weight):  # a column-wise parallel lm_head
-        from .distributed import dtensor_linear_cross_entropy
+    if check.sharded_head(input, linear_weight):  # a module, or DTensors: ce_tvm.sharding
+        from . import sharding
 
-        return dtensor_linear_cross_entropy(
-            input, linear_weight, target, linear_bias=linear_bias, weight=weight,
-            reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
-            lse_square_scale=lse_square_scale, softcap=softcap, temperature=temperature,
-            return_zloss=return_zloss, return_token_accuracy=return_token_accuracy,
-            chunk_rows=chunk_rows)
+        return sharding.linear_cross_entropy(
+            linear_cross_entropy, input, linear_weight, target, linear_bias=linear_bias,
+            weight=weight, reduction=reduction, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
+            temperature=temperature, return_zloss=return_zloss,
+            return_token_accuracy=return_token_accuracy, chunk_rows=chunk_rows,
+            allow_retain_graph=allow_retain_graph)
     x, y = _flatten(input, linear_weight, target, linear_bias)
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
@@ -236,11 +242,11 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
 class LinearCrossEntropyLoss(nn.Module):
     """``linear_cross_entropy`` as a module holding the loss options.
 
-    The projection's weight (and bias) are passed at call time, so an
-    ``nn.Linear`` head stays where it is::
+    The head is passed at call time, so an ``nn.Linear`` head stays where it
+    is; as a module, the loss runs inside its own call (sharded training)::
 
         criterion = ce_tvm.LinearCrossEntropyLoss(label_smoothing=0.1)
-        loss = criterion(hidden, model.lm_head.weight, target, model.lm_head.bias)
+        loss = criterion(hidden, model.lm_head, target)
     """
 
     def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
@@ -260,7 +266,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.chunk_rows = chunk_rows
         self.allow_retain_graph = allow_retain_graph
 
-    def forward(self, input: Tensor, linear_weight: Tensor, target: Tensor,
+    def forward(self, input: Tensor, linear_weight: Tensor | nn.Module, target: Tensor,
                 linear_bias: Tensor | None = None):
         return linear_cross_entropy(
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,

@@ -88,9 +88,9 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     sweep as the loss.
     """
     if check.is_dtensor(input):  # logits sharded on the class dimension
-        from .distributed import dtensor_cross_entropy
+        from . import sharding
 
-        return dtensor_cross_entropy(
+        return sharding.cross_entropy(
             input, target, weight, ignore_index=ignore_index,
             reduction=_reduction_of(size_average, reduce, reduction),
             label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,

@@ -219,20 +219,21 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
     """``log_probs(input @ linear_weight.T + linear_bias, index, ...)`` without the
     logits ever existing whole (SPEC section 6).
 
-    ``input [*, H]``, ``linear_weight [V, H]``, ``linear_bias [V]`` (one dtype);
+    ``input [*, H]``, ``linear_weight [V, H]`` or the head module (run inside
+    its own call, as ``linear_cross_entropy`` does), ``linear_bias [V]`` (one dtype);
     ``index`` ``[*]`` or ``[*, K]``; ``row_mask`` ``[*]``. Rows go through in
     chunks of ``chunk_rows`` (default: about 64 MB of logits,
     ``$CE_TVM_LINEAR_CHUNK_ROWS``); the backward recomputes each chunk's
     logits and gives the gradients of ``input``, ``linear_weight`` and
     ``linear_bias``.
     """
-    if check.is_dtensor(linear_weight):  # a column-wise parallel lm_head
-        from .distributed import dtensor_linear_log_probs
+    if check.sharded_head(input, linear_weight):  # a module, or DTensors: ce_tvm.sharding
+        from . import sharding
 
-        return dtensor_linear_log_probs(
-            input, linear_weight, index, linear_bias=linear_bias, row_mask=row_mask,
-            temperature=temperature, softcap=softcap, ignore_index=ignore_index,
-            return_entropy=return_entropy, chunk_rows=chunk_rows)
+        return sharding.linear_log_probs(
+            linear_log_probs, input, linear_weight, index, linear_bias=linear_bias,
+            row_mask=row_mask, temperature=temperature, softcap=softcap,
+            ignore_index=ignore_index, return_entropy=return_entropy, chunk_rows=chunk_rows)
     options = _options(ignore_index, temperature, softcap)
     x = check.linear_head(input, linear_weight, linear_bias)
     idx, single = check.index_columns(index, input)

@@ -12,6 +12,7 @@ are checked by constructing a ``LossOptions``.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -76,12 +77,18 @@ def in_range(y: torch.Tensor, classes: int, ignore_index: int, name: str) -> tor
 
 
 def is_dtensor(t) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it):
-    the entry points hand such tensors to ``ce_tvm.distributed``. Never under
-    ``torch.compile``, which cannot trace the test (the DTensor paths run eagerly)."""
-    if torch.compiler.is_compiling():
-        return False
-    return type(t).__module__.startswith("torch.distributed.tensor")
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``, without importing
+    that module (no DTensor exists before it is imported); the entry points hand
+    such tensors to ``ce_tvm.sharding``. Traceable by ``torch.compile``."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def sharded_head(input, linear_weight) -> bool:
+    """Whether an LM head's entry point must go through ``ce_tvm.sharding``: the
+    head given as a module, or a DTensor weight or input."""
+    return (isinstance(linear_weight, torch.nn.Module) or is_dtensor(linear_weight)
+            or is_dtensor(input))
 
 
 def class_last_logits(x, name: str = "logits") -> torch.Tensor:
@@ -89,6 +96,11 @@ def class_last_logits(x, name: str = "logits") -> torch.Tensor:
     ``[M, V]``, ``M`` the product of the leading dimensions."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if is_dtensor(x):
+        raise ValueError(f"{name}: log_probs takes local logits, not a DTensor "
+                         f"{tuple(x.placements)}: pass {name}.to_local() for data-parallel "
+                         f"rows; for a vocabulary-sharded head, linear_log_probs with the head's "
+                         f"weight and the hidden states as DTensors")
     if x.dtype not in TORCH_DTYPES.values():
         raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] < 1:

@@ -350,9 +350,11 @@ def check_bytes_independent_of_vocabulary(rank, world):
 def check_dtensor(rank, world):
     """DTensor on a 1-D mesh: logits ``Shard(-1)`` given to ``ce_tvm.cross_entropy``,
     an LM head weight ``Shard(0)`` given to ``linear_cross_entropy`` /
-    ``linear_log_probs`` (input replicated, or ``Shard(0)``): the single-process
-    values, and DTensor gradients of the same placements; other placements are
-    a clear error. Returns how many checks ran."""
+    ``linear_log_probs`` with the input ``Replicate()``, rows ``Shard(0)`` or a
+    ``[B, T, H]`` input sequence-sharded (``Shard(1)``): the single-process
+    values, and DTensor gradients of the same placements. A plain input beside
+    the sharded weight (data or tensor parallel?), other placements and
+    mismatched meshes are a clear ``ValueError``. Returns how many checks ran."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -371,40 +373,64 @@ def check_dtensor(rank, world):
     assert dx.grad.placements == (Shard(2),)
     torch.testing.assert_close(dx.grad.full_tensor(), ref_x.grad, rtol=1e-5, atol=1e-7)
     checked = 1
-    x = torch.randn(4 * world, H_HEAD, generator=gen)
+    # rows [2, 2 * world] of hidden states: flat (2-D) or as [B, T, H]
+    x = torch.randn(2, 2 * world, H_HEAD, generator=gen)
     W = torch.randn(V_HEAD, H_HEAD, generator=gen) * 0.5
-    t = torch.randint(0, V_HEAD, (4 * world,), generator=gen)
-    for input_placement in (None, Replicate(), Shard(0)):
-        full = [x.clone().requires_grad_(), W.clone().requires_grad_()]
-        ref = ce_tvm.linear_cross_entropy(*full, t, **opts)
-        ref_logp = ce_tvm.linear_log_probs(*full, t, temperature=0.8)
-        (ref + ref_logp.sum()).backward()
+    t = torch.randint(0, V_HEAD, (2, 2 * world), generator=gen)
+    for input_placement, three_d in ((Replicate(), False), (Shard(0), False), (Shard(1), True)):
+        shape = x.shape if three_d else (-1, H_HEAD)
+        full = [x.reshape(shape).clone().requires_grad_(), W.clone().requires_grad_()]
+        tt = t.reshape(shape[:-1])
+        ref = ce_tvm.linear_cross_entropy(*full, tt, reduction="none", **opts)
+        ref_logp = ce_tvm.linear_log_probs(*full, tt, temperature=0.8)
+        (ref.sum() + ref_logp.sum()).backward()
         dW = distribute_tensor(W.clone(), mesh, [Shard(0)]).requires_grad_()
-        dh = (x.clone() if input_placement is None else
-              distribute_tensor(x.clone(), mesh, [input_placement])).requires_grad_()
-        loss = ce_tvm.linear_cross_entropy(dh, dW, t, **opts)
-        logp = ce_tvm.linear_log_probs(dh, dW, t, temperature=0.8)
-        rows = slice(rank * 4, rank * 4 + 4) if input_placement == Shard(0) else slice(None)
+        dh = distribute_tensor(x.reshape(shape).clone(), mesh, [input_placement])
+        dh.requires_grad_()
+        loss = ce_tvm.linear_cross_entropy(dh, dW, tt, reduction="none", **opts)
+        logp = ce_tvm.linear_log_probs(dh, dW, tt, temperature=0.8)
+        if input_placement.is_shard():  # per-row outputs: this rank's block of rows
+            d = input_placement.dim
+            ref, ref_logp = (r.detach().chunk(world, d)[rank] for r in (ref, ref_logp))
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(logp, ref_logp.detach()[rows], rtol=1e-5, atol=1e-5)
-        (loss + logp.sum()).backward()
+        torch.testing.assert_close(logp, ref_logp.detach(), rtol=1e-5, atol=1e-5)
+        (loss.sum() + logp.sum()).backward()
         assert dW.grad.placements == (Shard(0),)
         torch.testing.assert_close(dW.grad.full_tensor(), full[1].grad, rtol=1e-4, atol=1e-5)
-        grad_h = dh.grad.full_tensor() if input_placement is not None else dh.grad
-        torch.testing.assert_close(grad_h, full[0].grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(dh.grad.full_tensor(), full[0].grad, rtol=1e-4, atol=1e-5)
         checked += 1
+    flat = x.reshape(-1, H_HEAD)
+    other_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    sharded_W = distribute_tensor(W.clone(), mesh, [Shard(0)])
     for bad, call in [
         ("Shard\\(-1\\)", lambda: ce_tvm.cross_entropy(
             distribute_tensor(logits.clone(), mesh, [Shard(0)]), y)),
         ("Shard\\(0\\)", lambda: ce_tvm.linear_cross_entropy(
-            x, distribute_tensor(W.clone(), mesh, [Replicate()]), t)),
+            distribute_tensor(flat, mesh, [Replicate()]),
+            distribute_tensor(W.clone(), mesh, [Replicate()]), t.reshape(-1))),
+        ("Shard\\(0\\)", lambda: ce_tvm.linear_cross_entropy(
+            distribute_tensor(flat, mesh, [Replicate()]),
+            distribute_tensor(W.clone(), mesh, [Shard(1)]), t.reshape(-1))),
+        ("two readings.*model.lm_head.*Replicate", lambda: ce_tvm.linear_cross_entropy(
+            flat, sharded_W, t.reshape(-1))),
+        ("two readings", lambda: ce_tvm.linear_log_probs(flat, sharded_W, t.reshape(-1))),
+        ("same 1-D", lambda: ce_tvm.linear_cross_entropy(
+            distribute_tensor(flat, other_mesh, [Replicate()]), sharded_W, t.reshape(-1))),
+        ("row/sequence", lambda: ce_tvm.linear_cross_entropy(
+            distribute_tensor(flat, mesh, [Shard(1)]), sharded_W, t.reshape(-1))),
+        ("linear_weight is not", lambda: ce_tvm.linear_cross_entropy(
+            distribute_tensor(flat, mesh, [Replicate()]), W, t.reshape(-1))),
+        ("local logits", lambda: ce_tvm.log_probs(
+            distribute_tensor(logits.clone(), mesh, [Shard(0)]), y.clamp(min=0))),
     ]:
         try:
             call()
+            raise AssertionError(f"no error for {bad}")
         except ValueError as err:
             assert re.search(bad, str(err)), str(err)
             checked += 1
     return checked
+
 
 def check_relayout(rank, world):
     """Layouts that agree on one rank only, one after another in one process: the

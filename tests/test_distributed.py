@@ -31,8 +31,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(world: int, modes: str, fresh_env: dict | None = None) -> list[tuple]:
-    """Run ``dist_worker.py modes`` (comma-separated) on ``world`` ranks:
+def launch_ranks(world: int, modes: str, fresh_env: dict | None = None,
+                 worker: Path = WORKER) -> list[tuple]:
+    """Run ``worker modes`` (comma-separated; ``dist_worker.py`` by default) on ``world`` ranks:
     ``(returncode, stdout, stderr)`` per rank. The ranks are forked
     (``processes.Forked``), or, with ``fresh_env``, new interpreters with it
     added to their environment (glibc reads ``MALLOC_*`` when a process starts)."""
@@ -40,9 +41,9 @@ def launch_ranks(world: int, modes: str, fresh_env: dict | None = None) -> list[
     ranks = [{"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
               "MASTER_PORT": str(port), "TVM_NUM_THREADS": "1"} for rank in range(world)]
     if fresh_env is None:
-        started = [Forked(str(WORKER), modes, **env) for env in ranks]
+        started = [Forked(str(worker), modes, **env) for env in ranks]
         return [(d.returncode, d.stdout, d.stderr) for d in (p.result(900) for p in started)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), modes], text=True,
+    procs = [subprocess.Popen([sys.executable, str(worker), modes], text=True,
                               env={**os.environ, **fresh_env, **env},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for env in ranks]
     outs = [p.communicate(timeout=900) for p in procs]
@@ -148,5 +149,36 @@ def test_vocab_parallel_head_communicates_no_more_at_a_larger_vocabulary():
 
 def test_dtensor_placements_take_the_vocabulary_parallel_paths():
     """torchtitan's setups (1-D mesh): logits Shard(-1); an lm_head weight Shard(0)
-    with the input plain, Replicate() or Shard(0); other placements refused."""
-    check_world(2, "dtensor", 6)
+    with the input Replicate(), Shard(0) or sequence-sharded [B, T, H] Shard(1);
+    a plain input beside it (ambiguous), other placements and meshes refused."""
+    check_world(2, "dtensor", 13)
+
+
+# --- Data-parallel sharding (FSDP2, FSDP x TP): tests/fsdp_worker.py ----------------
+FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
+FSDP_MODES = {2: ("fsdp2", "transformers"), 4: ("fsdp2", "fsdp_tp")}
+
+
+@functools.cache
+def fsdp_ranks_of(world: int) -> list[tuple]:
+    return launch_ranks(world, ",".join(FSDP_MODES[world]), worker=FSDP_WORKER)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_sharded_weight_refused_head_module_matches_stock_path(world):
+    """FSDP2, each rank its own rows: the bare sharded weight with a plain input is a
+    ValueError naming both readings (eager and under torch.compile); the head
+    module gives each rank's loss (options: smoothing, z-loss, softcap,
+    temperature) and log-probs (K = 1 and 3, entropy) and FSDP2's stock gradients,
+    also through LinearCrossEntropyLoss under torch.compile."""
+    assert_reported(fsdp_ranks_of(world), "fsdp2", 10)
+
+
+def test_fsdp_x_tp_head_module_matches_single_process_model():
+    """A 2 x 2 mesh: FSDP over dp, a column-wise parallel head over tp; the head
+    module runs the vocabulary-parallel head inside its call."""
+    assert_reported(fsdp_ranks_of(4), "fsdp_tp", 3)
+
+
+def test_transformers_fused_loss_and_token_log_probs_under_fully_shard():
+    assert_reported(fsdp_ranks_of(2), "transformers", 2)

@@ -47,7 +47,7 @@ LAYERS = [
     ("runtime.linear_sweep", "runtime"),  # the chunked linear + loss sweep; no autograd
     # the torch surface
     ("custom_ops", "validation"),
-    ("functional", "ops", "nn", "distributed", "linear", "policy", "__init__"),
+    ("functional", "ops", "nn", "distributed", "sharding", "linear", "policy", "__init__"),
     # what users run beside the loss
     ("tools.measure", "tools.bench_args"),
     ("tools.bench_linear", "tools.bench_policy", "tools.tuning", "tools.bundle"),
@@ -67,7 +67,8 @@ RUNTIME_PATH = ("kernels", "kernels.kinds", "store", "store.paths", "store.files
                 "store.tvmlib", "store.targets", "store.records", "store.spec", "runtime",
                 "runtime.options", "runtime.cache", "runtime.registry", "runtime.tensors",
                 "runtime.pool", "runtime.launch", "runtime.collectives", "validation",
-                "functional", "ops", "nn", "distributed", "__init__", "custom_ops", "policy")
+                "functional", "ops", "nn", "distributed", "sharding", "__init__", "custom_ops",
+                "policy")
 
 SUBPACKAGES = {"schedules": ROOT / "schedules",
                **{p: ROOT / "ce_tvm" / p for p in PACKAGES if p and p != "schedules"}}

@@ -17,7 +17,9 @@
 - ``token_log_probs(model, input_ids, ...)``: per-position log-probs of the
   next tokens (and the entropy) at a temperature, for RL post-training: the
   model's body, then ``ce_tvm.linear_log_probs`` on the final hidden states
-  (the family's softcap applied), without logits. Families: ``FUSED_FAMILIES``.
+  (the family's softcap applied), without logits, run inside the model's own
+  call (so a ``fully_shard`` model gathers its parameters). Families:
+  ``FUSED_FAMILIES``.
 
 Loss options (keywords of all three): ``label_smoothing``,
 ``lse_square_scale`` (z-loss) and ``ignore_index``, as in ``ce_tvm.cross_entropy``.
@@ -39,6 +41,7 @@ from ..linear import linear_cross_entropy
 from ..nn import cross_entropy
 from ..policy import linear_log_probs
 from ..runtime.options import LossOptions
+from ..sharding import inside
 
 LOSS_OPTIONS = ("label_smoothing", "lse_square_scale", "ignore_index")
 # Causal-LM classes whose forward is: base model -> last_hidden_state ->
@@ -135,9 +138,8 @@ def _fused_forward(model: nn.Module, options: LossOptions):
         softcap = getattr(self.config, "final_logit_softcapping", None) or 0.0  # 0: none
         x = hidden.reshape(-1, hidden.shape[-1])
 
-        def loss_of(target, reduction):
-            return linear_cross_entropy(x, head.weight, target, linear_bias=head.bias,
-                                        ignore_index=ii, reduction=reduction,
+        def loss_of(target, reduction):  # the head as a module: sharded heads gather
+            return linear_cross_entropy(x, head, target, ignore_index=ii, reduction=reduction,
                                         label_smoothing=options.label_smoothing,
                                         lse_square_scale=options.zloss_scale, softcap=softcap)
 
@@ -223,15 +225,19 @@ def token_log_probs(model: nn.Module, input_ids: Tensor, *, attention_mask: Tens
     _check_fused_family(model, "token_log_probs")
     if attention_mask is not None:
         model_kwargs["attention_mask"] = attention_mask
-    hidden = getattr(model, model.base_model_prefix)(input_ids=input_ids,
-                                                     **model_kwargs).last_hidden_state
     live = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
             else attention_mask != 0)
     if index is None:
         index = nn.functional.pad(input_ids[:, 1:], (0, 1), value=ignore_index)
         live = live & nn.functional.pad(live[:, 1:], (0, 1), value=False)
-    head = model.lm_head
     softcap = getattr(model.config, "final_logit_softcapping", None) or 0.0  # 0: none
-    return linear_log_probs(hidden, head.weight, index, linear_bias=head.bias,
-                            temperature=temperature, softcap=softcap, row_mask=live,
-                            ignore_index=ignore_index, return_entropy=return_entropy)
+
+    def body_and_head(ids):
+        hidden = getattr(model, model.base_model_prefix)(input_ids=ids,
+                                                         **model_kwargs).last_hidden_state
+        return linear_log_probs(hidden, model.lm_head, index, temperature=temperature,
+                                softcap=softcap, row_mask=live, ignore_index=ignore_index,
+                                return_entropy=return_entropy)
+
+    # inside the model's own call: a sharded (fully_shard) root gathers its parameters
+    return inside(model, body_and_head, input_ids)

@@ -1,0 +1,298 @@
+"""What a sharded LM head means, decided in one place for every fused entry point.
+
+An LM head's weight reaches ``linear_cross_entropy`` / ``linear_log_probs``
+sharded in two situations that look alike and mean different things:
+
+- **data parallel** (FSDP2 ``fully_shard``, FSDP1, DeepSpeed ZeRO-3): outside
+  the head's forward its weight is a shard of the *same* head on every rank,
+  and every rank has *other tokens*. The loss needs the whole weight, which
+  the framework gathers inside the module's own call;
+- **tensor parallel** (a column-wise parallel ``lm_head``): each rank holds
+  *other classes* of the head and the *same tokens*; the loss is the
+  vocabulary-parallel one (``ce_tvm.distributed``).
+
+A DTensor weight alone cannot tell them apart, so the rule (``head_entry``) is:
+
+1. the head given as a module (``nn.Linear``-like): the fused call runs inside
+   the module's own call (``inside``, "forward redirection"), so FSDP / ZeRO-3
+   gather the weight and reduce its gradient under their own policy, as for
+   any layer; whatever the weight is in there, the rule is applied to it again;
+2. the weight a DTensor ``Shard(0)`` on a 1-D mesh *and* the input a DTensor on
+   the same mesh, ``Replicate()`` or sharded on a row / sequence dimension:
+   the vocabulary-parallel head (sequence parallel when the rows are sharded);
+3. anything else with a DTensor (a plain input beside a sharded weight, a 2-D
+   mesh, a weight sharded on H, mismatched meshes): a ``ValueError`` that names
+   the readings and what to pass for each. Never a guess.
+
+Logits given to ``cross_entropy`` as a DTensor are vocabulary-parallel when
+sharded on the class dimension (``Shard(-1)``), an error otherwise. These
+paths run eagerly under ``torch.compile`` (a graph break): the module hooks and
+collectives they call are not traced.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor, nn
+
+from . import validation as check
+from .distributed import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+    vocab_parallel_linear_log_probs,
+)
+from .runtime.collectives import shard_layout
+
+# distribute_module (tensor parallel styles) registers its forward hooks from here:
+# they lay out the head's logits, which the fused call does not return.
+_LAYOUT_HOOKS_MODULE = "torch.distributed.tensor._api"
+
+
+# --- The head as a module: forward redirection --------------------------------
+
+
+def inside(module: nn.Module, fn, *args):
+    """``fn(*args)``, run as ``module(*args)``: the module's hooks see the call
+    (FSDP2 / FSDP1 / ZeRO-3 gather its parameters before and reshard after, and
+    hook the outputs for the backward), and ``fn`` reads the parameters as the
+    module's own forward would. The module's forward is restored before ``fn``
+    runs. Output-layout hooks of tensor-parallel styles (which expect logits)
+    are set aside for the call; their input hooks run."""
+    inner = getattr(module, "_fsdp_wrapped_module", module)  # FSDP1 wraps the module
+    own_forward = inner.__dict__.get("forward")
+
+    def restore():
+        if own_forward is None:
+            inner.__dict__.pop("forward", None)
+        else:
+            inner.forward = own_forward
+
+    def redirected(*call_args):
+        restore()
+        # no views out of a module call: FSDP2 hooks its outputs for the backward
+        return torch.utils._pytree.tree_map_only(Tensor, _not_a_view, fn(*call_args))
+
+    kept = {m: OrderedDict(m._forward_hooks) for m in {module, inner}}
+    for m, hooks in kept.items():
+        for key, hook in hooks.items():
+            if getattr(hook, "__module__", None) == _LAYOUT_HOOKS_MODULE:
+                del m._forward_hooks[key]
+    inner.forward = redirected
+    try:
+        return module(*args)
+    finally:
+        restore()
+        for m, hooks in kept.items():
+            m._forward_hooks.clear()
+            m._forward_hooks.update(hooks)
+
+
+def _not_a_view(t: Tensor) -> Tensor:
+    return t.clone() if t._is_view() else t
+
+
+def _through_head(entry, input, head: nn.Module, labels, linear_bias, kwargs):
+    """``entry(input, head.weight, labels, linear_bias=head.bias, **kwargs)``
+    inside the head's own call."""
+    if linear_bias is not None:
+        raise ValueError("pass the LM head as a module (its bias comes along) or its weight "
+                         "with linear_bias, not a module and linear_bias")
+    inner = getattr(head, "_fsdp_wrapped_module", head)
+    if not isinstance(getattr(inner, "weight", None), Tensor):
+        raise TypeError(f"an LM head module must hold its weight [V, H] as .weight (as "
+                        f"nn.Linear does); {type(inner).__name__} has none")
+
+    def fused(hidden):
+        return entry(hidden, inner.weight, labels, linear_bias=getattr(inner, "bias", None),
+                     **kwargs)
+
+    return inside(head, fused, input)
+
+
+# --- DTensors: the rule --------------------------------------------------------
+
+
+def _placement(t, name: str, supported: str):
+    """The placement of ``t`` on its 1-D mesh, else a ``ValueError`` naming ``supported``."""
+    if t.device_mesh.ndim != 1:
+        names = t.device_mesh.mesh_dim_names
+        raise ValueError(
+            f"{name} is a DTensor on a {t.device_mesh.ndim}-D mesh{f' {names}' if names else ''}"
+            f" with placements {tuple(t.placements)}; ce_tvm takes DTensors on a 1-D mesh "
+            f"({supported}). Under FSDP x TP the LM head's weight is 2-D outside its forward: "
+            f"pass the head module (linear_cross_entropy(hidden, model.lm_head, target)), "
+            f"whose call holds the 1-D tensor-parallel weight")
+    return t.placements[0]
+
+
+def _sharded_on(placement, dim: int, ndim: int) -> bool:
+    return placement.is_shard() and placement.dim % ndim == dim % ndim
+
+
+def _full(t):
+    """A DTensor's full value (targets, indices and masks are global), else ``t``."""
+    return t.full_tensor() if check.is_dtensor(t) else t
+
+
+def _local_rows_of(t, width: int, group):
+    """A per-class tensor (class weights, bias) for this rank's classes: a
+    DTensor's local shard, or the rank's slice of a full tensor."""
+    if t is None:
+        return None
+    if check.is_dtensor(t):
+        return t.to_local()
+    offset, _ = shard_layout(width, group)
+    return t[offset:offset + width]
+
+
+_HEAD = "linear_weight Shard(0) (a column-wise parallel lm_head) on a 1-D mesh"
+
+
+def _ambiguous(input, weight) -> ValueError:
+    return ValueError(
+        f"linear_weight is a DTensor {tuple(weight.placements)} on mesh "
+        f"{weight.device_mesh} but the input is a plain tensor, which has two readings; "
+        f"ce_tvm does not guess. (1) Data parallel (FSDP2 fully_shard, FSDP, ZeRO-3 shard "
+        f"the weight outside the head's forward, each rank its own tokens): pass the head "
+        f"module, linear_cross_entropy(hidden, model.lm_head, target), so the loss runs "
+        f"inside its forward where the weight is gathered and its gradient reduced. (2) "
+        f"Tensor parallel (a column-wise parallel lm_head, every rank the same tokens): pass "
+        f"the hidden states as a DTensor on the same mesh, DTensor.from_local(hidden, mesh, "
+        f"[Replicate()]) (or its rows sharded for sequence parallelism), or call "
+        f"ce_tvm.distributed.vocab_parallel_linear_cross_entropy / _log_probs with the local "
+        f"shard and the process group")
+
+
+class _Shards:
+    """The vocabulary-parallel reading of a DTensor head and input: local
+    tensors, the group, and where this rank's rows sit among the global ones."""
+
+    def __init__(self, input, linear_weight, linear_bias):
+        if not check.is_dtensor(linear_weight):
+            raise ValueError("input is a DTensor but linear_weight is not: ce_tvm takes a "
+                             f"DTensor input beside {_HEAD} (tensor parallelism); pass "
+                             "input.to_local() with a plain weight otherwise")
+        if not _sharded_on(_placement(linear_weight, "linear_weight", _HEAD), 0, 2):
+            raise ValueError(f"linear_weight: ce_tvm takes an LM head DTensor as {_HEAD}, got "
+                             f"{linear_weight.placements[0]} (a weight sharded on H, or "
+                             f"replicated, is not a vocabulary-parallel head)")
+        if not check.is_dtensor(input):
+            raise _ambiguous(input, linear_weight)
+        supported = "the hidden states Replicate() or sharded on a row/sequence dimension"
+        placement = _placement(input, "input", supported)
+        if input.device_mesh != linear_weight.device_mesh:
+            raise ValueError(f"input is on mesh {input.device_mesh} but linear_weight on "
+                             f"{linear_weight.device_mesh}: ce_tvm takes both on the same "
+                             f"1-D tensor-parallel mesh")
+        self.group = linear_weight.device_mesh.get_group()
+        self.world = linear_weight.device_mesh.size()
+        self.lead = tuple(input.shape[:-1])  # the global rows
+        self.sequence_dim = None
+        if placement.is_shard() and placement.dim % input.dim() < input.dim() - 1:
+            self.sequence_dim = placement.dim % input.dim()
+            if self.lead[self.sequence_dim] % self.world:
+                raise ValueError(f"input: sequence parallelism takes equal blocks of rows; "
+                                 f"dimension {self.sequence_dim} ({self.lead[self.sequence_dim]}"
+                                 f") does not divide over {self.world} ranks")
+        elif not placement.is_replicate():
+            raise ValueError(f"input: ce_tvm takes {supported} beside {_HEAD}, got {placement}")
+        local = input.to_local()
+        self.local_lead = tuple(local.shape[:-1])
+        self.x = local.reshape(-1, local.shape[-1])
+        self.W = linear_weight.to_local()
+        self.b = _local_rows_of(linear_bias, self.W.shape[0], self.group)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.sequence_dim is not None
+
+    def global_rows(self, labels):
+        """Per-row labels of the global rows (``lead`` or ``lead + (K,)``), flat in
+        the order the ranks' local rows follow one another (rank order)."""
+        labels = _full(labels)
+        if labels is None or not isinstance(labels, Tensor):
+            return labels
+        if tuple(labels.shape[:len(self.lead)]) != self.lead:
+            raise ValueError(f"labels of the rows must have shape {self.lead} (+ (K,)), got "
+                             f"{tuple(labels.shape)}")
+        if self.sequence_parallel:
+            labels = labels.unflatten(self.sequence_dim, (self.world, -1))
+            labels = labels.movedim(self.sequence_dim, 0)
+        return labels.reshape(-1, *labels.shape[len(self.lead) + self.sequence_parallel:])
+
+    def shaped(self, t: Tensor) -> Tensor:
+        """A per-row output of the flat local rows in the local input's shape."""
+        return t.reshape(*self.local_lead, *t.shape[1:])
+
+
+# --- The entry points' sharded forms ------------------------------------------
+
+
+@torch.compiler.disable
+def linear_cross_entropy(entry, input, linear_weight, target, *, linear_bias=None,
+                         weight=None, **options):
+    """``ce_tvm.linear_cross_entropy`` (``entry``) for a head given as a module, or
+    a DTensor weight / input, by the module's rule."""
+    if isinstance(linear_weight, nn.Module):
+        return _through_head(entry, input, linear_weight, target, linear_bias,
+                             dict(weight=weight, **options))
+    shards = _Shards(input, linear_weight, linear_bias)
+    options.pop("allow_retain_graph", None)  # the vocabulary-parallel backward keeps its own
+    result = vocab_parallel_linear_cross_entropy(
+        shards.x, shards.W, shards.global_rows(target), group=shards.group,
+        local_bias=shards.b, weight=_local_rows_of(weight, shards.W.shape[0], shards.group),
+        sequence_parallel=shards.sequence_parallel, **options)
+    if options.get("reduction", "mean") != "none":
+        return result
+    if not isinstance(result, tuple):
+        return shards.shaped(result)
+    per_row = 1 + bool(options.get("return_zloss"))  # loss (and z-loss) per row
+    return (*(shards.shaped(t) for t in result[:per_row]), *result[per_row:])
+
+
+@torch.compiler.disable
+def linear_log_probs(entry, input, linear_weight, index, *, linear_bias=None, row_mask=None,
+                     return_entropy=False, **options):
+    """``ce_tvm.linear_log_probs`` (``entry``) for a head given as a module, or a
+    DTensor weight / input, by the module's rule."""
+    if isinstance(linear_weight, nn.Module):
+        return _through_head(entry, input, linear_weight, index, linear_bias,
+                             dict(row_mask=row_mask, return_entropy=return_entropy, **options))
+    shards = _Shards(input, linear_weight, linear_bias)
+    logp, entropy = vocab_parallel_linear_log_probs(
+        shards.x, shards.W, shards.global_rows(index), group=shards.group, local_bias=shards.b,
+        row_mask=shards.global_rows(row_mask), sequence_parallel=shards.sequence_parallel,
+        return_entropy=True, **options)
+    logp = shards.shaped(logp)
+    return (logp, shards.shaped(entropy)) if return_entropy else logp
+
+
+@torch.compiler.disable
+def cross_entropy(input, target, weight=None, *, reduction: str = "mean", **options):
+    """``ce_tvm.cross_entropy`` of DTensor logits ``[..., V]`` sharded on the class
+    dimension (``Shard(-1)``, 1-D mesh): the vocabulary-parallel loss."""
+    supported = "logits Shard(-1), the class dimension last"
+    placement = _placement(input, "input", supported)
+    if not _sharded_on(placement, -1, input.dim()):
+        raise ValueError(f"input: ce_tvm.cross_entropy takes DTensor logits as {supported}, "
+                         f"got {placement} (logits sharded on the rows are data parallel: "
+                         f"pass each rank's local logits, input.to_local())")
+    group = input.device_mesh.get_group()
+    local = input.to_local()
+    y = _full(target)
+    if y.dtype.is_floating_point:
+        raise ValueError("DTensor logits take class-index targets, not probabilities")
+    loss = vocab_parallel_cross_entropy(
+        local.reshape(-1, local.shape[-1]), y.reshape(-1),
+        _local_rows_of(weight, local.shape[-1], group), reduction=reduction, group=group,
+        **options)
+    if reduction != "none":
+        return loss
+    shape = tuple(input.shape[:-1])  # the per-row parts (loss, zloss) back in the rows' shape
+    if not isinstance(loss, tuple):
+        return loss.reshape(shape)
+    per_row = 1 + bool(options.get("return_zloss"))
+    return (*(t.reshape(shape) for t in loss[:per_row]), *loss[per_row:])
+
