@@ -81,10 +81,12 @@ def _free_port() -> int:
 
 
 def run_ranks(world: int, mode: str, shape: tuple, reps: int, chunk_rows: int | None,
-              env: dict) -> list[dict]:
+              env: dict, script: str = __file__) -> list[dict]:
+    """``script --worker mode ...`` on ``world`` local ranks (gloo); each rank's
+    ``RESULT`` dictionary."""
     port = _free_port()
     procs = [subprocess.Popen(
-        [sys.executable, __file__, "--worker", mode, "--shape", "x".join(map(str, shape)),
+        [sys.executable, script, "--worker", mode, "--shape", "x".join(map(str, shape)),
          "--reps", str(reps), "--chunk-rows", str(chunk_rows or 0)],
         env={**os.environ, **env, "RANK": str(r), "WORLD_SIZE": str(world),
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),

@@ -160,8 +160,10 @@ def linear_head(input, linear_weight, linear_bias) -> torch.Tensor:
     if input.dim() < 1:
         raise ValueError("input must be [*, H] with at least one dimension, got a 0-d tensor")
     if linear_weight.dim() != 2:
-        raise ValueError(f"linear_weight must be 2-D [V, H], "
-                         f"got shape {tuple(linear_weight.shape)}")
+        raise ValueError(f"linear_weight must be 2-D [V, H], got shape "
+                         f"{tuple(linear_weight.shape)}" + (
+                             " (FSDP's flat shard outside the forward? pass the head module, "
+                             "model.lm_head)" if linear_weight.dim() == 1 else ""))
     hidden, classes = input.shape[-1], linear_weight.shape[0]
     if linear_weight.shape[1] != hidden:
         raise ValueError(f"linear_weight must be [V, H] with H = {hidden} (input's last "

@@ -400,6 +400,14 @@ def check_dtensor(rank, world):
         torch.testing.assert_close(dh.grad.full_tensor(), full[0].grad, rtol=1e-4, atol=1e-5)
         checked += 1
     flat = x.reshape(-1, H_HEAD)
+    # torch.compile: the DTensor path runs eagerly inside the compiled function
+    dW = distribute_tensor(W.clone(), mesh, [Shard(0)])
+    dh = distribute_tensor(flat.clone(), mesh, [Replicate()])
+    compiled = torch.compile(lambda h, w: ce_tvm.linear_cross_entropy(h, w, t.reshape(-1),
+                                                                      **opts))
+    torch.testing.assert_close(compiled(dh, dW), ce_tvm.linear_cross_entropy(
+        flat, W, t.reshape(-1), **opts), rtol=1e-5, atol=1e-5)
+    checked += 1
     other_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     sharded_W = distribute_tensor(W.clone(), mesh, [Shard(0)])
     for bad, call in [

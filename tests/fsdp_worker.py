@@ -158,6 +158,39 @@ def check_fsdp2(rank, world):
     return checked + 1
 
 
+def check_fsdp1(rank, world):
+    """FSDP1 (``FullyShardedDataParallel``, the head and the root wrapped), each rank
+    its own rows: the wrapped head module gives the stock loss and gradients;
+    the bare flat shard outside the forward is refused (not 2-D). Returns how
+    many checks ran."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def wrap(m):
+        m.lm_head = FSDP(m.lm_head, device_id=torch.device("cpu"), use_orig_params=True)
+        return FSDP(m, device_id=torch.device("cpu"), use_orig_params=True)
+
+    torch.manual_seed(0)
+    model = Tiny()
+    stock = wrap(copy.deepcopy(model))
+    model = wrap(model)
+    tokens, target = batch(rank)
+    head = model.module.lm_head
+    try:
+        ce_tvm.linear_cross_entropy(model(tokens), head.weight, target)
+        raise AssertionError("a flat shard was taken for a weight")
+    except ValueError as err:
+        assert "2-D" in str(err), str(err)
+    loss = ce_tvm.linear_cross_entropy(model(tokens), head, target, label_smoothing=0.1)
+    expected = stock_loss(stock.module.lm_head(stock(tokens)), target, label_smoothing=0.1)
+    close(loss, expected.detach(), "fsdp1 loss")
+    loss.backward()
+    expected.backward()
+    with FSDP.summon_full_params(model, with_grads=True), \
+            FSDP.summon_full_params(stock, with_grads=True):
+        same_grads(model, stock, "fsdp1")
+    return 2
+
+
 def check_fsdp_tp(rank, world):
     """FSDP over the ``dp`` dimension of a 2 x 2 mesh and a column-wise parallel
     head over ``tp``: the head module gives the single-process model's loss on
@@ -245,7 +278,8 @@ def check_transformers(rank, world):
     return 2
 
 
-CHECKS = {"fsdp2": check_fsdp2, "fsdp_tp": check_fsdp_tp, "transformers": check_transformers}
+CHECKS = {"fsdp2": check_fsdp2, "fsdp1": check_fsdp1, "fsdp_tp": check_fsdp_tp,
+          "transformers": check_transformers}
 
 
 def main():

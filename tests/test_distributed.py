@@ -150,13 +150,14 @@ def test_vocab_parallel_head_communicates_no_more_at_a_larger_vocabulary():
 def test_dtensor_placements_take_the_vocabulary_parallel_paths():
     """torchtitan's setups (1-D mesh): logits Shard(-1); an lm_head weight Shard(0)
     with the input Replicate(), Shard(0) or sequence-sharded [B, T, H] Shard(1);
-    a plain input beside it (ambiguous), other placements and meshes refused."""
-    check_world(2, "dtensor", 13)
+    a plain input beside it (ambiguous), other placements and meshes refused;
+    the same values under torch.compile."""
+    check_world(2, "dtensor", 14)
 
 
 # --- Data-parallel sharding (FSDP2, FSDP x TP): tests/fsdp_worker.py ----------------
 FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
-FSDP_MODES = {2: ("fsdp2", "transformers"), 4: ("fsdp2", "fsdp_tp")}
+FSDP_MODES = {2: ("fsdp2", "fsdp1", "transformers"), 4: ("fsdp2", "fsdp_tp")}
 
 
 @functools.cache
@@ -172,6 +173,10 @@ def test_fsdp2_sharded_weight_refused_head_module_matches_stock_path(world):
     temperature) and log-probs (K = 1 and 3, entropy) and FSDP2's stock gradients,
     also through LinearCrossEntropyLoss under torch.compile."""
     assert_reported(fsdp_ranks_of(world), "fsdp2", 10)
+
+
+def test_fsdp1_wrapped_head_module_matches_stock_path():
+    assert_reported(fsdp_ranks_of(2), "fsdp1", 2)
 
 
 def test_fsdp_x_tp_head_module_matches_single_process_model():
