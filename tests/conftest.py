@@ -55,7 +55,7 @@ def precompiled_modules(compiled_cache, tmp_path_factory):
 PROCESS_MODULES = {"test_bundle", "test_cache", "test_cache_trust", "test_fault_injection",
                    "test_packaging", "test_distributed", "test_transformers", "test_tuning",
                    "test_tuning_cuda", "test_cuda", "test_cuda_static", "test_ascend_search",
-                   "test_bench_linear", "test_omp_pool", "test_readme",
+                   "test_bench_linear", "test_omp_pool", "test_docs",
                    "test_demo"}
 
 
