@@ -45,8 +45,8 @@ LAYERS = [
     ("runtime.launch",),
     ("runtime.collectives",),  # what the ranks of a vocabulary-parallel group exchange
     ("runtime.linear_sweep", "runtime"),  # the chunked linear + loss sweep; no autograd
-    # the torch surface
-    ("custom_ops", "validation"),
+    # the torch surface; optional dependencies (an import naming the extra to install)
+    ("custom_ops", "validation", "optional"),
     ("functional", "ops", "nn", "distributed", "sharding", "linear", "policy", "__init__"),
     # what users run beside the loss
     ("tools.measure", "tools.bench_args"),
@@ -58,7 +58,7 @@ LAYERS = [
 ]
 # Modules that must not depend on torch or on meta_schedule (the search).
 NO_TORCH_PACKAGES = ("kernels", "schedules", "store", "compiler")
-NO_TORCH_MODULES = ("runtime.options", "runtime.omp_pool", "runtime.cache")
+NO_TORCH_MODULES = ("runtime.options", "runtime.omp_pool", "runtime.cache", "optional")
 SEARCH_ONLY = "tools.tuning"
 # What ``import ce_tvm`` and a call served by an already-built kernel import: none of
 # them may import the tvm package (the compiler) when it is imported itself; only a

@@ -33,15 +33,18 @@ import types
 
 import torch
 from torch import Tensor, nn
-from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-from transformers.modeling_utils import slice_logits_to_keep
-from transformers.utils import can_return_tuple
 
 from ..linear import linear_cross_entropy
 from ..nn import cross_entropy
+from ..optional import guard
 from ..policy import linear_log_probs
 from ..runtime.options import LossOptions
 from ..sharding import inside
+
+with guard("transformers", "transformers", "ce_tvm.integrations.transformers"):
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.modeling_utils import slice_logits_to_keep
+    from transformers.utils import can_return_tuple
 
 LOSS_OPTIONS = ("label_smoothing", "lse_square_scale", "ignore_index")
 # Causal-LM classes whose forward is: base model -> last_hidden_state ->

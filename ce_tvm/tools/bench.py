@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from .. import nn as ce_nn
 from ..functional import cross_entropy_loss
 from ..nn import cross_entropy
+from ..optional import require
 from ..runtime.pool import POOL
 from ..runtime.tensors import TORCH_DTYPES
 from .bench_args import DEFAULT_SHAPES
@@ -178,8 +179,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 def draw_chart(rows: list[Row], path: str) -> None:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "bench", "ce-tvm bench --png")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -22,12 +22,14 @@ gradients, each method in a fresh process (``bench_linear``'s protocol).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from ..optional import guard
 from ..policy import linear_log_probs, log_probs
 from ..runtime.tensors import TORCH_DTYPES
 from .measure import PeakRSS, in_fresh_processes, interleaved_ms
@@ -52,7 +54,9 @@ def reference(logits, index, temperature=TEMPERATURE):
 
 
 def _trl(logits, index, temperature=TEMPERATURE):
-    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+    with guard("trl", "test", "ce-tvm bench --policy (it compares against TRL)",
+               "pass --no-trl"):
+        from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     return (selective_log_softmax(logits, index, temperature),
             entropy_from_logits(logits / temperature))
@@ -144,6 +148,9 @@ def format_table(rows: list[Row]) -> str:
 
 
 def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     shapes = [tuple(int(v) for v in s.lower().split("x"))
               for s in (args.shapes or DEFAULT_SHAPES).split(",")]
     rows = []

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..kernels.kinds import DTYPES, Variant
+from ..optional import MissingExtra, require
 from ..runtime import cache
 from ..schedules import ascend_plan
 from ..store import records
@@ -55,6 +56,11 @@ def cmd_compile(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    # The optional dependencies first, not after minutes of measuring.
+    if args.png and not args.policy:
+        require("matplotlib", "bench", "--png (the chart)")
+    if args.policy and not args.no_trl:
+        require("trl", "test", "--policy (it compares against TRL)", "pass --no-trl")
     from .bench import run  # torch
 
     return run(args)
@@ -327,7 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except MissingExtra as e:  # an optional dependency: what to install, not a traceback
+        print(f"ce-tvm {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
