@@ -43,8 +43,13 @@ def _flatten(input: Tensor, target: Tensor):
     expected = tuple(input.shape) if probs else (*batch, *spatial)
     if tuple(target.shape) != expected:
         kind = "probability" if probs else "class-index"
+        hint = ""
+        if not probs and tuple(target.shape) == tuple(input.shape[:-1]):  # [B, T, V] logits
+            hint = (" (the class dimension is dimension 1, PyTorch's rule: for class-last "
+                    "logits pass input.transpose(1, -1) or input.reshape(-1, V) with "
+                    "target.reshape(-1))")
         raise ValueError(f"{kind} target must have shape {expected} for input "
-                         f"{tuple(input.shape)}, got {tuple(target.shape)}")
+                         f"{tuple(input.shape)}, got {tuple(target.shape)}{hint}")
 
     def class_last(t):  # [M, C] (a view for the (C,) and (N, C) layouts)
         return t.unsqueeze(0) if t.dim() == 1 else t.movedim(1, -1).flatten(0, -2)

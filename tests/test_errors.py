@@ -137,3 +137,14 @@ def test_out_of_range_target_is_an_index_error_and_a_value_error(entry):
                        ) as raised:
         ENTRY_POINTS[entry](torch.tensor([0, 5, 1, -100]))
     assert isinstance(raised.value, IndexError) and isinstance(raised.value, ValueError)
+
+
+def test_class_last_logits_name_the_class_dimension():
+    """``[B, T, V]`` logits with ``[B, T]`` targets (the causal-LM layout): the error
+    says the class dimension is 1 and how to pass them; ``log_probs`` takes that layout."""
+    logits, target = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+    with pytest.raises(ValueError, match=r"class dimension is dimension 1.*transpose\(1, -1\)"):
+        ce_tvm.cross_entropy(logits, target)
+    torch.testing.assert_close(ce_tvm.cross_entropy(logits.transpose(1, -1), target),
+                               torch.nn.functional.cross_entropy(logits.reshape(-1, 5),
+                                                                 target.reshape(-1)))
