@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check on a host without apache-tvm (the device machine lent to some
-# sessions: torch with CUDA, no TVM, no network), with the kernels from bundles.
+# The GPU check on a host without apache-tvm (torch with CUDA, no TVM, no
+# network), with the kernels from bundles.
 #   benchmarks/gpu_bundle_check.sh prepare [DIR]  # here (apache-tvm, nvcc): bundles + wheel
 #   benchmarks/gpu_bundle_check.sh run [DIR]      # there, from the repository root
 # DIR (default .gpu, ignored by git: carry it) holds one bundle per dtype, sized

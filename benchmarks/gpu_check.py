@@ -28,7 +28,7 @@ import os
 import sys
 
 # Every GPU_CHECK_TRACE_EVERY_S seconds, every thread's stack on stderr: device
-# time is short, and a run that hangs (session 6's printed nothing) shows where.
+# time is short, and a run that hangs (one on an H200 printed nothing) shows where.
 if int(os.environ.get("GPU_CHECK_TRACE_EVERY_S", "0")) > 0:
     faulthandler.dump_traceback_later(int(os.environ["GPU_CHECK_TRACE_EVERY_S"]), repeat=True)
 

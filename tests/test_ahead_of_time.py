@@ -21,7 +21,8 @@ def _untuned(spec):
 
 
 def test_plain_build_is_unchanged_by_default():
-    """46 kernels per (target, dtype, C), as before the extras (issue 30)."""
+    """46 kernels per (target, dtype, C), as before the extras (``--softcap`` and the
+    other flags) existed."""
     assert len(all_specs("llvm", "float32", C)) == 46
     assert all_specs("llvm", "float32", C, (), Extras()) == all_specs("llvm", "float32", C)
 

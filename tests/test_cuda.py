@@ -46,8 +46,8 @@ def test_kernels_compile_with_nvcc(arch, dtype, classes):
         assert "__global__" in source and cubin[:4] == b"\x7fELF"
 
 
-# Unweighted forwards whose last chunk overlaps (C not a multiple of the 4096-class
-# chunk) hit "int64 vs int32" in TVM's simplifier: a known bug (issue 18's notes).
+# C = 5003: the last chunk overlaps the one before. The unweighted forward there once
+# hit "int64 vs int32" in TVM's simplifier; the int64 chunk axes build it.
 @needs_nvcc
 @pytest.mark.parametrize("op,variant", [
     ("forward", Variant("sum", False, False)),
@@ -153,7 +153,7 @@ def test_cuda_kernels_take_their_scratch_from_the_caller(op, variant):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_fewer_launches(weighted):
     """Sums over rows and the finalisers run fused: a mean forward is one row
-    kernel and one single-block kernel (7 launches before issue 19); with a
+    kernel and one single-block kernel (it was 7 launches); with a
     class weight, one more single-block kernel before the rows sums the
     weights once (``ce_wsum``), where each row block summed them before."""
     spec = KernelSpec("forward", "bfloat16", 5003, Variant("mean", weighted, False), "cuda",

@@ -21,8 +21,8 @@ Budgets, per element of the row kernel's element loops (sm_90), and why:
   headroom. The class weights' sum is reduced once per launch (``ce_wsum``,
   a kernel of its own before the rows), no longer in every row's chunk loop:
   the weighted forward went from 40-42 to 32-36 (cuda2's budgets: forward 50,
-  log_prob forward 62, training 74; short rows 150/156/216). Before issue
-  19's second round (main 2380dd4, polynomial exp,
+  log_prob forward 62, training 74; short rows 150/156/216). Before the
+  second round of work on the CUDA kernels (main 2380dd4, polynomial exp,
   one load in flight): forward 56-58, log_prob forward 60-71, backward
   27-50; before its first round the forward was 100-120 and the log_prob
   forward 106-131 (the chunk max re-read from a volatile shared slot: 9-13
@@ -47,7 +47,7 @@ Budgets, per element of the row kernel's element loops (sm_90), and why:
 The weighted forward and training kernel are measured (the unweighted ones
 share their element loops).
 
-- The log-prob kernels (SPEC section 6, one index per row; session 10): the
+- The log-prob kernels (SPEC section 6, one index per row): the
   forward evaluates ``exp`` in each of a chunk's two sums (``KEEPS_CHUNK_EXP``
   is off on CUDA) and adds the entropy term: 47-51 per element (bf16/fp32,
   C = 50257/128256), 126-130 for the whole short row. Its gradient took

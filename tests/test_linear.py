@@ -170,8 +170,8 @@ def test_chunk_size_does_not_change_results(chunk_rows):
 @pytest.mark.parametrize("per_row", [False, True])
 def test_chunk_step_may_write_the_gradient_over_the_logits(per_row):
     """The sweep keeps one chunk buffer: ``chunk_loss_and_dlogits`` must give the
-    same bits with ``dlogits`` being ``logits`` as with a separate buffer (a
-    kernel that replaces it, the one-pass kernel of issue 13, must too)."""
+    same bits with ``dlogits`` being ``logits`` as with a separate buffer (so must
+    a one-pass kernel that replaces it)."""
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(7, 1001, generator=gen) * 3
     y = torch.randint(0, 1001, (7,), generator=gen)

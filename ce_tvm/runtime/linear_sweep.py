@@ -16,7 +16,8 @@ extra memory of a sweep is one chunk of logits plus, for 16-bit weights, a
 float32 ``grad_W`` accumulator.
 
 ``chunk_loss_and_dlogits`` is the only place the training step calls the
-loss kernels: the one-pass kernel (issue 13) replaces its body.
+loss kernels: a one-pass kernel that may write the gradient over its own
+logits would replace its body.
 """
 
 from __future__ import annotations
@@ -172,9 +173,11 @@ def chunk_loss_and_dlogits(logits: Tensor, y: Tensor, w: Tensor | None, opts: Lo
     the backward kernel reads each logit once, before it writes the gradient
     in its place, and its row coefficients do not read the logits.
 
-    Today: the forward kernel, then the backward kernel recomputing the
-    probabilities from the logits and their ``lse``. The one-pass kernel
-    (issue 13) does both in one sweep and replaces this body.
+    The forward kernel, then the backward kernel recomputing the
+    probabilities from the logits and their ``lse``. The one-pass training
+    kernel does both in one sweep but cannot replace this body: given its own
+    logits as the gradient buffer, it reads the target logit after
+    overwriting it, and it normalises a mean by the chunk's own targets.
     """
     chunk_loss(logits, y, w, opts, out)
     launch.backward(grad_ce, grad_z - grad_ce, logits, out.lse, y, w,

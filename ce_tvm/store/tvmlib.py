@@ -14,7 +14,7 @@ Importing this module (``import ce_tvm`` does) sets
 first import with a torch that lacks ``Tensor.__dlpack_c_exchange_api__``
 (torch 2.11, say; 2.13 has it), would otherwise compile a torch C++ extension,
 with nvcc where CUDA is available, once per torch build and with no output
-(most likely what kept session 6's GPU check silent for eight minutes).
+(most likely what kept a GPU check on an H200 silent for eight minutes).
 Without it tensors take the DLPack protocol's Python path, at no measurable
 cost per call. With torch 2.13 nothing changes: the flag also skips tvm-ffi's
 patch that gives older torch streams ``__cuda_stream__``, which 2.13's have
