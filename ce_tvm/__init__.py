@@ -1,6 +1,6 @@
 """ce_tvm: a fused cross-entropy loss (forward and backward) compiled with Apache TVM.
 
-See SPEC.md for the contract. Public surface:
+The contract is docs/spec.md. Public surface:
 
 - ``cross_entropy`` / ``CrossEntropyLoss``: autograd drop-ins for
   ``torch.nn.functional.cross_entropy`` / ``torch.nn.CrossEntropyLoss``, plus z-loss;

@@ -3,7 +3,7 @@ over ``torch.distributed`` (tensor parallelism, as in Megatron-LM).
 
 Rank ``r`` holds ``logits[:, offset_r : offset_r + C_r]`` (shards may differ
 in width; ranks hold consecutive column ranges in rank order) and the same
-``target`` (global class ids). Semantics are exactly SPEC.md on the full
+``target`` (global class ids). Semantics are exactly docs/spec.md on the full
 logits: smoothing uses the global C and the global sum of weights, the
 z-loss the global ``lse``.
 
@@ -140,7 +140,7 @@ class VocabParallelCrossEntropyLoss(nn.Module):
             temperature=self.temperature)
 
 
-# --- The LM head sharded over the vocabulary (SPEC section 7) -----------------
+# --- The LM head sharded over the vocabulary (docs/spec.md, section 12) -------
 # Rank r holds rows [offset_r, offset_r + V_r) of the head's weight. Rows of
 # the input go through in chunks (``linear_sweep``): per chunk the shard's
 # logits ([rows, V_r], the only logits a rank ever holds), their statistics
@@ -264,7 +264,7 @@ def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, tar
                                         sequence_parallel: bool = False,
                                         chunk_rows: int | None = None):
     """``ce_tvm.linear_cross_entropy`` with the LM head's weight sharded over the
-    vocabulary (SPEC section 7): rank ``r`` passes its rows ``local_weight [V_r,
+    vocabulary (docs/spec.md, section 12): rank ``r`` passes its rows ``local_weight [V_r,
     H]`` (and ``local_bias``, ``weight``: its shards of the bias and the class
     weights; ranks hold consecutive rows in rank order, widths free) and the
     global class ids ``target``. No rank holds more than one chunk of its
@@ -323,7 +323,7 @@ class VocabParallelLinearCrossEntropyLoss(nn.Module):
             sequence_parallel=self.sequence_parallel, chunk_rows=self.chunk_rows)
 
 
-# Log-probs and entropy of the sharded head (SPEC sections 6 and 7). Per chunk
+# Log-probs and entropy of the sharded head (docs/spec.md, sections 9 and 12). Per chunk
 # each rank runs the log-prob kernel on its logits, with the indices of other
 # shards dead; its row max ``m_r``, ``log S_r``, entropy and log-probs are
 # moved to the global max ``M`` (one all_reduce) and summed (one more):
@@ -418,7 +418,7 @@ def vocab_parallel_linear_log_probs(input: Tensor, local_weight: Tensor, index: 
                                     sequence_parallel: bool = False,
                                     chunk_rows: int | None = None):
     """``ce_tvm.linear_log_probs`` with the LM head's weight sharded over the
-    vocabulary (SPEC sections 6 and 7; the layout of
+    vocabulary (docs/spec.md, sections 9 and 12; the layout of
     ``vocab_parallel_linear_cross_entropy``): ``index`` ``[*]`` or ``[*, K]``
     global class ids and ``row_mask`` ``[*]`` for the global rows. Without
     sequence parallelism ``input [*, H]`` is the same on every rank; with it,

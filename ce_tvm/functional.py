@@ -1,8 +1,8 @@
-"""The seed-compatible operator pair of SPEC section 4 (first half).
+"""The seed-compatible operator pair (docs/spec.md, section 10).
 
 ``cross_entropy_loss`` returns ``(loss, log_prob, zloss, lse_for_zloss)``;
 ``cross_entropy_loss_grad`` returns the logits gradient. Both validate their
-inputs (SPEC section 3), allocate outputs, and call one compiled kernel.
+inputs (docs/spec.md, section 11), allocate outputs, and call one compiled kernel.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .runtime.tensors import accum_torch_dtype
 
 def cross_entropy_loss(input, target, weight=None, reduction="mean", ignore_index=-100,
                        label_smoothing=0.0, lse_square_scale_for_zloss=0.0, return_zloss=False):
-    """Fused log-softmax + NLL with label smoothing and z-loss (SPEC section 1).
+    """Fused log-softmax + NLL with label smoothing and z-loss (docs/spec.md, section 2).
 
     Returns ``(loss, log_prob, zloss, lse_for_zloss)``: ``loss`` is ``[N]``
     for ``reduction='none'``, else ``[1]``; ``zloss`` is empty unless
@@ -39,7 +39,7 @@ def cross_entropy_loss(input, target, weight=None, reduction="mean", ignore_inde
 def cross_entropy_loss_grad(grad_loss, log_prob, target, weight=None, grad_zloss=None,
                             lse_for_zloss=None, reduction="mean", ignore_index=-100,
                             label_smoothing=0.0, lse_square_scale_for_zloss=0.0):
-    """Gradient of ``cross_entropy_loss`` with respect to the logits (SPEC section 2).
+    """Gradient of ``cross_entropy_loss`` with respect to the logits (docs/spec.md, section 3).
 
     ``grad_loss`` (and ``grad_zloss``) have the shape of ``loss``;
     ``lse_for_zloss`` is required when the z-loss scale is non-zero. All four

@@ -1,4 +1,4 @@
-"""Fused linear + cross-entropy for LM heads (SPEC section 5, ``linear_cross_entropy``).
+"""Fused linear + cross-entropy for LM heads (docs/spec.md, section 8).
 
 ``linear_cross_entropy(input, linear_weight, target, ...)`` equals
 ``cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)``

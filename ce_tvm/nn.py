@@ -73,7 +73,7 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
                   return_zloss: bool = False, softcap: float = 0.0,
                   return_token_accuracy: bool = False, temperature: float = 1.0):
     """``torch.nn.functional.cross_entropy``, plus z-loss, logit softcapping,
-    a temperature and token accuracy (SPEC sections 4 to 6).
+    a temperature and token accuracy (docs/spec.md, sections 4 to 7).
 
     ``target``: class indices (int64/int32, ``ignore_index`` skipped) or
     probabilities of the input's shape (no ``ignore_index``; a float target

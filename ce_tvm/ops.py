@@ -13,7 +13,7 @@ written once, one ``exp`` per element). Autograd saves only that gradient
 (the logits may be freed) and scales it by the upstream gradient when that
 is not exactly 1.
 
-Probability targets (SPEC section 5) have their own pair,
+Probability targets (docs/spec.md, section 5) have their own pair,
 ``ce_tvm::cross_entropy_probs`` and ``ce_tvm::cross_entropy_probs_backward``
 (below).
 
@@ -225,7 +225,7 @@ def scale_unit_gradient(x_grad: Tensor, grad_loss: Tensor) -> Tensor:
 cross_entropy_train.register_autograd(_train_backward, setup_context=_setup_train_context)
 
 
-# --- Probability targets (SPEC section 5) -----------------------------------
+# --- Probability targets (docs/spec.md, section 5) ---------------------------
 # ``ce_tvm::cross_entropy_probs`` returns ``(loss, zloss, lse, target_mass)``;
 # autograd saves the logits, the targets and the two ``[N]`` vectors, and
 # ``ce_tvm::cross_entropy_probs_backward`` recomputes the probabilities for

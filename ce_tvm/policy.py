@@ -1,5 +1,5 @@
 """Per-token log-probs and entropy at a temperature, with their gradients
-(SPEC section 6): what RL post-training (GRPO, PPO, DPO-style losses) takes
+(docs/spec.md, section 9): what RL post-training (GRPO, PPO, DPO-style losses) takes
 from the LM head, without a ``[N, V]`` intermediate.
 
 ``ce_tvm::log_probs`` returns ``(logp, entropy, row_max, log_expsum)`` from
@@ -91,7 +91,7 @@ def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0, softca
               row_mask: Tensor | None = None, ignore_index: int = -100,
               return_entropy: bool = False):
     """Log-probabilities of ``index`` under ``softmax(cap(logits) / temperature)``
-    (SPEC section 6), and with ``return_entropy=True`` the entropy of every row.
+    (docs/spec.md, section 9), and with ``return_entropy=True`` the entropy of every row.
 
     ``logits`` ``[..., V]`` (float32, bfloat16, float16; float64 for gradcheck);
     ``index`` ``[...]`` (one class per row) or ``[..., K]``, int64/int32 class
@@ -217,7 +217,7 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
                      ignore_index: int = -100, return_entropy: bool = False,
                      chunk_rows: int | None = None):
     """``log_probs(input @ linear_weight.T + linear_bias, index, ...)`` without the
-    logits ever existing whole (SPEC section 6).
+    logits ever existing whole (docs/spec.md, section 9).
 
     ``input [*, H]``, ``linear_weight [V, H]`` or the head module (run inside
     its own call, as ``linear_cross_entropy`` does), ``linear_bias [V]`` (one dtype);

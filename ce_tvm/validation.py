@@ -1,4 +1,4 @@
-"""Input checks of SPEC section 3, shared by every entry point.
+"""Input checks of docs/spec.md, section 11, shared by every entry point.
 
 Each check raises ``TypeError`` (wrong kind of object or dtype) or
 ``ValueError`` (wrong value or shape) with a message that says what was
@@ -25,7 +25,7 @@ KERNEL_DEVICES = ("cpu", "cuda")
 
 class TargetOutOfRangeError(IndexError, ValueError):
     """A class-index target outside ``[0, C)`` that is not ``ignore_index``:
-    an ``IndexError`` as PyTorch raises, and a ``ValueError`` as SPEC section 3 asks."""
+    an ``IndexError`` as PyTorch raises, and a ``ValueError`` (docs/spec.md, section 11)."""
 
 
 def logits(x: torch.Tensor, name: str = "input") -> torch.Tensor:
@@ -111,7 +111,7 @@ def class_last_logits(x, name: str = "logits") -> torch.Tensor:
 
 
 def index_columns(index, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The class indices of ``log_probs`` (SPEC section 6) for rows of shape
+    """The class indices of ``log_probs`` (docs/spec.md, section 9) for rows of shape
     ``lead = rows.shape[:-1]`` (the logits, or the hidden states of
     ``linear_log_probs``): ``index`` of shape ``lead`` (one per row) or
     ``lead + (K,)``, as an int64 contiguous ``[M, K]``; and whether it had no

@@ -60,7 +60,8 @@ class OpModel:
 
 
 # The kernels a plan lays out: the loss (forward, backward, the one-pass training
-# kernel) and the per-token log-probs with entropy (SPEC section 6) and their gradient.
+# kernel) and the per-token log-probs with entropy (docs/spec.md, section 9) and their
+# gradient.
 # Vector operations: the forward's cast, max, sub, exp ~4, add, the smoothing sum,
 # the log_prob subtract and cast; the backward's 8; the log-probs' cast, max, sub,
 # the 1/T scale, exp ~4, the sum and the entropy's sum (sub, mul, add); their

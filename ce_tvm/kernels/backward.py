@@ -1,4 +1,4 @@
-"""The logits gradient (SPEC section 2), from log-probs, logits, or a
+"""The logits gradient (docs/spec.md, section 3), from log-probs, logits, or a
 vocabulary shard's logits.
 """
 
@@ -23,7 +23,7 @@ from .stages import X_GRAD
 
 
 def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
-    """The logits gradient of SPEC section 2 as a PrimFunc.
+    """The logits gradient of docs/spec.md, section 3, as a PrimFunc.
 
     Arguments, in order: ``grad_loss[G]`` and ``grad_zloss[G]`` (accumulation
     dtype; ``G = N`` for ``none``, else 1; pass zeros for an absent

@@ -2,7 +2,7 @@
 arguments, the logits as the loss sees them (``Logits``), how a row is cut
 into chunks (``ChunkLayout``), the row statistics (``RowStats``,
 ``row_stats``), the per-row loss terms and their sums over rows, and the
-gradient's per-row coefficients (SPEC sections 1 and 2). Stage names are in
+gradient's per-row coefficients (docs/spec.md, sections 2 and 3). Stage names are in
 ``stages``; ``N`` is a symbolic int64 variable, ``C`` a constant.
 """
 
@@ -89,9 +89,9 @@ def scalar_args(acc: str, variant=None) -> tuple:
 class Logits:
     """The logits ``x[N, C]`` as the loss sees them, in the accumulation dtype:
     ``t * tanh(x / t)`` when ``cap`` holds the ``softcap`` argument ``t``
-    (SPEC section 5), else ``x`` itself (no ``tanh`` in the kernel); then
+    (docs/spec.md, section 4), else ``x`` itself (no ``tanh`` in the kernel); then
     times ``1 / T`` when ``scale`` holds the inverse temperature argument
-    (SPEC section 6: the cap first, then the temperature)."""
+    (docs/spec.md, section 4: the cap first, then the temperature)."""
 
     x: te.Tensor
     acc: str
@@ -440,7 +440,7 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
 
 def row_hits(n_rows, acc, mask, beats):
     """``ce_row_hit``: 1 where the row counts and its target is the first
-    maximal logit, else 0 (token accuracy, SPEC section 5)."""
+    maximal logit, else 0 (token accuracy, docs/spec.md, section 6)."""
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
     return te.compute((n_rows,), lambda n: tirx.Select(
         tirx.all(mask(n) != 0, beats[n] == zero), one, zero), name=ROW_HIT)
@@ -448,7 +448,7 @@ def row_hits(n_rows, acc, mask, beats):
 
 def row_losses(n_rows, classes, acc, eps, s, mask, lse, target_logit, target_weight, wxsum,
                 wsum, reduction):
-    """The per-row terms of SPEC section 1 from row statistics.
+    """The per-row terms of docs/spec.md, section 2, from row statistics.
 
     ``target_logit(n)``/``target_weight(n)``: ``x[n, y[n]]`` and ``w[y[n]]``;
     ``wxsum(n)``: ``sum_c w[c] x[n, c]``; ``wsum(n)``: ``sum_c w[c]``; ``classes``
@@ -497,7 +497,7 @@ class Totals:
 
 
 def reduce_forward(rows, n_rows, dtype, reduction) -> Totals:
-    """``loss`` and ``zloss`` outputs from the per-row terms (SPEC section 1 table)."""
+    """``loss`` and ``zloss`` outputs from the per-row terms (docs/spec.md, section 2, table)."""
     ce, z = rows["ce"], rows["z"]
     if reduction == "none":
         loss = te.compute((n_rows,), lambda n: (ce[n] + z[n]).astype(dtype), name=LOSS)
@@ -527,7 +527,7 @@ def mean_totals(n_rows, acc, mask, target_weight):
 
 def grad_coefficients(n_rows, acc, eps, s, mask, lse, target_weight, total_w, c_full,
                        row_grad, row_zgrad):
-    """Per-row coefficients of SPEC section 2: ``(hot, smooth, pscale)`` with
+    """Per-row coefficients of docs/spec.md, section 3: ``(hot, smooth, pscale)`` with
     ``x_grad = p * pscale - [c == y] hot - smooth * w[c]``.
 
     ``row_grad(n)``/``row_zgrad(n)``: the upstream gradient of row ``n``'s
@@ -543,7 +543,8 @@ def grad_coefficients(n_rows, acc, eps, s, mask, lse, target_weight, total_w, c_
 
     def masked(n, value):
         # An ignored row contributes exactly 0, also when every row is ignored
-        # (D = 0 or M = 0 would make SPEC's formula 0/0): PyTorch's behaviour.
+        # (D = 0 or M = 0 would make the formula 0/0): PyTorch's behaviour, as
+        # docs/spec.md, section 3 states.
         return tirx.Select(m[n] != zero, value, zero)
 
     hot = row(GRAD_HOT, lambda n: masked(n, row_grad(n) * (one - eps) * target_weight(n)))

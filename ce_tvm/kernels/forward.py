@@ -1,4 +1,4 @@
-"""The fused forward (SPEC section 1): loss, z-loss, lse, and optionally
+"""The fused forward (docs/spec.md, section 2): loss, z-loss, lse, and optionally
 log-probs and token accuracy.
 """
 
@@ -24,7 +24,7 @@ from .stages import LOG_PROB, LSE
 
 def forward_func(classes: int, dtype: str, variant: Variant,
                  chunk: int | None = None, stage: bool = False) -> tirx.PrimFunc:
-    """The fused forward of SPEC section 1 as a PrimFunc.
+    """The fused forward of docs/spec.md, section 2, as a PrimFunc.
 
     A row is reduced in ``ceil(C / chunk)`` chunks of ``chunk`` classes (one
     chunk by default), merged exactly by ``softmax_merge``: a target-free

@@ -37,11 +37,11 @@ class Variant:
     of the full vocabulary passed in.
 
     ``softcap``: the logits are capped, ``t * tanh(x / t)`` with ``t`` a scalar
-    argument (SPEC section 5); without it the kernel has no ``tanh`` at all.
+    argument (docs/spec.md, section 4); without it the kernel has no ``tanh`` at all.
     ``accuracy``: the forward and training kernels also write, per row,
     whether the target is the row's first maximal logit (token accuracy).
     ``tempered``: the logits are divided by a temperature ``T``, its inverse a
-    scalar argument after ``softcap`` (SPEC section 6); without it the kernel
+    scalar argument after ``softcap`` (docs/spec.md, section 4); without it the kernel
     has no such multiply. ``columns``: the log-prob kernels' ``K``, the class indices per row
     (``index[N, K]``); 0 for the loss kernels.
     """

@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropy at a temperature (SPEC section 6), and
+"""Per-token log-probs and entropy at a temperature (docs/spec.md, section 9), and
 their gradient: the outputs RL post-training takes from the LM head.
 
 Every read of a logit is ``z = cap(x) / T`` (``Logits`` with the softcap of
@@ -108,7 +108,7 @@ def log_probs_func(classes: int, dtype: str, variant: Variant,
 
 
 def log_probs_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
-    """The logits' gradient of ``sum g logp + sum h H`` (SPEC section 6) in one
+    """The logits' gradient of ``sum g logp + sum h H`` (docs/spec.md, section 9) in one
     pass: the logits read once, the gradient written once (in their dtype).
 
     ``dz = p (h (-log p - H) - G) + sum_k g[k] [c = i_k]`` with

@@ -1,4 +1,4 @@
-"""Probability targets (SPEC section 5): the loss, the logits' gradient
+"""Probability targets (docs/spec.md, section 5): the loss, the logits' gradient
 and the targets' gradient.
 """
 
@@ -32,8 +32,8 @@ from .stages import (
 
 
 def _target_mass(q, w, eps, classes: int, acc: str):
-    """``v(n, c) = w[c] q'[n, c]`` with ``q' = (1 - eps) q + eps / C`` (SPEC
-    section 5): the weight of ``logp[n, c]`` in a probability target's loss."""
+    """``v(n, c) = w[c] q'[n, c]`` with ``q' = (1 - eps) q + eps / C``
+    (docs/spec.md, section 5): the weight of ``logp[n, c]`` in a probability target's loss."""
     one, spread = tirx.const(1.0, acc), eps / tirx.const(float(classes), acc)
 
     def mass(n, c):
@@ -45,7 +45,7 @@ def _target_mass(q, w, eps, classes: int, acc: str):
 
 def prob_forward_func(classes: int, dtype: str, variant: Variant,
                       chunk: int | None = None) -> tirx.PrimFunc:
-    """The loss of probability targets (SPEC section 5) as a PrimFunc.
+    """The loss of probability targets (docs/spec.md, section 5) as a PrimFunc.
 
     With the target mass ``v = w q'`` (``_target_mass``) as the per-element
     weight of the row statistics (chunked as in ``forward_func``), a row's
@@ -112,7 +112,7 @@ def _grad_input(n_rows, acc: str, reduction: str):
 
 
 def prob_backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
-    """The logits gradient of probability targets (SPEC section 5) as a PrimFunc:
+    """The logits gradient of probability targets (docs/spec.md, section 5) as a PrimFunc:
     ``x_grad = r (sum_c v + 2 s lse) p - r v`` with ``v`` the target mass and
     ``r`` the upstream gradient of the row (divided by ``N`` for ``mean``).
 

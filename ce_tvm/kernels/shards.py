@@ -62,7 +62,7 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
 
 
 def shard_combine_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
-    """The loss from statistics already combined over all shards (SPEC section 1).
+    """The loss from statistics already combined over all shards (docs/spec.md, section 2).
 
     Arguments: ``lse[N]``, ``target_logit[N]``, ``target_weight[N]``,
     ``wxsum[N]`` (accumulation dtype), ``target[N]``, ``weight_sum`` (the

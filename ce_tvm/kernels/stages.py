@@ -17,7 +17,7 @@ chunks ``k`` of ``chunk`` classes:
 ``ce_rowstats``        the chunks merged: row max, exp-sum, sum w x
 ``lse``                ``rowmax + log(expsum)`` (output, accumulation dtype)
 ``ce_row_mask``        ``m[n]``
-``ce_row_ce``          ``ce[n]`` (nll and smoothing terms of SPEC section 1)
+``ce_row_ce``          ``ce[n]`` (nll and smoothing terms of docs/spec.md, section 2)
 ``ce_row_z``           ``z[n]``
 ``ce_row_weight``      ``w[y[n]] * m[n]``           (mean only)
 ``log_prob``           ``x - lse``               (output, log-prob variant only)
@@ -65,8 +65,8 @@ vocabulary shards (``shard_stats_func``, ``shard_combine_func``, and the
 ``ce_shard_local`` (target index in the shard), ``ce_shard_target_logit`` and
 ``ce_shard_target_weight``.
 
-probability targets (``prob_forward_func``, ``prob_backward_func``; SPEC
-section 5) reuse the forward's and backward's stages with the target mass
+probability targets (``prob_forward_func``, ``prob_backward_func``;
+docs/spec.md, section 5) reuse the forward's and backward's stages with the target mass
 ``v[n, c] = w[c] q'[n, c]`` as the per-element weight (``ce_chunk_wxsum`` is
 ``sum_j v x``; ``ce_row_mask`` is 1: every row counts), plus:
 
@@ -82,7 +82,7 @@ section 5) reuse the forward's and backward's stages with the target mass
 =====================  =====================================================
 
 per-token log-probs and entropy (``log_probs_func``, ``log_probs_grad_func``;
-SPEC section 6; every read of a logit is ``z = cap(x) / T``, the inverse
+docs/spec.md, section 9; every read of a logit is ``z = cap(x) / T``, the inverse
 temperature a scalar argument) reuse the forward's chunk stages with
 ``ce_chunk_exp`` kept for the chunk's two sums, ``ce_chunk_wxsum`` being
 ``A = sum_j e (chunk_max - z)`` (merged to the row max by ``ce_rowstats``),

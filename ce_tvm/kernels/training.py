@@ -28,8 +28,8 @@ from .stages import CHUNK_PSCALE, LSE, MEAN_NORMS, X_GRAD
 
 def train_func(classes: int, dtype: str, variant: Variant,
                chunk: int | None = None) -> tirx.PrimFunc:
-    """The forward of SPEC section 1 and, in the same sweep over each row, the
-    logits gradient of SPEC section 2 for a unit upstream gradient
+    """The forward (docs/spec.md, section 2) and, in the same sweep over each row,
+    the logits gradient (section 3) for a unit upstream gradient
     (``grad_loss = 1``, no ``grad_zloss``): what autograd needs in training.
 
     Per row, chunk by chunk (the layout of ``forward_func``): the chunk max,

@@ -315,7 +315,7 @@ def prob_target_grad(grad_loss, x, lse, w, options: LossOptions) -> torch.Tensor
     return target_grad
 
 
-# --- Per-token log-probs and entropy (SPEC section 6) ------------------------
+# --- Per-token log-probs and entropy (docs/spec.md, section 9) ----------------
 
 
 def _policy_scalars(options: LossOptions) -> tuple:

@@ -93,7 +93,7 @@ def chunks(n: int, rows: int) -> list[slice]:
 
 
 def normalisers(y: Tensor, w: Tensor | None, opts: LossOptions, acc: torch.dtype):
-    """``(D, M)`` of SPEC section 1 as one-element device tensors (no host sync)."""
+    """``(D, M)`` of docs/spec.md, section 2, as one-element device tensors (no host sync)."""
     kept = y != opts.ignore_index
     count = kept.sum(dtype=acc).reshape(1)
     if w is None:
@@ -155,7 +155,7 @@ def project(buffer: Tensor, x_rows: Tensor, W: Tensor, b: Tensor | None) -> Tens
 def chunk_loss(logits: Tensor, y: Tensor, w: Tensor | None, opts: LossOptions,
                out: launch.ForwardOutputs) -> None:
     """The chunk's per-row loss (``ce + z``), z-loss, ``lse`` (and ``hit`` when
-    ``out`` has it) into ``out`` (SPEC section 1, ``none``, whatever
+    ``out`` has it) into ``out`` (docs/spec.md, section 2, ``none``, whatever
     ``opts.reduction``); no gradient."""
     launch.forward(logits, y, w, replace(opts, reduction="none"), log_prob=False,
                    accuracy=out.hit is not None, out=out)
@@ -248,7 +248,7 @@ class GradSink:
 
 def _reduce(bufs: _ChunkBuffers, D: Tensor | None, M: Tensor | None,
             opts: LossOptions) -> tuple[Tensor, Tensor]:
-    """``(loss, zloss)`` of SPEC section 1 from the per-row values, summed in the
+    """``(loss, zloss)`` of docs/spec.md, section 2, from the per-row values, summed in the
     accumulation dtype and cast once; ``[N]`` for ``none``, else ``[1]``."""
     if opts.reduction == "none":
         return bufs.loss, bufs.zloss
@@ -314,7 +314,7 @@ def _sweep_grads(bufs: _ChunkBuffers, x, W, b, y, w, opts, needs, grad_ce, grad_
     return sink.finish(x)
 
 
-# --- Per-token log-probs and entropy (SPEC section 6) ------------------------
+# --- Per-token log-probs and entropy (docs/spec.md, section 9) ----------------
 # The upstream gradients of log-probs arrive only in the backward, so the
 # forward sweep computes the outputs and the backward sweep recomputes each
 # chunk's logits, turns them into their gradient in place and feeds the

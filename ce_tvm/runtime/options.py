@@ -1,4 +1,4 @@
-"""The loss's runtime scalars as one validated value (SPEC section 3).
+"""The loss's runtime scalars as one validated value (docs/spec.md, section 11).
 
 Everything the loss does that is not a compile-time variant travels as one
 ``LossOptions``, from the Python surface through ``ce_tvm.runtime.launch`` to the
@@ -19,9 +19,9 @@ class LossOptions:
     """``reduction`` (``none``, ``sum`` or ``mean``), ``ignore_index`` (an int),
     ``label_smoothing`` in ``[0, 1)``, the z-loss scale ``zloss_scale``
     (finite, ``>= 0``; the ``s`` of ``s * lse^2``), ``softcap`` (finite,
-    ``>= 0``; the ``t`` of ``t * tanh(x / t)``, SPEC section 5; 0 is off) and
-    ``temperature`` (finite, ``> 0``; the logits are ``cap(x) / T``, SPEC
-    section 6).
+    ``>= 0``; the ``t`` of ``t * tanh(x / t)``; 0 is off) and ``temperature``
+    (finite, ``> 0``; the logits are ``cap(x) / T``); both in docs/spec.md,
+    section 4.
 
     Constructing one checks every field, in that order, and raises
     ``TypeError``/``ValueError`` saying what was expected; ``zloss_name`` is the
