@@ -92,6 +92,7 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
                                  label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                                  group=None, return_zloss: bool = False, *,
                                  softcap: float = 0.0, temperature: float = 1.0,
+                                 logit_scale: float = 1.0,
                                  return_token_accuracy: bool = False):
     """Cross entropy of vocabulary-sharded logits ``[N, C_r]`` (see the module doc).
 
@@ -108,7 +109,8 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
         raise TypeError("target must be an int64 or int32 tensor of global class ids")
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                          softcap=softcap, temperature=temperature)
+                          softcap=softcap, temperature=temperature,
+                          logit_scale=logit_scale)
     loss, zloss, accuracy = _VocabParallelCrossEntropy.apply(x, target, weight, options, group,
                                                              bool(return_token_accuracy))
     if options.reduction != "none":
@@ -123,12 +125,13 @@ class VocabParallelCrossEntropyLoss(nn.Module):
     def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, group=None, *, softcap: float = 0.0,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, logit_scale: float = 1.0):
         super().__init__()
         self.register_buffer("weight", weight)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                              softcap=softcap, temperature=temperature)
+                              softcap=softcap, temperature=temperature,
+                          logit_scale=logit_scale)
         store_on_module(self, options)
         self.group = group
 
@@ -137,7 +140,7 @@ class VocabParallelCrossEntropyLoss(nn.Module):
             logits_shard, target, self.weight, ignore_index=self.ignore_index,
             reduction=self.reduction, label_smoothing=self.label_smoothing,
             lse_square_scale=self.lse_square_scale, group=self.group, softcap=self.softcap,
-            temperature=self.temperature)
+            temperature=self.temperature, logit_scale=self.logit_scale)
 
 
 # --- The LM head sharded over the vocabulary (docs/spec.md, section 12) -------
@@ -259,7 +262,8 @@ def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, tar
                                         weight: Tensor | None = None, reduction: str = "mean",
                                         ignore_index: int = -100, label_smoothing: float = 0.0,
                                         lse_square_scale: float = 0.0, softcap: float = 0.0,
-                                        temperature: float = 1.0, return_zloss: bool = False,
+                                        temperature: float = 1.0,
+                                        logit_scale: float = 1.0, return_zloss: bool = False,
                                         return_token_accuracy: bool = False,
                                         sequence_parallel: bool = False,
                                         chunk_rows: int | None = None):
@@ -280,7 +284,8 @@ def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, tar
     """
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                          softcap=softcap, temperature=temperature)
+                          softcap=softcap, temperature=temperature,
+                          logit_scale=logit_scale)
     x = check.linear_head(input, local_weight, local_bias)
     if not isinstance(target, Tensor) or target.dtype not in check.TARGET_DTYPES:
         raise TypeError("target must be an int64 or int32 tensor of global class ids")
@@ -302,13 +307,15 @@ class VocabParallelLinearCrossEntropyLoss(nn.Module):
     def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, group=None, *, softcap: float = 0.0,
-                 temperature: float = 1.0, sequence_parallel: bool = False,
+                 temperature: float = 1.0,
+                 logit_scale: float = 1.0, sequence_parallel: bool = False,
                  chunk_rows: int | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                              softcap=softcap, temperature=temperature)
+                              softcap=softcap, temperature=temperature,
+                          logit_scale=logit_scale)
         store_on_module(self, options)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.chunk_rows = check.chunk_rows(chunk_rows) or None
@@ -319,7 +326,7 @@ class VocabParallelLinearCrossEntropyLoss(nn.Module):
             input, local_weight, target, group=self.group, local_bias=local_bias,
             weight=self.weight, reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
-            softcap=self.softcap, temperature=self.temperature,
+            softcap=self.softcap, temperature=self.temperature, logit_scale=self.logit_scale,
             sequence_parallel=self.sequence_parallel, chunk_rows=self.chunk_rows)
 
 
@@ -352,7 +359,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         offset, classes = shard_layout(W.shape[0], group)
         x = gathered_rows(x_in, group) if sequence_parallel else x_in.contiguous()
         check.in_range(index, classes, options.ignore_index, "index")
-        ii, width, inv_t = options.ignore_index, W.shape[0], 1.0 / options.temperature
+        ii, width, inv_t = options.ignore_index, W.shape[0], 1.0 / options.kernel_temperature
         forward_index = _shard_index(index, offset, width, ii, others=ii)
         n, k = index.shape
         rows = sweep.chunk_rows(n, width, x.dtype, rows)
@@ -412,7 +419,8 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
 
 def vocab_parallel_linear_log_probs(input: Tensor, local_weight: Tensor, index: Tensor, *,
                                     group=None, local_bias: Tensor | None = None,
-                                    temperature: float = 1.0, softcap: float = 0.0,
+                                    temperature: float = 1.0,
+                                    logit_scale: float = 1.0, softcap: float = 0.0,
                                     row_mask: Tensor | None = None, ignore_index: int = -100,
                                     return_entropy: bool = False,
                                     sequence_parallel: bool = False,
@@ -424,7 +432,8 @@ def vocab_parallel_linear_log_probs(input: Tensor, local_weight: Tensor, index: 
     sequence parallelism ``input [*, H]`` is the same on every rank; with it,
     this rank's block of rows, and the log-probs, the entropy and the input's
     gradient are this rank's block."""
-    options = LossOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap)
+    options = LossOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap,
+                          logit_scale=logit_scale)
     x = check.linear_head(input, local_weight, local_bias)
     world = dist.get_world_size(group) if sequence_parallel else 1
     rows_of = input.new_empty(()).expand(input.shape[0] * world, *input.shape[1:])  # no memory

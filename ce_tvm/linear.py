@@ -189,7 +189,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          softcap: float = 0.0, temperature: float = 1.0,
                          return_zloss: bool = False,
                          return_token_accuracy: bool = False, chunk_rows: int | None = None,
-                         allow_retain_graph: bool = False):
+                         allow_retain_graph: bool = False, logit_scale: float = 1.0):
     """``cross_entropy(input @ linear_weight.T + linear_bias, target, ...)`` without
     the logits ever existing whole.
 
@@ -202,11 +202,13 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     DTensor on the same mesh (tensor parallelism); ``ce_tvm.sharding`` has the
     rule. Returns the loss (0-d for ``mean``/``sum``,
     the target's shape for ``none``), z-loss included when
-    ``lse_square_scale > 0``; ``softcap``, ``temperature``, ``return_zloss`` and
-    ``return_token_accuracy`` as ``ce_tvm.cross_entropy`` has them (the
+    ``lse_square_scale > 0``; ``softcap``, ``temperature``, ``logit_scale``,
+    ``return_zloss`` and ``return_token_accuracy`` as ``ce_tvm.cross_entropy``
+    has them (the
     capped logits and the accuracy are computed chunk by chunk too).
     ``chunk_rows`` (or the environment variable ``CE_TVM_LINEAR_CHUNK_ROWS``)
-    sets the rows per chunk; by default a chunk's logits take about 32 MB. For ``mean``/``sum`` the
+    sets the rows per chunk; by default an eighth of the rows, at least 384, at most 256 MiB
+    of logits (``linear_sweep.chunk_rows``). For ``mean``/``sum`` the
     backward consumes gradients computed in the forward, so a second
     backward through the same graph needs ``allow_retain_graph=True``.
     """
@@ -219,11 +221,11 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
             label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
             temperature=temperature, return_zloss=return_zloss,
             return_token_accuracy=return_token_accuracy, chunk_rows=chunk_rows,
-            allow_retain_graph=allow_retain_graph)
+            allow_retain_graph=allow_retain_graph, logit_scale=logit_scale)
     x, y = _flatten(input, linear_weight, target, linear_bias)
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                          softcap=softcap, temperature=temperature)
+                          softcap=softcap, temperature=temperature, logit_scale=logit_scale)
     rows = check.chunk_rows(chunk_rows)
     grad_on = torch.is_grad_enabled()
     loss, zloss, accuracy, *_ = linear_cross_entropy_forward(
@@ -254,12 +256,12 @@ class LinearCrossEntropyLoss(nn.Module):
                  lse_square_scale: float = 0.0, return_zloss: bool = False,
                  chunk_rows: int | None = None, allow_retain_graph: bool = False, *,
                  softcap: float = 0.0, return_token_accuracy: bool = False,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, logit_scale: float = 1.0):
         super().__init__()
         self.register_buffer("weight", weight)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                              softcap=softcap, temperature=temperature)
+                              softcap=softcap, temperature=temperature, logit_scale=logit_scale)
         store_on_module(self, options)
         self.return_zloss = return_zloss
         self.return_token_accuracy = return_token_accuracy
@@ -272,7 +274,8 @@ class LinearCrossEntropyLoss(nn.Module):
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
             reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
-            softcap=self.softcap, temperature=self.temperature, return_zloss=self.return_zloss,
+            softcap=self.softcap, temperature=self.temperature, logit_scale=self.logit_scale,
+            return_zloss=self.return_zloss,
             return_token_accuracy=self.return_token_accuracy, chunk_rows=self.chunk_rows,
             allow_retain_graph=self.allow_retain_graph)
 
@@ -280,5 +283,5 @@ class LinearCrossEntropyLoss(nn.Module):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, "
                 f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, "
-                f"temperature={self.temperature}, "
+                f"temperature={self.temperature}, logit_scale={self.logit_scale}, "
                 f"chunk_rows={self.chunk_rows}")

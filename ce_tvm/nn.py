@@ -71,7 +71,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
                   reduce: bool | None = None, reduction: str = "mean",
                   label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0,
                   return_zloss: bool = False, softcap: float = 0.0,
-                  return_token_accuracy: bool = False, temperature: float = 1.0):
+                  return_token_accuracy: bool = False, temperature: float = 1.0,
+                  logit_scale: float = 1.0):
     """``torch.nn.functional.cross_entropy``, plus z-loss, logit softcapping,
     a temperature and token accuracy (docs/spec.md, sections 4 to 7).
 
@@ -84,7 +85,10 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     logits ``t * tanh(x / t)`` (Gemma's final logit softcapping), computed
     inside the kernels. ``temperature`` ``T > 0``: every part of the loss is
     computed on ``cap(x) / T`` (with probability targets: a fused
-    distillation loss). With ``return_zloss=True`` returns ``(loss, zloss)``:
+    distillation loss). ``logit_scale`` ``s > 0`` (a model family's logit
+    multiplier: Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``):
+    on ``cap(s x) / T``, with no kernel of its own. With ``return_zloss=True``
+    returns ``(loss, zloss)``:
     ``zloss`` is the z-loss part already inside ``loss``, reduced the same
     way, without gradient. With ``return_token_accuracy=True`` (class-index
     targets) the result is a tuple whose last element is the fraction of rows
@@ -100,12 +104,12 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
             reduction=_reduction_of(size_average, reduce, reduction),
             label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
             temperature=temperature, return_zloss=return_zloss,
-            return_token_accuracy=return_token_accuracy)
+            return_token_accuracy=return_token_accuracy, logit_scale=logit_scale)
     x, y, unflatten = _flatten(input, target)
     options = LossOptions(reduction=_reduction_of(size_average, reduce, reduction),
                           ignore_index=ignore_index, label_smoothing=label_smoothing,
                           zloss_scale=lse_square_scale, softcap=softcap,
-                          temperature=temperature)
+                          temperature=temperature, logit_scale=logit_scale)
     if y.dtype.is_floating_point:
         if return_token_accuracy:
             raise ValueError("return_token_accuracy needs class-index targets, "
@@ -149,7 +153,8 @@ def _probability_loss(x: Tensor, q: Tensor, weight, options: LossOptions):
     return cross_entropy_probs(x.to(dtype), q.to(dtype), weight, reduction=options.reduction,
                                label_smoothing=options.label_smoothing,
                                lse_square_scale=options.zloss_scale,
-                               softcap=options.softcap, temperature=options.temperature)[:2]
+                               softcap=options.kernel_softcap,
+                               temperature=options.kernel_temperature)[:2]
 
 
 class CrossEntropyLoss(nn.Module):
@@ -161,13 +166,14 @@ class CrossEntropyLoss(nn.Module):
                  ignore_index: int = -100, reduce: bool | None = None, reduction: str = "mean",
                  label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0,
                  return_zloss: bool = False, softcap: float = 0.0,
-                 return_token_accuracy: bool = False, temperature: float = 1.0):
+                 return_token_accuracy: bool = False, temperature: float = 1.0,
+                 logit_scale: float = 1.0):
         super().__init__()
         self.register_buffer("weight", weight)
         options = LossOptions(reduction=_reduction_of(size_average, reduce, reduction),
                               ignore_index=ignore_index, label_smoothing=label_smoothing,
                               zloss_scale=lse_square_scale, softcap=softcap,
-                              temperature=temperature)
+                              temperature=temperature, logit_scale=logit_scale)
         store_on_module(self, options)
         self.return_zloss = return_zloss
         self.return_token_accuracy = return_token_accuracy
@@ -178,10 +184,10 @@ class CrossEntropyLoss(nn.Module):
                              lse_square_scale=self.lse_square_scale,
                              return_zloss=self.return_zloss, softcap=self.softcap,
                              return_token_accuracy=self.return_token_accuracy,
-                             temperature=self.temperature)
+                             temperature=self.temperature, logit_scale=self.logit_scale)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, "
                 f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, "
-                f"temperature={self.temperature}")
+                f"temperature={self.temperature}, logit_scale={self.logit_scale}")

@@ -35,10 +35,11 @@ from .runtime.tensors import accum_torch_dtype
 
 
 def schema_scalars(options: LossOptions) -> dict:
-    """``options`` by the names of the ops' schema (whose scalars stay primitive)."""
+    """``options`` by the names of the ops' schema (whose scalars stay primitive; the
+    logit scale goes folded into the softcap and the temperature)."""
     return dict(reduction=options.reduction, ignore_index=options.ignore_index,
                 label_smoothing=options.label_smoothing, lse_square_scale=options.zloss_scale,
-                softcap=options.softcap, temperature=options.temperature)
+                softcap=options.kernel_softcap, temperature=options.kernel_temperature)
 
 
 def options_of(reduction, ignore_index, label_smoothing, lse_square_scale,

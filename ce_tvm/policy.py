@@ -23,8 +23,10 @@ from .runtime.options import LossOptions
 from .runtime.tensors import accum_torch_dtype
 
 
-def _options(ignore_index: int, temperature: float, softcap: float) -> LossOptions:
-    return LossOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap)
+def _options(ignore_index: int, temperature: float, softcap: float,
+             logit_scale: float = 1.0) -> LossOptions:
+    return LossOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap,
+                       logit_scale=logit_scale)
 
 
 @custom_op("ce_tvm::log_probs", mutates_args=())
@@ -89,7 +91,7 @@ log_probs_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0, softcap: float = 0.0,
               row_mask: Tensor | None = None, ignore_index: int = -100,
-              return_entropy: bool = False):
+              return_entropy: bool = False, logit_scale: float = 1.0):
     """Log-probabilities of ``index`` under ``softmax(cap(logits) / temperature)``
     (docs/spec.md, section 9), and with ``return_entropy=True`` the entropy of every row.
 
@@ -102,12 +104,12 @@ def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0, softca
     not checked); the entropy is computed for every row. Gradients flow to
     the logits from both outputs.
     """
-    options = _options(ignore_index, temperature, softcap)  # checks the scalars
+    options = _options(ignore_index, temperature, softcap, logit_scale)  # checks the scalars
     x = check.class_last_logits(logits)
     idx, single = check.index_columns(index, logits)
     idx, k = _live_columns(idx, check.row_mask(row_mask, logits), options.ignore_index)
-    logp, entropy, _, _ = log_probs_forward(x, idx, options.ignore_index, options.temperature,
-                                            options.softcap)
+    logp, entropy, _, _ = log_probs_forward(x, idx, options.ignore_index,
+                                            options.kernel_temperature, options.kernel_softcap)
     return _shaped(logp, entropy, k, single, tuple(logits.shape[:-1]), return_entropy)
 
 
@@ -215,15 +217,15 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
                      linear_bias: Tensor | None = None, temperature: float = 1.0,
                      softcap: float = 0.0, row_mask: Tensor | None = None,
                      ignore_index: int = -100, return_entropy: bool = False,
-                     chunk_rows: int | None = None):
+                     chunk_rows: int | None = None, logit_scale: float = 1.0):
     """``log_probs(input @ linear_weight.T + linear_bias, index, ...)`` without the
     logits ever existing whole (docs/spec.md, section 9).
 
     ``input [*, H]``, ``linear_weight [V, H]`` or the head module (run inside
     its own call, as ``linear_cross_entropy`` does), ``linear_bias [V]`` (one dtype);
     ``index`` ``[*]`` or ``[*, K]``; ``row_mask`` ``[*]``. Rows go through in
-    chunks of ``chunk_rows`` (default: about 64 MB of logits,
-    ``$CE_TVM_LINEAR_CHUNK_ROWS``); the backward recomputes each chunk's
+    chunks of ``chunk_rows`` (default: ``$CE_TVM_LINEAR_CHUNK_ROWS``, else an eighth
+    of the rows, at least 384, at most 256 MiB of logits); the backward recomputes each chunk's
     logits and gives the gradients of ``input``, ``linear_weight`` and
     ``linear_bias``.
     """
@@ -233,14 +235,15 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
         return sharding.linear_log_probs(
             linear_log_probs, input, linear_weight, index, linear_bias=linear_bias,
             row_mask=row_mask, temperature=temperature, softcap=softcap,
-            ignore_index=ignore_index, return_entropy=return_entropy, chunk_rows=chunk_rows)
-    options = _options(ignore_index, temperature, softcap)
+            ignore_index=ignore_index, return_entropy=return_entropy, chunk_rows=chunk_rows,
+            logit_scale=logit_scale)
+    options = _options(ignore_index, temperature, softcap, logit_scale)
     x = check.linear_head(input, linear_weight, linear_bias)
     idx, single = check.index_columns(index, input)
     rows = check.chunk_rows(chunk_rows)
     mask = check.row_mask(row_mask, input)
     idx, k = _live_columns(idx, mask, options.ignore_index)
     logp, entropy, _, _ = linear_log_probs_forward(
-        x, linear_weight, linear_bias, idx, options.ignore_index, options.temperature,
-        options.softcap, rows)
+        x, linear_weight, linear_bias, idx, options.ignore_index, options.kernel_temperature,
+        options.kernel_softcap, rows)
     return _shaped(logp, entropy, k, single, tuple(input.shape[:-1]), return_entropy)

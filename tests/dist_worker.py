@@ -464,7 +464,33 @@ def check_relayout(rank, world):
     return checked
 
 
-CHECKS = {"cases": check_cases, "odd_strides": check_odd_strides, "relayout": check_relayout,
+def check_logit_scale(rank, world):
+    """``logit_scale`` on the vocabulary-parallel loss, head and log-probs: the
+    single-process calls (tested against float64 in test_logit_scale.py) on the
+    full logits / head. Returns the count."""
+    widths, lo, hi = shard_bounds(rank, world, V_HEAD)
+    gen = torch.Generator().manual_seed(26)
+    x = torch.randn(6, H_HEAD, generator=gen)
+    W = torch.randn(V_HEAD, H_HEAD, generator=gen) * 0.5
+    y = torch.randint(0, V_HEAD, (6,), generator=gen)
+    opts = dict(logit_scale=1.7, softcap=5.0, temperature=0.7)
+    logits = x @ W.T
+    torch.testing.assert_close(
+        vocab_parallel_cross_entropy(logits[:, lo:hi].contiguous(), y, label_smoothing=0.1,
+                                     **opts),
+        ce_tvm.cross_entropy(logits, y, label_smoothing=0.1, **opts), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        vocab_parallel_linear_cross_entropy(x, W[lo:hi], y, **opts),
+        ce_tvm.linear_cross_entropy(x, W, y, **opts), rtol=1e-5, atol=1e-5)
+    logp, entropy = vocab_parallel_linear_log_probs(x, W[lo:hi], y, return_entropy=True, **opts)
+    ref_logp, ref_entropy = ce_tvm.linear_log_probs(x, W, y, return_entropy=True, **opts)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
+    return 3
+
+
+CHECKS = {"logit_scale": check_logit_scale, "cases": check_cases,
+          "odd_strides": check_odd_strides, "relayout": check_relayout,
           "linear_head": check_linear_head, "linear_log_probs": check_linear_log_probs,
           "bytes": check_bytes_independent_of_vocabulary, "dtensor": check_dtensor}
 

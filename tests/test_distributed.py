@@ -20,7 +20,8 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 # ranks_of runs each world once per pytest worker: keep the module on one
 pytestmark = pytest.mark.xdist_group("distributed")
 # The checks of dist_worker.CHECKS each world runs, in this order.
-MODES = {2: ("cases", "odd_strides", "relayout", "linear_head", "linear_log_probs", "dtensor"),
+MODES = {2: ("cases", "odd_strides", "relayout", "linear_head", "linear_log_probs", "dtensor",
+             "logit_scale"),
          3: ("cases", "relayout", "linear_head", "linear_log_probs"),
          4: ("linear_head",)}
 
@@ -145,6 +146,10 @@ def test_vocab_parallel_head_communicates_no_more_at_a_larger_vocabulary():
     from ce_tvm.tools.measure import CHILD_ENV
 
     assert_reported(launch_ranks(2, "bytes", CHILD_ENV), "bytes", 1)
+
+
+def test_vocab_parallel_paths_take_the_logit_scale():
+    check_world(2, "logit_scale", 3)
 
 
 def test_dtensor_placements_take_the_vocabulary_parallel_paths():

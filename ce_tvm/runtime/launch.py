@@ -87,18 +87,18 @@ def _scalars(options: LossOptions) -> tuple:
 
 def _logit_scalars(options: LossOptions) -> tuple:
     """``softcap`` (capped) and the inverse temperature (tempered), as the kernels take them."""
-    return ((options.softcap,) if _capped(options) else ()) + (
-        (1.0 / options.temperature,) if _tempered(options) else ())
+    return ((options.kernel_softcap,) if _capped(options) else ()) + (
+        (1.0 / options.kernel_temperature,) if _tempered(options) else ())
 
 
 def _capped(options: LossOptions) -> bool:
     """Whether the kernels for ``options`` are the softcap variants."""
-    return options.softcap != 0.0
+    return options.kernel_softcap != 0.0
 
 
 def _tempered(options: LossOptions) -> bool:
     """Whether the kernels for ``options`` divide the logits by a temperature."""
-    return options.temperature != 1.0
+    return options.kernel_temperature != 1.0
 
 
 def _variant(options: LossOptions, **fields) -> Variant:
@@ -247,7 +247,7 @@ def shard_combine(lse, target_logit, target_weight, wxsum, y, *, weight_sum: flo
                       *kernel_target(lse))
     # the statistics are of the capped, scaled logits already: this kernel has neither
     _run(spec, lse.shape[0], lse, target_logit, target_weight, wxsum, y, weight_sum,
-         *_scalars(replace(options, softcap=0.0, temperature=1.0)), loss, zloss)
+         *_scalars(replace(options, softcap=0.0, temperature=1.0, logit_scale=1.0)), loss, zloss)
     return loss, zloss
 
 
@@ -321,8 +321,8 @@ def prob_target_grad(grad_loss, x, lse, w, options: LossOptions) -> torch.Tensor
 def _policy_scalars(options: LossOptions) -> tuple:
     """The log-prob kernels' scalar arguments: the ignore index, the inverse
     temperature and, when on, the softcap."""
-    return (options.ignore_index, 1.0 / options.temperature,
-            *((options.softcap,) if _capped(options) else ()))
+    return (options.ignore_index, 1.0 / options.kernel_temperature,
+            *((options.kernel_softcap,) if _capped(options) else ()))
 
 
 def log_probs(x, index, options: LossOptions):

@@ -19,9 +19,10 @@ class LossOptions:
     """``reduction`` (``none``, ``sum`` or ``mean``), ``ignore_index`` (an int),
     ``label_smoothing`` in ``[0, 1)``, the z-loss scale ``zloss_scale``
     (finite, ``>= 0``; the ``s`` of ``s * lse^2``), ``softcap`` (finite,
-    ``>= 0``; the ``t`` of ``t * tanh(x / t)``; 0 is off) and ``temperature``
-    (finite, ``> 0``; the logits are ``cap(x) / T``); both in docs/spec.md,
-    section 4.
+    ``>= 0``; the ``t`` of ``t * tanh(x / t)``; 0 is off), ``temperature``
+    (finite, ``> 0``) and ``logit_scale`` (finite, ``> 0``; a model family's
+    multiplier): every part of the loss is computed on ``z = cap(s x) / T``
+    (docs/spec.md, section 4).
 
     Constructing one checks every field, in that order, and raises
     ``TypeError``/``ValueError`` saying what was expected; ``zloss_name`` is the
@@ -34,6 +35,7 @@ class LossOptions:
     zloss_scale: float = 0.0
     softcap: float = 0.0
     temperature: float = 1.0
+    logit_scale: float = 1.0
     zloss_name: InitVar[str] = "lse_square_scale"
 
     def __post_init__(self, zloss_name: str):
@@ -59,7 +61,24 @@ class LossOptions:
         object.__setattr__(self, "label_smoothing", eps)
         object.__setattr__(self, "zloss_scale", s)
         object.__setattr__(self, "softcap", t)
+        scale = _real(self.logit_scale, "logit_scale")
+        if not 0.0 < scale < math.inf:
+            raise ValueError(f"logit_scale must be finite and > 0, got {scale}")
         object.__setattr__(self, "temperature", temp)
+        object.__setattr__(self, "logit_scale", scale)
+
+    # The distribution is softmax(cap_t(s x) / T), and cap_t(s x) = s cap_{t/s}(x): the
+    # kernels take the scale folded into the softcap and the temperature, so a scale
+    # is no kernel of its own (s = 1: the same numbers, names and keys as without it).
+    @property
+    def kernel_softcap(self) -> float:
+        """The softcap the kernels apply to the unscaled logits: ``t / s``."""
+        return self.softcap / self.logit_scale
+
+    @property
+    def kernel_temperature(self) -> float:
+        """The temperature the kernels divide the capped logits by: ``T / s``."""
+        return self.temperature / self.logit_scale
 
 
 def _real(v, name: str) -> float:
@@ -79,3 +98,4 @@ def store_on_module(module, options: LossOptions) -> None:
     module.ignore_index, module.reduction = options.ignore_index, options.reduction
     module.label_smoothing, module.lse_square_scale = options.label_smoothing, options.zloss_scale
     module.softcap, module.temperature = options.softcap, options.temperature
+    module.logit_scale = options.logit_scale
