@@ -1,0 +1,99 @@
+"""ce_tvm under TRL's fused LM head (optional extra ``trl``).
+
+TRL 1.16 gives every trainer that scores tokens (SFT, DPO, KTO, GRPO, RLOO) a
+fused LM head: ``trl.trainer.utils.add_fused_lm_head`` patches the model's
+forward, and ``model(..., labels=..., fused_lm_head=True)`` returns per-token
+log-probs (and, on request, the entropy, ``log_sum_sq_probs``, ``mean_logits``
+and ``is_top1``) computed by ``ChunkedLogProbFunction.apply(hidden, weight,
+bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
+outputs)`` without the ``[N, V]`` logits.
+
+- ``apply()``: that call is computed by ``ce_tvm.linear_log_probs`` (its kernels,
+  one sweep per chunk of rows for every output) for every model and trainer,
+  with TRL's outputs and autograd contract: gradients of the log-probs and the
+  entropy to the hidden states, the weight and the bias; the statistics
+  without gradient. TRL's own code around it is unchanged: which positions are
+  scored, the loss, the family's logit scale and softcap (read by TRL from
+  the config), its FSDP gathering (``full_tensor``) and autocast.
+- ``remove()``: TRL's own function again.
+
+Under DeepSpeed ZeRO-3 each call goes to TRL's own function: its backward
+re-gathers the partitioned weight to recompute, which ce_tvm's does not yet.
+A TRL version outside ``TESTED`` is an error, not a silent patch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..optional import guard
+from ..policy import linear_log_probs
+
+with guard("trl", "trl", "ce_tvm.integrations.trl"):
+    import trl
+    from trl.trainer import utils as trl_utils
+
+TESTED = ("1.16.0", "1.17.0")  # [lowest, first untested)
+STATISTICS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # ce_tvm.LogProbStats' fields
+_TRLS_OWN = trl_utils._ChunkedLogProbFunction
+
+
+def _check_version() -> None:
+    from packaging.version import Version
+
+    low, high = TESTED
+    if not Version(low) <= Version(trl.__version__) < Version(high):
+        raise RuntimeError(f"ce_tvm.integrations.trl is tested with TRL >= {low}, < {high}; "
+                           f"TRL {trl.__version__} is installed: its fused head may call "
+                           f"something else. Install trl=={low} (the extra 'trl' pins it).")
+
+
+def _zero3() -> bool:
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
+
+
+class ChunkedLogProb:
+    """TRL's ``ChunkedLogProbFunction`` interface, computed by ``linear_log_probs``."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size,
+              final_logit_softcapping=None, logit_scale=1.0,
+              outputs=("log_probs", "entropy", *STATISTICS)):
+        """``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)`` of the
+        rows ``hidden [N, H] @ weight.T + bias`` at ``targets [N]`` (``None``
+        for an output not in ``outputs``); ``chunk_size`` (TRL's vocabulary
+        tile) has no use here: ce_tvm goes through rows, not columns."""
+        if _zero3():
+            return _TRLS_OWN.apply(hidden, weight, bias, targets, temperature, chunk_size,
+                                   final_logit_softcapping, logit_scale, outputs)
+        dtype = (torch.get_autocast_dtype(hidden.device.type)
+                 if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype)
+        cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
+        wanted = [name for name in STATISTICS if name in outputs]
+        statistics = {"return_stats": True} if wanted else {}  # the variant only when asked
+        with torch.autocast(hidden.device.type, enabled=False):
+            result = linear_log_probs(
+                cast(hidden), cast(weight), targets, linear_bias=cast(bias),
+                temperature=float(temperature), softcap=float(final_logit_softcapping or 0.0),
+                logit_scale=float(logit_scale), return_entropy="entropy" in outputs,
+                **statistics)
+        result = list(result) if isinstance(result, tuple) else [result]
+        stats = result.pop() if wanted else None
+        entropy = result[1] if "entropy" in outputs else None
+        return (result[0], entropy,
+                *(getattr(stats, name) if name in wanted else None for name in STATISTICS))
+
+
+def apply() -> None:
+    """Compute TRL's fused LM head with ce_tvm, for every model and trainer,
+    until ``remove()``; applying twice is the same as once."""
+    _check_version()
+    trl_utils._ChunkedLogProbFunction = ChunkedLogProb
+
+
+def remove() -> None:
+    """TRL's own fused LM head again."""
+    trl_utils._ChunkedLogProbFunction = _TRLS_OWN
+
