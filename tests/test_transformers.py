@@ -43,6 +43,16 @@ FAMILIES = {
     "gpt2": ("GPT2LMHeadModel", "GPT2Config",
              dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                   embd_pdrop=0.0, attn_pdrop=0.0)),
+    # logit scales: a multiplier (Cohere), a divisor (Granite)
+    "cohere": ("CohereForCausalLM", "CohereConfig", dict(SMALL, logit_scale=0.0625)),
+    "granite": ("GraniteForCausalLM", "GraniteConfig", dict(SMALL, logits_scaling=8.0)),
+    # mixtures of experts: the load-balancing loss is part of the loss
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(SMALL, num_local_experts=4, num_experts_per_tok=2,
+                     output_router_logits=True, router_aux_loss_coef=0.02)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       output_router_logits=True, router_aux_loss_coef=0.02)),
 }
 
 
@@ -93,6 +103,8 @@ def test_loss_and_every_gradient_equal_stock(family, fused, num_items):
     ids, labels = batch()
     extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
     out = assert_same_step(stock, patched, input_ids=ids, labels=labels, **extra)
+    if "router_aux_loss_coef" in FAMILIES[family][2]:  # kept, as the stock forward keeps it
+        assert out.aux_loss is not None and float(out.aux_loss) > 0
     if fused:
         assert out.logits is None
     else:

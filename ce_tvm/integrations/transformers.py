@@ -8,8 +8,9 @@
   ``loss_function`` attribute transformers' models expose; torch is not patched.
 - ``apply(model, fused_linear=True)``: when labels are given, the forward
   computes the loss from the final hidden states with
-  ``ce_tvm.linear_cross_entropy`` (the ``lm_head`` weight and bias, the
-  family's ``final_logit_softcapping`` inside the loss), so the logits never
+  ``ce_tvm.linear_cross_entropy`` (the ``lm_head`` module, the family's logit
+  scale and ``final_logit_softcapping`` inside the loss; a mixture of experts'
+  load-balancing loss added as its stock forward adds it), so the logits never
   exist whole and ``outputs.logits`` is ``None``. Without labels the model's
   own forward runs. Families: ``FUSED_FAMILIES``.
 - ``compute_loss_func()``: the same causal-LM loss for
@@ -17,7 +18,7 @@
 - ``token_log_probs(model, input_ids, ...)``: per-position log-probs of the
   next tokens (and the entropy) at a temperature, for RL post-training: the
   model's body, then ``ce_tvm.linear_log_probs`` on the final hidden states
-  (the family's softcap applied), without logits, run inside the model's own
+  (the family's logit scale and softcap applied), without logits, run inside the model's own
   call (so a ``fully_shard`` model gathers its parameters). Families:
   ``FUSED_FAMILIES``.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 
 import torch
@@ -48,10 +50,12 @@ with guard("transformers", "transformers", "ce_tvm.integrations.transformers"):
 
 LOSS_OPTIONS = ("label_smoothing", "lse_square_scale", "ignore_index")
 # Causal-LM classes whose forward is: base model -> last_hidden_state ->
-# slice_logits_to_keep -> lm_head (-> final_logit_softcapping) -> loss_function.
+# slice_logits_to_keep -> lm_head (-> a logit scale, -> final_logit_softcapping) ->
+# loss_function (-> + router_aux_loss_coef * the load-balancing loss, MoE).
 FUSED_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                   "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
-                  "Gemma3ForCausalLM", "GPT2LMHeadModel")
+                  "Gemma3ForCausalLM", "GPT2LMHeadModel", "CohereForCausalLM",
+                  "GraniteForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _options(loss_options: dict) -> LossOptions:
@@ -104,9 +108,24 @@ class CausalLMLoss:
                                logits.device)
 
 
-def _check_fused_family(model: nn.Module, caller: str = "apply(fused_linear=True)") -> None:
-    """A ``TypeError`` unless ``model`` is a ``FUSED_FAMILIES`` class (or a
-    subclass that keeps its forward)."""
+def logit_scale(config) -> float:
+    """The multiplier a family applies to its logits before the softcap, read as
+    TRL reads it: ``logit_scale`` (Cohere), ``output_multiplier``,
+    ``lm_head_multiplier`` (Falcon-H1), or ``logits_scaling`` (a divisor for
+    Granite and MiniCPM3, a multiplier for HyperCLOVA X); 1 for the others."""
+    text = config.get_text_config()
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if getattr(text, name, None) is not None:
+            return float(getattr(text, name))
+    scaling = getattr(text, "logits_scaling", None)
+    if scaling is None:
+        return 1.0
+    return float(scaling) if text.model_type == "hyperclovax" else 1.0 / scaling
+
+
+def _check_fused_family(model: nn.Module, caller: str = "apply(fused_linear=True)") -> type:
+    """The ``FUSED_FAMILIES`` class ``model`` is (or a subclass of that keeps its
+    forward), else a ``TypeError``."""
     family = next((cls for cls in type(model).__mro__ if cls.__name__ in FUSED_FAMILIES
                    and cls.__module__.startswith("transformers.")), None)
     if family is None:
@@ -117,11 +136,14 @@ def _check_fused_family(model: nn.Module, caller: str = "apply(fused_linear=True
     if type(model).forward is not family.forward:
         raise TypeError(f"{caller}: {type(model).__name__} overrides "
                         f"{family.__name__}.forward, whose head it would compute itself")
+    return family
 
 
-def _fused_forward(model: nn.Module, options: LossOptions):
-    """The model's forward with the loss from the hidden states when labels are given."""
+def _fused_forward(model: nn.Module, options: LossOptions, family: type):
+    """The model's forward with the loss from the hidden states when labels are given
+    (a mixture of experts' load-balancing loss added as the stock forward adds it)."""
     original = type(model).forward.__get__(model)
+    balancing = getattr(sys.modules[family.__module__], "load_balancing_loss_func", None)
     names = _parameters(original)
     output_type = _output_type(original)
 
@@ -134,6 +156,9 @@ def _fused_forward(model: nn.Module, options: LossOptions):
         if labels is None:
             return original(**kwargs)
         logits_to_keep = kwargs.pop("logits_to_keep", 0)
+        moe = hasattr(self, "router_aux_loss_coef")
+        if moe and kwargs.get("output_router_logits") is None:
+            kwargs["output_router_logits"] = self.config.output_router_logits
         outputs = getattr(self, self.base_model_prefix)(**kwargs)
         hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         head = self.lm_head
@@ -144,12 +169,17 @@ def _fused_forward(model: nn.Module, options: LossOptions):
         def loss_of(target, reduction):  # the head as a module: sharded heads gather
             return linear_cross_entropy(x, head, target, ignore_index=ii, reduction=reduction,
                                         label_smoothing=options.label_smoothing,
-                                        lse_square_scale=options.zloss_scale, softcap=softcap)
+                                        lse_square_scale=options.zloss_scale, softcap=softcap,
+                                        logit_scale=logit_scale(self.config))
 
         loss = _causal_lm_loss(loss_of, labels, kwargs.get("shift_labels"),
                                kwargs.get("num_items_in_batch"), ii, x.device)
         kept = {name: getattr(outputs, name, None) for name in output_type.__dataclass_fields__
                 if name not in ("loss", "logits")}
+        if moe and kwargs["output_router_logits"]:
+            kept["aux_loss"] = balancing(outputs.router_logits, self.num_experts,
+                                         self.num_experts_per_tok, kwargs.get("attention_mask"))
+            loss = loss + self.router_aux_loss_coef * kept["aux_loss"].to(loss.device)
         return output_type(loss=loss, logits=None, **kept)
 
     return types.MethodType(forward, model)
@@ -187,8 +217,7 @@ def apply(model: nn.Module, fused_linear: bool = False, **loss_options) -> nn.Mo
         raise TypeError(f"apply expects a causal language model, got {type(model).__name__} "
                         f"(its loss is {loss_type!r})")
     if fused_linear:
-        _check_fused_family(model)
-        model.forward = _fused_forward(model, options)
+        model.forward = _fused_forward(model, options, _check_fused_family(model))
     else:
         model.__dict__.pop("forward", None)  # a previous fused apply
         model.loss_function = CausalLMLoss(options)
@@ -239,7 +268,8 @@ def token_log_probs(model: nn.Module, input_ids: Tensor, *, attention_mask: Tens
         hidden = getattr(model, model.base_model_prefix)(input_ids=ids,
                                                          **model_kwargs).last_hidden_state
         return linear_log_probs(hidden, model.lm_head, index, temperature=temperature,
-                                softcap=softcap, row_mask=live, ignore_index=ignore_index,
+                                softcap=softcap, logit_scale=logit_scale(model.config),
+                                row_mask=live, ignore_index=ignore_index,
                                 return_entropy=return_entropy)
 
     # inside the model's own call: a sharded (fully_shard) root gathers its parameters
