@@ -60,7 +60,7 @@ def test_bench_policy_without_trl_is_one_line(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err == ('ce-tvm bench: --policy (it compares against TRL) needs trl, which is not '
-                   'installed: pip install "ce-tvm[test]", or pass --no-trl\n')
+                   'installed: pip install "ce-tvm[trl]", or pass --no-trl\n')
 
 
 @pytest.mark.slow  # a process

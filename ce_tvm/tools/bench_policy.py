@@ -11,8 +11,11 @@ One step is ``logp, H = f(...); (a * logp).sum() + (b * H).sum()`` then
   CPU paths); the floor ``copy`` (``dst.copy_(x)``: the logits read once and
   a gradient written once; the step reads them twice, forward and backward).
 - the LM head ``N x H x V``: ``ce_tvm`` (``ce_tvm.linear_log_probs``),
-  ``eager`` (``F.linear`` then the reference expression) and the ``gemm``
-  probe (``F.linear(x, W).sum().backward()``: the step's three products).
+  ``eager`` (``F.linear`` then the reference expression), ``trl``: TRL's own
+  fused head (``trl.kernels.ChunkedLogProbFunction``, its CPU path), and the
+  floor ``gemm``: the four products of a head that recomputes its logits in
+  the backward (the logits, their recompute, the two gradient products), each
+  one ``torch.mm`` into a buffer made once.
 
 Methods are interleaved rep by rep and the best rep is kept. With
 ``--memory``, the extra peak memory of one step beyond the inputs and the
@@ -53,13 +56,23 @@ def reference(logits, index, temperature=TEMPERATURE):
     return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
-def _trl(logits, index, temperature=TEMPERATURE):
-    with guard("trl", "test", "ce-tvm bench --policy (it compares against TRL)",
+def _trl_module(name: str):
+    with guard("trl", "trl", "ce-tvm bench --policy (it compares against TRL)",
                "pass --no-trl"):
-        from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+        return __import__(name, fromlist=["_"])
 
-    return (selective_log_softmax(logits, index, temperature),
-            entropy_from_logits(logits / temperature))
+
+def _trl(logits, index, temperature=TEMPERATURE):
+    utils = _trl_module("trl.trainer.utils")
+    return (utils.selective_log_softmax(logits, index, temperature),
+            utils.entropy_from_logits(logits / temperature))
+
+
+def _trl_head(x, W, index, temperature=TEMPERATURE):
+    """TRL's fused head, as its trainers call it (vocabulary tiles of 32768)."""
+    kernels = _trl_module("trl.kernels")
+    return kernels.ChunkedLogProbFunction.apply(x, W, None, index, temperature, 32768, None,
+                                                1.0, ("log_probs", "entropy"))[:2]
 
 
 def _inputs(shape, dtype, seed=0):
@@ -87,9 +100,12 @@ def methods(shape, with_compile: bool = True, with_trl: bool = True) -> dict:
         if with_trl:
             fns["trl"] = _trl
         return fns
-    return {"ce_tvm": lambda x, W, i: linear_log_probs(x, W, i, temperature=TEMPERATURE,
-                                                       return_entropy=True),
-            "eager": lambda x, W, i: reference(F.linear(x, W), i)}
+    fns = {"ce_tvm": lambda x, W, i: linear_log_probs(x, W, i, temperature=TEMPERATURE,
+                                                      return_entropy=True),
+           "eager": lambda x, W, i: reference(F.linear(x, W), i)}
+    if with_trl:
+        fns["trl"] = _trl_head
+    return fns
 
 
 def _step(fn, leaves, index, a, b):
@@ -109,10 +125,15 @@ def bench_shape(shape, dtype, reps, warmup, with_compile, with_trl) -> Row:
         out = torch.empty_like(tensors[0])
         timed["copy"] = lambda: out.copy_(tensors[0])
     else:
-        def gemm():
-            F.linear(*leaves).sum().backward()
-            for t in leaves:
-                t.grad = None
+        x, W = tensors
+        logits = x.new_empty((x.shape[0], W.shape[0]))
+        grad_x, grad_W = torch.empty_like(x), torch.empty_like(W)
+
+        def gemm():  # the logits, their recompute, the input's and the weight's gradients
+            torch.mm(x, W.t(), out=logits)
+            torch.mm(x, W.t(), out=logits)
+            torch.mm(logits, W, out=grad_x)
+            torch.mm(logits.t(), x, out=grad_W)
         timed["gemm"] = gemm
     return Row("x".join(map(str, shape)), dtype, interleaved_ms(timed, reps, warmup))
 

@@ -60,7 +60,7 @@ def cmd_bench(args) -> int:
     if args.png and not args.policy:
         require("matplotlib", "bench", "--png (the chart)")
     if args.policy and not args.no_trl:
-        require("trl", "test", "--policy (it compares against TRL)", "pass --no-trl")
+        require("trl", "trl", "--policy (it compares against TRL)", "pass --no-trl")
     from .bench import run  # torch
 
     return run(args)
