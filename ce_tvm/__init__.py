@@ -9,6 +9,7 @@ The contract is docs/spec.md. Public surface:
 - ``log_probs`` / ``linear_log_probs``: per-token log-probs (and entropy) at a
   temperature, with gradients, for RL post-training (on logits, or fused with
   the LM head);
+- ``topk_distillation_loss``: distillation from a teacher's stored top-k log-probs;
 - ``cross_entropy_loss`` / ``cross_entropy_loss_grad``: the seed-compatible pair;
 - ``TargetOutOfRangeError``: what every entry point raises for a class index
   outside ``[0, C)`` (an ``IndexError`` and a ``ValueError``);
@@ -28,7 +29,9 @@ from .store.spec import __version__
 _LAZY = {"CrossEntropyLoss": "nn", "cross_entropy": "nn", "cross_entropy_loss": "functional",
          "cross_entropy_loss_grad": "functional", "LinearCrossEntropyLoss": "linear",
          "linear_cross_entropy": "linear", "schedule": "store.targets", "use_bundle": "store.paths",
-         "TargetOutOfRangeError": "validation", "log_probs": "policy", "linear_log_probs": "policy"}
+         "TargetOutOfRangeError": "validation", "log_probs": "policy", "linear_log_probs": "policy",
+         "topk_distillation_loss": "distill",
+         "LogProbStats": "policy"}
 _SUBMODULES = ("distributed",)
 
 __all__ = ["__version__", *_LAZY]

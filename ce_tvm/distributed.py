@@ -424,14 +424,20 @@ def vocab_parallel_linear_log_probs(input: Tensor, local_weight: Tensor, index: 
                                     row_mask: Tensor | None = None, ignore_index: int = -100,
                                     return_entropy: bool = False,
                                     sequence_parallel: bool = False,
-                                    chunk_rows: int | None = None):
+                                    chunk_rows: int | None = None,
+                                    return_stats: bool = False):
     """``ce_tvm.linear_log_probs`` with the LM head's weight sharded over the
     vocabulary (docs/spec.md, sections 9 and 12; the layout of
     ``vocab_parallel_linear_cross_entropy``): ``index`` ``[*]`` or ``[*, K]``
     global class ids and ``row_mask`` ``[*]`` for the global rows. Without
     sequence parallelism ``input [*, H]`` is the same on every rank; with it,
     this rank's block of rows, and the log-probs, the entropy and the input's
-    gradient are this rank's block."""
+    gradient are this rank's block. ``return_stats=True`` is refused
+    (``ValueError``): the statistics are not combined over shards yet."""
+    if return_stats:
+        raise ValueError("return_stats=True is not supported on the vocabulary-parallel path "
+                         "(a weight sharded over the vocabulary) yet: gather the weight, or "
+                         "compute the statistics without it")
     options = LossOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap,
                           logit_scale=logit_scale)
     x = check.linear_head(input, local_weight, local_bias)

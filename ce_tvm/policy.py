@@ -7,10 +7,15 @@ one sweep over the logits; autograd saves the logits, the indices and the
 three ``[N]`` vectors, and ``ce_tvm::log_probs_backward`` writes the logits' gradient of
 both outputs in one pass (logits read once, gradient written once). Both
 ops are opaque to ``torch.compile``; the index range check (a host sync)
-runs inside the forward op.
+runs inside the forward op. ``ce_tvm::log_probs_stats`` (and
+``ce_tvm::linear_log_probs_stats``) is the same op with three more,
+non-differentiable outputs from the same sweep (``LogProbStats``; the kernels'
+stats variant), and the same backward.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,6 +26,22 @@ from .runtime import launch
 from .runtime import linear_sweep as sweep
 from .runtime.options import LossOptions
 from .runtime.tensors import accum_torch_dtype
+
+
+class LogProbStats(NamedTuple):
+    """Per-token statistics that ``return_stats=True`` adds (docs/spec.md, section 9),
+    reduced in the sweep that computes the log-probs; none has a gradient.
+
+    ``log_sum_sq_probs``: ``log sum_v p_v^2`` of each row (the rows' shape;
+    float32, float64 for float64 logits). ``mean_logits``: ``(1/V) sum_v z_v``,
+    the mean of the row's transformed logits ``z = cap(s x) / T`` (same shape
+    and dtype). ``is_top1``: bool of the index's shape, true where the index is
+    its row's first argmax of ``z`` (a tie with an earlier column does not
+    count); false for ``ignore_index`` and masked entries."""
+
+    log_sum_sq_probs: Tensor
+    mean_logits: Tensor
+    is_top1: Tensor
 
 
 def _options(ignore_index: int, temperature: float, softcap: float,
@@ -42,9 +63,32 @@ def log_probs_forward(x: Tensor, index: Tensor, ignore_index: int, temperature: 
 
 @log_probs_forward.register_fake
 def _(x, index, ignore_index, temperature, softcap):
+    return _fake_outputs(x, index, stats=False)
+
+
+@custom_op("ce_tvm::log_probs_stats", mutates_args=())
+def log_probs_stats_forward(x: Tensor, index: Tensor, ignore_index: int, temperature: float,
+                            softcap: float
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``log_probs_forward``'s outputs, then ``log_sum_sq_probs[N]``,
+    ``mean_logits[N]`` (accumulation dtype) and ``is_top1[N, K]`` (bool), from
+    the same sweep (``launch.log_probs(stats=True)``)."""
+    check.in_range(index, x.shape[1], ignore_index, "index")
+    return launch.log_probs(x.contiguous(), index.contiguous(),
+                            _options(ignore_index, temperature, softcap), stats=True)
+
+
+@log_probs_stats_forward.register_fake
+def _(x, index, ignore_index, temperature, softcap):
+    return _fake_outputs(x, index, stats=True)
+
+
+def _fake_outputs(x: Tensor, index: Tensor, stats: bool) -> tuple:
+    """Empty outputs of the (stats) forward ops, for ``x [N, ...]`` and ``index [N, K]``."""
     acc, n = accum_torch_dtype(x), x.shape[0]
     return (x.new_empty((n, index.shape[1]), dtype=acc),
-            *(x.new_empty(n, dtype=acc) for _ in range(3)))
+            *(x.new_empty(n, dtype=acc) for _ in range(5 if stats else 3)),
+            *([x.new_empty((n, index.shape[1]), dtype=torch.bool)] if stats else []))
 
 
 @custom_op("ce_tvm::log_probs_backward", mutates_args=())
@@ -67,13 +111,13 @@ def _(grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy, ignore_in
 
 def _setup_context(ctx, inputs, output):
     x, index, ignore_index, temperature, softcap = inputs
-    ctx.save_for_backward(x, index, *output[1:])
+    ctx.save_for_backward(x, index, *output[1:4])
     ctx.scalars = dict(ignore_index=ignore_index, temperature=temperature, softcap=softcap)
-    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.mark_non_differentiable(*output[2:])  # row_max, log_expsum (and the stats)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_logp, grad_entropy, grad_row_max, grad_log_expsum):
+def _backward(ctx, grad_logp, grad_entropy, *_):
     none = (None,) * 4
     if grad_logp is None and grad_entropy is None:
         return (None, *none)
@@ -87,11 +131,13 @@ def _backward(ctx, grad_logp, grad_entropy, grad_row_max, grad_log_expsum):
 
 
 log_probs_forward.register_autograd(_backward, setup_context=_setup_context)
+log_probs_stats_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0, softcap: float = 0.0,
               row_mask: Tensor | None = None, ignore_index: int = -100,
-              return_entropy: bool = False, logit_scale: float = 1.0):
+              return_entropy: bool = False, logit_scale: float = 1.0,
+              return_stats: bool = False):
     """Log-probabilities of ``index`` under ``softmax(cap(logits) / temperature)``
     (docs/spec.md, section 9), and with ``return_entropy=True`` the entropy of every row.
 
@@ -103,14 +149,22 @@ def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0, softca
     whose ``row_mask`` is false/0, is exactly 0 with no gradient (its index is
     not checked); the entropy is computed for every row. Gradients flow to
     the logits from both outputs.
+
+    ``return_stats=True`` appends a ``LogProbStats`` ``(log_sum_sq_probs,
+    mean_logits, is_top1)`` computed in the same sweep over the logits, without
+    gradients: ``logp, stats`` or ``logp, entropy, stats``. ``log_sum_sq_probs``
+    and ``mean_logits`` have the entropy's shape and dtype and are computed for
+    every row; ``is_top1`` is bool of ``index``'s shape, one value per index
+    (``K > 1`` included), false for ignored and masked entries.
     """
     options = _options(ignore_index, temperature, softcap, logit_scale)  # checks the scalars
     x = check.class_last_logits(logits)
     idx, single = check.index_columns(index, logits)
     idx, k = _live_columns(idx, check.row_mask(row_mask, logits), options.ignore_index)
-    logp, entropy, _, _ = log_probs_forward(x, idx, options.ignore_index,
-                                            options.kernel_temperature, options.kernel_softcap)
-    return _shaped(logp, entropy, k, single, tuple(logits.shape[:-1]), return_entropy)
+    forward = log_probs_stats_forward if return_stats else log_probs_forward
+    outputs = forward(x, idx, options.ignore_index, options.kernel_temperature,
+                      options.kernel_softcap)
+    return _shaped(outputs, k, single, tuple(logits.shape[:-1]), return_entropy, return_stats)
 
 
 def _live_columns(idx: Tensor, mask: Tensor | None, ignore_index: int) -> tuple[Tensor, int]:
@@ -125,11 +179,21 @@ def _live_columns(idx: Tensor, mask: Tensor | None, ignore_index: int) -> tuple[
     return idx, k
 
 
-def _shaped(logp: Tensor, entropy: Tensor, k: int, single: bool, lead: tuple,
-            return_entropy: bool):
-    """The outputs in the caller's shapes: ``logp`` as the index, ``entropy`` ``lead``."""
-    logp = logp[:, :k].reshape(lead if single else (*lead, k))
-    return (logp, entropy.reshape(lead)) if return_entropy else logp
+def _shaped(outputs, k: int, single: bool, lead: tuple, return_entropy: bool,
+            return_stats: bool = False):
+    """The forward op's ``outputs`` in the caller's shapes: ``logp`` (and
+    ``is_top1``) as the index, ``entropy`` (and the row stats) ``lead``; what was
+    asked for only."""
+    def as_index(t):
+        return t[:, :k].reshape(lead if single else (*lead, k))
+
+    logp, entropy = outputs[0], outputs[1]
+    result = [as_index(logp)] + ([entropy.reshape(lead)] if return_entropy else [])
+    if return_stats:
+        log_sum_sq, mean_logits, is_top1 = outputs[4:7]
+        result.append(LogProbStats(log_sum_sq.reshape(lead), mean_logits.reshape(lead),
+                                   as_index(is_top1)))
+    return tuple(result) if len(result) > 1 else result[0]
 
 
 # --- Fused with the LM head: the logits never exist whole ---------------------
@@ -151,9 +215,27 @@ def linear_log_probs_forward(input: Tensor, linear_weight: Tensor, linear_bias: 
 
 @linear_log_probs_forward.register_fake
 def _(input, linear_weight, linear_bias, index, ignore_index, temperature, softcap, chunk_rows):
-    acc, n = accum_torch_dtype(input), input.shape[0]
-    return (input.new_empty((n, index.shape[1]), dtype=acc),
-            *(input.new_empty(n, dtype=acc) for _ in range(3)))
+    return _fake_outputs(input, index, stats=False)
+
+
+@custom_op("ce_tvm::linear_log_probs_stats", mutates_args=())
+def linear_log_probs_stats_forward(
+        input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, index: Tensor,
+        ignore_index: int, temperature: float, softcap: float, chunk_rows: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``linear_log_probs_forward`` with ``log_probs_stats_forward``'s three more
+    outputs, each chunk's in the same kernel call as its log-probs."""
+    classes = linear_weight.shape[0]
+    check.in_range(index, classes, ignore_index, "index")
+    rows = sweep.chunk_rows(input.shape[0], classes, input.dtype, chunk_rows)
+    return tuple(sweep.policy_outputs(input, linear_weight, linear_bias, index,
+                                      _options(ignore_index, temperature, softcap), rows,
+                                      stats=True))
+
+
+@linear_log_probs_stats_forward.register_fake
+def _(input, linear_weight, linear_bias, index, ignore_index, temperature, softcap, chunk_rows):
+    return _fake_outputs(input, index, stats=True)
 
 
 @custom_op("ce_tvm::linear_log_probs_backward", mutates_args=())
@@ -188,13 +270,13 @@ def _(grad_logp, grad_entropy, input, linear_weight, linear_bias, index, entropy
 
 def _setup_linear_context(ctx, inputs, output):
     x, W, b, index, ignore_index, temperature, softcap, chunk_rows = inputs
-    ctx.save_for_backward(x, W, b, index, *output[1:])
+    ctx.save_for_backward(x, W, b, index, *output[1:4])
     ctx.options = (ignore_index, temperature, softcap, chunk_rows)
-    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.mark_non_differentiable(*output[2:])  # row_max, log_expsum (and the stats)
     ctx.set_materialize_grads(False)
 
 
-def _linear_backward(ctx, grad_logp, grad_entropy, grad_row_max, grad_log_expsum):
+def _linear_backward(ctx, grad_logp, grad_entropy, *_):
     needs = ctx.needs_input_grad[:3]
     none = (None,) * 5
     if (grad_logp is None and grad_entropy is None) or not any(needs):
@@ -211,13 +293,16 @@ def _linear_backward(ctx, grad_logp, grad_entropy, grad_row_max, grad_log_expsum
 
 linear_log_probs_forward.register_autograd(_linear_backward,
                                            setup_context=_setup_linear_context)
+linear_log_probs_stats_forward.register_autograd(_linear_backward,
+                                                 setup_context=_setup_linear_context)
 
 
 def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
                      linear_bias: Tensor | None = None, temperature: float = 1.0,
                      softcap: float = 0.0, row_mask: Tensor | None = None,
                      ignore_index: int = -100, return_entropy: bool = False,
-                     chunk_rows: int | None = None, logit_scale: float = 1.0):
+                     chunk_rows: int | None = None, logit_scale: float = 1.0,
+                     return_stats: bool = False):
     """``log_probs(input @ linear_weight.T + linear_bias, index, ...)`` without the
     logits ever existing whole (docs/spec.md, section 9).
 
@@ -227,7 +312,9 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
     chunks of ``chunk_rows`` (default: ``$CE_TVM_LINEAR_CHUNK_ROWS``, else an eighth
     of the rows, at least 384, at most 256 MiB of logits); the backward recomputes each chunk's
     logits and gives the gradients of ``input``, ``linear_weight`` and
-    ``linear_bias``.
+    ``linear_bias``. ``return_stats=True`` appends ``log_probs``'s
+    ``LogProbStats``, each chunk's from the kernel call that gives its
+    log-probs (not on the vocabulary-parallel path of a DTensor weight).
     """
     if check.sharded_head(input, linear_weight):  # a module, or DTensors: ce_tvm.sharding
         from . import sharding
@@ -236,14 +323,14 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
             linear_log_probs, input, linear_weight, index, linear_bias=linear_bias,
             row_mask=row_mask, temperature=temperature, softcap=softcap,
             ignore_index=ignore_index, return_entropy=return_entropy, chunk_rows=chunk_rows,
-            logit_scale=logit_scale)
+            logit_scale=logit_scale, **({"return_stats": True} if return_stats else {}))
     options = _options(ignore_index, temperature, softcap, logit_scale)
     x = check.linear_head(input, linear_weight, linear_bias)
     idx, single = check.index_columns(index, input)
     rows = check.chunk_rows(chunk_rows)
     mask = check.row_mask(row_mask, input)
     idx, k = _live_columns(idx, mask, options.ignore_index)
-    logp, entropy, _, _ = linear_log_probs_forward(
-        x, linear_weight, linear_bias, idx, options.ignore_index, options.kernel_temperature,
-        options.kernel_softcap, rows)
-    return _shaped(logp, entropy, k, single, tuple(input.shape[:-1]), return_entropy)
+    forward = linear_log_probs_stats_forward if return_stats else linear_log_probs_forward
+    outputs = forward(x, linear_weight, linear_bias, idx, options.ignore_index,
+                      options.kernel_temperature, options.kernel_softcap, rows)
+    return _shaped(outputs, k, single, tuple(input.shape[:-1]), return_entropy, return_stats)

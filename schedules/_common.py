@@ -19,10 +19,13 @@ from ..kernels.stages import (
     CHUNK_BEATS,
     CHUNK_EXP,
     CHUNK_EXPSUM,
+    CHUNK_FIRST,
     CHUNK_LOGITS,
     CHUNK_MAX,
+    CHUNK_SQSUM,
     CHUNK_WSUM,
     CHUNK_WXSUM,
+    CHUNK_ZSUM,
     GRAD_HOT,
     GRAD_MASK,
     GRAD_PSCALE,
@@ -34,9 +37,11 @@ from ..kernels.stages import (
     ROW_ENTROPY,
     ROW_HIT,
     ROW_LOG_EXPSUM,
+    ROW_LOG_SUM_SQ,
     ROW_MASK,
     ROW_MASS,
     ROW_MAX,
+    ROW_MEAN_LOGITS,
     ROW_REF,
     ROW_TARGET_LOGIT,
     ROW_WEIGHT,
@@ -48,6 +53,7 @@ from ..kernels.stages import (
     STAGES,
     TARGET_GRAD,
     TOKEN_LOGP,
+    TOKEN_TOP1,
     TOTAL_CE,
     TOTAL_COUNT,
     TOTAL_WEIGHT,
@@ -59,17 +65,19 @@ from ..kernels.stages import (
 
 # Row reductions of the forward and shard statistics, reduced chunk by chunk;
 # the optional ones exist for some variants only (CHUNK_WSUM probability targets,
-# CHUNK_BEATS token accuracy).
+# CHUNK_BEATS token accuracy, the last three the log-probs' stats variant).
 ROW_REDUCTIONS = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM)
-OPTIONAL_ROW_REDUCTIONS = (CHUNK_WSUM, CHUNK_BEATS)
+OPTIONAL_ROW_REDUCTIONS = (CHUNK_WSUM, CHUNK_BEATS, CHUNK_SQSUM, CHUNK_ZSUM, CHUNK_FIRST)
 # Serial sums over rows: for sum and mean (and the mean backward) only.
 ROW_TOTALS = (TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT)
 # Per-row stages of the forward after the row statistics (not in the shard
 # statistics; log_prob for the log-prob variant only, the hits for the accuracy
 # variant only, the target mass for probability targets only, the entropy and
-# the token log-probs for the log-prob kernels only).
+# the token log-probs for the log-prob kernels only; their statistics for the
+# stats variant only).
 ROW_FORWARD_REST = (LSE, ROW_MASS, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS, ROW_HIT, ROW_MAX,
-                    ROW_LOG_EXPSUM, ROW_ENTROPY, TOKEN_LOGP)
+                    ROW_LOG_EXPSUM, ROW_ENTROPY, TOKEN_LOGP, ROW_LOG_SUM_SQ, ROW_MEAN_LOGITS,
+                    TOKEN_TOP1)
 # Per-row values the chunk reductions read (probability targets only): computed
 # once per row, under the row loop, before its chunks.
 ROW_PRODUCERS = (ROW_REF,)

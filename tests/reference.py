@@ -223,3 +223,18 @@ def policy_grad(x, index, live, grad_logp, grad_entropy, temperature=1.0, softca
     for k in range(index.shape[1]):
         np.add.at(dz, (rows, np.where(live[:, k], index[:, k], 0)), g[:, k])
     return through_softcap(dz / temperature, x, softcap)
+
+
+def policy_stats(x, index, live, temperature=1.0, softcap=0.0, logit_scale=1.0):
+    """The statistics of ``return_stats`` (docs/spec.md, section 9) for logits
+    ``x[M, V]``, ``index[M, K]`` and ``live[M, K]``, on ``z = cap(s x) / T``:
+    ``(log_sum_sq_probs[M], mean_logits[M], is_top1[M, K])``. ``log sum p^2`` is
+    ``lse(2 z) - 2 lse(z)`` (no underflow of ``p^2``); ``is_top1`` is true where
+    the entry is live and its column is the row's first argmax (``np.argmax``
+    returns the first)."""
+    z = capped(np.asarray(x, dtype=np.float64) * logit_scale, softcap) / temperature
+    log_sum_sq = _lse(2 * z) - 2 * _lse(z)
+    with np.errstate(invalid="ignore"):
+        mean = z.mean(axis=1)
+    first = z.argmax(axis=1) if z.shape[1] else np.zeros(z.shape[0], np.int64)
+    return log_sum_sq, mean, live & (index == first[:, None])

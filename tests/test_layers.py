@@ -47,7 +47,8 @@ LAYERS = [
     ("runtime.linear_sweep", "runtime"),  # the chunked linear + loss sweep; no autograd
     # the torch surface; optional dependencies (an import naming the extra to install)
     ("custom_ops", "validation", "optional"),
-    ("functional", "ops", "nn", "distributed", "sharding", "linear", "policy", "__init__"),
+    ("functional", "ops", "nn", "distributed", "sharding", "linear", "policy", "distill",
+     "__init__"),
     # what users run beside the loss
     ("tools.measure", "tools.bench_args"),
     ("tools.bench_linear", "tools.bench_policy", "tools.tuning", "tools.bundle"),
@@ -68,7 +69,7 @@ RUNTIME_PATH = ("kernels", "kernels.kinds", "store", "store.paths", "store.files
                 "runtime.options", "runtime.cache", "runtime.registry", "runtime.tensors",
                 "runtime.pool", "runtime.launch", "runtime.collectives", "validation",
                 "functional", "ops", "nn", "distributed", "sharding", "__init__", "custom_ops",
-                "policy")
+                "policy", "distill")
 
 SUBPACKAGES = {"schedules": ROOT / "schedules",
                **{p: ROOT / "ce_tvm" / p for p in PACKAGES if p and p != "schedules"}}

@@ -19,10 +19,13 @@ from .stages import (
     CHUNK_BEATS,
     CHUNK_EXP,
     CHUNK_EXPSUM,
+    CHUNK_FIRST,
     CHUNK_LOGITS,
     CHUNK_MAX,
+    CHUNK_SQSUM,
     CHUNK_WSUM,
     CHUNK_WXSUM,
+    CHUNK_ZSUM,
     GRAD_HOT,
     GRAD_MASK,
     GRAD_PSCALE,
@@ -171,7 +174,13 @@ def row_total(stage, term, n_rows):
     return te.compute((1,), lambda _: te.sum(term[r], axis=r), name=stage)
 
 
-def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = ()):
+# "No column": the identity of ``ce_chunk_first`` and of its merge (int32, as the
+# column is compared: C < 2**31).
+NO_COLUMN = 2**31 - 1
+
+
+def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = (),
+                  stats: bool = False):
     """Reducer merging per-chunk ``(max, sum exp(x - max), sums...)`` into a row's.
 
     Exact regrouping of the row reductions (the online-softmax identity): the
@@ -186,6 +195,11 @@ def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = ()):
 
     ``scale``: ``()``, or ``(1 / T,)`` when the maxima are of the logits before
     the temperature (``Logits.scaled``) and the sums of the scaled ones.
+
+    ``stats``: the last three values are ``row_stats(stats=True)``'s
+    ``sum exp(x - max)^2`` (rescaled by the square of the exp-sum's factor),
+    ``sum x`` (adds) and the first column holding the max (the smaller of the
+    parts' whose max is the common one; ``NO_COLUMN`` for none).
     """
 
     def scaled(d):
@@ -197,6 +211,13 @@ def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = ()):
         def rescaled(mi, si):
             return tirx.Select(mi == m, si, si * fastmath.exp(scaled(mi - m), nonpositive=True))
 
+        def rescaled_squares(mi, qi):
+            factor = fastmath.exp(scaled(mi - m), nonpositive=True)
+            return tirx.Select(mi == m, qi, qi * factor * factor)
+
+        def first_at_max(mi, fi):
+            return tirx.Select(mi == m, fi, tirx.const(NO_COLUMN, str(fi.ty)))
+
         def rescaled_entropy(mi, si, ai):
             zero = tirx.const(0.0, str(si.ty))
             moved = fastmath.exp(scaled(mi - m), nonpositive=True) * (ai + scaled(m - mi) * si)
@@ -205,14 +226,20 @@ def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = ()):
         rest = [ai + bi for ai, bi in zip(a[2:], b[2:])]
         if entropy:
             rest[0] = rescaled_entropy(a[0], a[1], a[2]) + rescaled_entropy(b[0], b[1], b[2])
+        if stats:
+            rest[-3] = rescaled_squares(a[0], a[-3]) + rescaled_squares(b[0], b[-3])
+            rest[-1] = tirx.min(first_at_max(a[0], a[-1]), first_at_max(b[0], b[-1]))
         return [m, rescaled(a[0], a[1]) + rescaled(b[0], b[1])] + rest
 
     def identity(*dtypes):
-        return [tirx.min_value(dtypes[0])] + [tirx.const(0, t) for t in dtypes[1:]]
+        values = [tirx.min_value(dtypes[0])] + [tirx.const(0, t) for t in dtypes[1:]]
+        if stats:
+            values[-1] = tirx.const(NO_COLUMN, dtypes[-1])
+        return values
 
     return te.comm_reducer(combine, identity,
                            name=f"softmax_merge{n_outputs}{'e' if entropy else ''}"
-                                f"{'t' if scale else ''}")
+                                f"{'t' if scale else ''}{'s' if stats else ''}")
 
 
 @dataclass(frozen=True)
@@ -306,11 +333,14 @@ class RowStats:
     chunk_exp: te.Tensor | None
     layout: ChunkLayout
     beats: te.Tensor | None = None
+    sqsum: te.Tensor | None = None  # with ``stats``: ``sum exp(z - rowmax')^2``
+    zsum: te.Tensor | None = None  # with ``stats``: ``sum_c x'`` (before the temperature)
+    first: te.Tensor | None = None  # with ``stats``: the row's first argmax (int32)
 
 
 def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: int, acc: str,
                chunk: int | None, keep_exp: bool = False, target=None, shift=None,
-               stage: bool = False, entropy: bool = False) -> RowStats:
+               stage: bool = False, entropy: bool = False, stats: bool = False) -> RowStats:
     """Row statistics of the (capped) logits, reduced chunk by chunk
     (``ChunkLayout``) and merged by ``softmax_merge``.
 
@@ -335,6 +365,16 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     merged to the row's max (``softmax_merge``), so that the entropy is
     ``log(expsum) + A / expsum`` with no cancellation however large the
     logits; a term whose ``exp`` is 0 (``x = -inf``) is 0.
+
+    ``stats``: three more chunk reductions over the same chunk, merged with
+    the others: ``sum e^2`` of the chunk's ``e = exp(z - top)``
+    (``ce_chunk_sqsum``: ``log sum p^2`` is ``log(sqsum) - 2 log(expsum)``,
+    both sums of terms in ``[0, 1]`` with a 1 at the max, so nothing cancels
+    at a large offset), ``sum x'`` (``ce_chunk_zsum``, before the
+    temperature) and the smallest column whose logit equals the chunk's max
+    (``ce_chunk_first``, compared exactly with the max of the same values;
+    merged, the row's first argmax, ``NO_COLUMN`` when no logit is above the
+    most negative finite value, e.g. a row of ``-inf``).
 
     ``stage`` (always with softcap): the chunk sums and the chunk max read
     the chunk from ``ce_chunk_logits``, a float32 copy of it (capped: one
@@ -378,8 +418,8 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
         return te.compute((n_rows, int64(layout.n_chunks)), value, name=stage)
 
     zero = tirx.const(0.0, acc)
-    cmax = per_chunk(CHUNK_MAX, te.max, None,
-                     (lambda n, c, k, j: logit.raw(n, c)) if logit.cap else xf)
+    max_read = (lambda n, c, k, j: logit.raw(n, c)) if logit.cap else xf
+    cmax = per_chunk(CHUNK_MAX, te.max, None, max_read)
 
     def top(n, k):
         return logit.capped(cmax[n, k])
@@ -423,19 +463,34 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
             return tirx.Select(first, one, zero)
 
         parts.append(per_chunk(CHUNK_BEATS, te.sum, zero, beats))
+    n_before_stats = len(parts)
+    if stats:
+        none = tirx.const(NO_COLUMN, "int32")
+
+        def squared(n, c, k, j):
+            e = exp_term(n, c, k, j)
+            return e * e
+
+        def first(n, c, k, j):
+            return tirx.Select(max_read(n, c, k, j) == cmax[n, k], c.astype("int32"), none)
+
+        parts += [per_chunk(CHUNK_SQSUM, te.sum, zero, squared),
+                  per_chunk(CHUNK_ZSUM, te.sum, zero, xf),
+                  per_chunk(CHUNK_FIRST, te.min, None, first)]
     k_axis = te.reduce_axis((int64(0), int64(layout.n_chunks)), name="k")
-    stats = te.compute(
-        (n_rows,), lambda n: softmax_merge(len(parts), entropy, logit.scale)(
+    merged = te.compute(
+        (n_rows,), lambda n: softmax_merge(len(parts), entropy, logit.scale, stats)(
             (top(n, k_axis), *(p[n, k_axis] for p in parts[1:])), axis=k_axis), name=ROWSTATS)
     if per_row_wsum:
-        weight_sum = lambda n: stats[3][n]  # noqa: E731
+        weight_sum = lambda n: merged[3][n]  # noqa: E731
     elif weights is not None:
         weight_sum = lambda n: weights.total[0]  # noqa: E731
     else:
         weight_sum = lambda n: tirx.const(float(classes), acc)  # noqa: E731
-    return RowStats(stats[0], stats[1], stats[2], weight_sum, cmax,
+    extra = merged[n_before_stats:] if stats else (None, None, None)
+    return RowStats(merged[0], merged[1], merged[2], weight_sum, cmax,
                     lambda n, k: logit.scaled(top(n, k)), kept, layout,
-                    stats[len(parts) - 1] if target is not None else None)
+                    merged[n_before_stats - 1] if target is not None else None, *extra)
 
 
 def row_hits(n_rows, acc, mask, beats):

@@ -43,7 +43,9 @@ class Variant:
     ``tempered``: the logits are divided by a temperature ``T``, its inverse a
     scalar argument after ``softcap`` (docs/spec.md, section 4); without it the kernel
     has no such multiply. ``columns``: the log-prob kernels' ``K``, the class indices per row
-    (``index[N, K]``); 0 for the loss kernels.
+    (``index[N, K]``); 0 for the loss kernels. ``stats``: the log-prob forward also
+    reduces, in the same sweep, ``log sum p^2``, the mean logit of every row and
+    whether each index is its row's first argmax (docs/spec.md, section 9).
     """
 
     reduction: str = "mean"
@@ -54,6 +56,7 @@ class Variant:
     accuracy: bool = False
     tempered: bool = False
     columns: int = 0
+    stats: bool = False
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
@@ -68,5 +71,6 @@ class Variant:
             [self.reduction, "w" if self.weighted else "nw", "lp" if self.log_prob else "nolp",
              *(["sc"] if self.softcap else []), *(["t"] if self.tempered else []),
              *(["acc"] if self.accuracy else []),
-             *([f"k{self.columns}"] if self.columns else []), self.grad_source]
+             *([f"k{self.columns}"] if self.columns else []), *(["st"] if self.stats else []),
+             self.grad_source]
         )

@@ -24,8 +24,11 @@ from .stages import (
     LOGITS,
     ROW_ENTROPY,
     ROW_LOG_EXPSUM,
+    ROW_LOG_SUM_SQ,
     ROW_MAX,
+    ROW_MEAN_LOGITS,
     TOKEN_LOGP,
+    TOKEN_TOP1,
     X_GRAD,
 )
 
@@ -87,12 +90,20 @@ def log_probs_func(classes: int, dtype: str, variant: Variant,
     ``log_expsum[N]`` (``log(S)``), in the accumulation dtype. ``logp`` is
     never above 0 (clamped: a rounding of the cap could otherwise leave a
     hair above).
+
+    The stats variant (``Variant.stats``) reduces three more sums in the same
+    chunks (``row_stats(stats=True)``) and writes three more outputs:
+    ``log_sum_sq_probs[N] = log(Q) - 2 log(S)`` (``Q = sum e^2``, merged like
+    ``S``), ``mean_logits[N] = sum x' / T / C`` (accumulation dtype) and
+    ``is_top1[N, K]`` (uint8): 1 where the entry is live and its column is the
+    row's first argmax (ties are decided on the capped logits before the
+    temperature; a positive temperature keeps their order).
     """
     acc, n_rows, x, index, scalars, logit = _inputs(classes, dtype, variant)
-    live, column, _ = _columns(index, scalars[0], classes)
+    live, column, inside = _columns(index, scalars[0], classes)
     zero = tirx.const(0.0, acc)
     st = row_stats(logit, None, n_rows, classes, acc, chunk, keep_exp=chunk_exp_kept.get(),
-                   stage=stage, entropy=True)
+                   stage=stage, entropy=True, stats=variant.stats)
     row_max = te.compute((n_rows,), lambda n: st.rowmax[n], name=ROW_MAX)
     log_s = te.compute((n_rows,), lambda n: te.log(st.expsum[n]), name=ROW_LOG_EXPSUM)
     entropy = te.compute((n_rows,), lambda n: log_s[n] + st.wxsum[n] / st.expsum[n],
@@ -103,7 +114,19 @@ def log_probs_func(classes: int, dtype: str, variant: Variant,
         return tirx.Select(live(n, k), tirx.min(shifted - log_s[n], zero), zero)
 
     logp = te.compute((n_rows, int64(variant.columns)), token, name=TOKEN_LOGP)
-    return te.create_prim_func([x, index, *scalars, logp, entropy, row_max, log_s]).with_attr(
+    outputs = [logp, entropy, row_max, log_s]
+    if variant.stats:
+        two = tirx.const(2.0, acc)
+        outputs += [
+            te.compute((n_rows,), lambda n: te.log(st.sqsum[n]) - two * log_s[n],
+                       name=ROW_LOG_SUM_SQ),
+            te.compute((n_rows,), lambda n: logit.scaled(st.zsum[n]) / tirx.const(classes, acc),
+                       name=ROW_MEAN_LOGITS),
+            te.compute((n_rows, int64(variant.columns)), lambda n, k: tirx.Select(
+                tirx.all(live(n, k), inside(n, k), column(n, k).astype("int32") == st.first[n]),
+                tirx.const(1, "uint8"), tirx.const(0, "uint8")), name=TOKEN_TOP1),
+        ]
+    return te.create_prim_func([x, index, *scalars, *outputs]).with_attr(
         "global_symbol", "main")
 
 

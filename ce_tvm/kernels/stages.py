@@ -99,6 +99,21 @@ and the backward's ``ce_grad_pscale``, plus:
                        times the logit's slope
 =====================  =====================================================
 
+and, in the stats variant (``Variant.stats``), three more chunk reductions
+merged by ``ce_rowstats`` and three more outputs:
+
+=====================  =====================================================
+``ce_chunk_sqsum``     ``sum_j e^2`` (``e`` the kept ``exp(z - chunk_max)``),
+                       merged with the square of the exp-sum's rescale
+``ce_chunk_zsum``      ``sum_j x'`` (the capped logits before the temperature)
+``ce_chunk_first``     the smallest column of the chunk holding its max
+                       (int32; the row's first argmax once merged)
+``log_sum_sq_probs``   ``log(sum p^2) = log(sqsum) - 2 log(expsum)`` (output)
+``mean_logits``        ``zsum / T / C`` (output)
+``is_top1``            ``i[n, k]`` is live and the row's first argmax (output
+                       ``[N, K]``, uint8)
+=====================  =====================================================
+
 ``N`` is a symbolic int64 variable, so one compiled module serves every batch
 size; ``C`` is a compile-time constant. ``ignore_index``, ``label_smoothing``
 and ``zloss_scale`` are scalar kernel arguments.
@@ -145,10 +160,17 @@ ROW_MAX = "row_max"
 ROW_LOG_EXPSUM = "log_expsum"
 ROW_ENTROPY = "entropy"
 TOKEN_LOGP = "logp"
+CHUNK_SQSUM = "ce_chunk_sqsum"
+CHUNK_ZSUM = "ce_chunk_zsum"
+CHUNK_FIRST = "ce_chunk_first"
+ROW_LOG_SUM_SQ = "log_sum_sq_probs"
+ROW_MEAN_LOGITS = "mean_logits"
+TOKEN_TOP1 = "is_top1"
 LOGITS = "x"  # the input logits
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
           ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF,
-          CHUNK_LOGITS, ROW_MAX, ROW_LOG_EXPSUM, ROW_ENTROPY, TOKEN_LOGP)
+          CHUNK_LOGITS, ROW_MAX, ROW_LOG_EXPSUM, ROW_ENTROPY, TOKEN_LOGP, CHUNK_SQSUM,
+          CHUNK_ZSUM, CHUNK_FIRST, ROW_LOG_SUM_SQ, ROW_MEAN_LOGITS, TOKEN_TOP1)

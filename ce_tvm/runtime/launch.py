@@ -325,21 +325,26 @@ def _policy_scalars(options: LossOptions) -> tuple:
             *((options.kernel_softcap,) if _capped(options) else ()))
 
 
-def log_probs(x, index, options: LossOptions):
+def log_probs(x, index, options: LossOptions, *, stats: bool = False):
     """``(logp[N, K], entropy[N], row_max[N], log_expsum[N])`` in the
     accumulation dtype, for the logits ``x[N, C]`` and ``index[N, K]`` (int64,
     each in ``[0, C)`` or ``options.ignore_index``, ``K >= 1``); the last two
-    are what the backward takes (``kernels.log_probs``)."""
+    are what the backward takes (``kernels.log_probs``). With ``stats`` (the
+    kernel's stats variant, the same sweep) followed by ``log_sum_sq_probs[N]``,
+    ``mean_logits[N]`` (accumulation dtype) and ``is_top1[N, K]`` (bool)."""
     x, index = aligned(x), aligned(index)
     n, k = index.shape
     acc = accum_torch_dtype(x)
     logp = x.new_empty((n, k), dtype=acc)
-    rows = [x.new_empty(n, dtype=acc) for _ in range(3)]
+    rows = [x.new_empty(n, dtype=acc) for _ in range(5 if stats else 3)]
+    # the kernel writes uint8 0/1 into the bool tensor's bytes (no conversion)
+    top1 = [x.new_empty((n, k), dtype=torch.bool)] if stats else []
     if _rows_to_run(x) == 0:
-        return logp, *rows
-    variant = Variant(columns=k, softcap=_capped(options))
-    _run(_spec("log_probs", x, variant), n, x, index, *_policy_scalars(options), logp, *rows)
-    return logp, *rows
+        return logp, *rows, *top1
+    variant = Variant(columns=k, softcap=_capped(options), stats=stats)
+    _run(_spec("log_probs", x, variant), n, x, index, *_policy_scalars(options), logp, *rows,
+         *(t.view(torch.uint8) for t in top1))
+    return logp, *rows, *top1
 
 
 def log_probs_backward(grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy,

@@ -323,15 +323,19 @@ def _sweep_grads(bufs: _ChunkBuffers, x, W, b, y, w, opts, needs, grad_ce, grad_
 
 
 def policy_outputs(x: Tensor, W: Tensor, b: Tensor | None, index: Tensor, opts: LossOptions,
-                   rows: int) -> list[Tensor]:
+                   rows: int, *, stats: bool = False) -> list[Tensor]:
     """``launch.log_probs``'s outputs ``[logp, entropy, row_max, log_expsum]``
-    for the logits ``x @ W^T + b``, chunk by chunk."""
+    (with ``stats``, then ``log_sum_sq_probs``, ``mean_logits`` and ``is_top1``,
+    from the same kernel call) for the logits ``x @ W^T + b``, chunk by chunk."""
     n, k = index.shape
     acc = accum_torch_dtype(x)
     logits = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
-    outs = [x.new_empty((n, k), dtype=acc)] + [x.new_empty(n, dtype=acc) for _ in range(3)]
+    outs = [x.new_empty((n, k), dtype=acc)] + [x.new_empty(n, dtype=acc)
+                                                for _ in range(5 if stats else 3)]
+    if stats:
+        outs.append(x.new_empty((n, k), dtype=torch.bool))
     for sl in chunks(n, rows):
-        parts = launch.log_probs(project(logits, x[sl], W, b), index[sl], opts)
+        parts = launch.log_probs(project(logits, x[sl], W, b), index[sl], opts, stats=stats)
         for full, part in zip(outs, parts):
             full[sl].copy_(part)
     return outs
