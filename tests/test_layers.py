@@ -50,7 +50,7 @@ LAYERS = [
     ("functional", "ops", "nn", "distributed", "sharding", "linear", "policy", "distill",
      "__init__"),
     # what users run beside the loss
-    ("tools.measure", "tools.bench_args"),
+    ("tools.measure", "tools.bench_args", "tools.pocl"),  # pocl: the GPU schedules on PoCL
     ("tools.bench_linear", "tools.bench_policy", "tools.tuning", "tools.bundle"),
     ("tools.bench", "tools.demo"),
     ("tools.cli", "tools"),

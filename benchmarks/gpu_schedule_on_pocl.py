@@ -1,0 +1,573 @@
+"""The CUDA schedule's kernels executed without a GPU: each kernel of
+``schedules/cuda.py``, built for OpenCL and run on PoCL's CPU device
+(``ce_tvm.tools.pocl``), against the float64 reference (``tests/reference.py``).
+
+Every op family: the forward, the backward (from ``log_prob``, from the
+logits, and in place), the one-pass training kernel, probability targets,
+softcap, token accuracy, the vocabulary-shard statistics (and the combine and
+shard backward), per-token log-probs and their gradient (also in place), and
+temperature; float32, float16 and bfloat16; C = 1000, 5003 (prime),
+32000 and 128256; rows 1, 7, 64 and 1000 (1000 at C = 1000 and 5003 only, see
+``MAX_ROWS``); ignored rows, every row ignored, class weights. The
+stress pass runs the same kernels with the fewest and the most threads per
+block ``schedules/cuda.py`` offers (and 4 rows per block where the
+schedule allows it), three launches each: a race shows up as a result that
+differs between launches or from the reference.
+
+One JSON record per case (``--json FILE``): ``op`` (the kernel), ``family``,
+``dtype``, ``classes``, ``rows``, ``variant``, ``max_abs_err`` (the largest
+``|actual - reference|`` over every output), ``worst`` (the largest
+``|actual - reference| / (|reference| + max(1, max |reference|))``, per
+output), ``tol`` (``worst`` must not exceed it: the tolerances of
+``tests/checks.py``), ``passed`` (within ``tol``, NaN and infinities in the
+same places, hit flags and repeated launches bit for bit equal),
+``kernels`` (device kernels per launch of the host function), ``device``
+(as PoCL names it) and ``seconds``.
+
+Usage::
+
+    python benchmarks/gpu_schedule_on_pocl.py --json pocl.json
+    python benchmarks/gpu_schedule_on_pocl.py --families forward train --dtypes float32 \\
+        --classes 5003 --rows 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import reference  # noqa: E402
+from ce_tvm.kernels.kinds import Variant  # noqa: E402
+from ce_tvm.schedules.cuda import CUDAKnobs, knob_space  # noqa: E402
+from ce_tvm.store.spec import KernelSpec  # noqa: E402
+from ce_tvm.tools import pocl  # noqa: E402
+
+# As tests/checks.py: float32 to 1e-5; half types to about one unit of their last bit.
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+DTYPES = tuple(TOL)
+CLASSES = (1000, 5003, 32000, 128256)
+ROWS = (1, 7, 64, 1000)
+# 1000 rows at C <= 5003 only: at C = 128256 the float64 reference of 1000 rows
+# holds ~6 GB, and the longer vocabularies' chunks and launches are the same at 64 rows.
+MAX_ROWS = {32000: 64, 128256: 64}
+IGNORE = -100
+ARCH = "sm_90"
+SCALE = 3.0  # logits ~ N(0, 3^2)
+SOFTCAP = 5.0
+TEMPERATURE = 0.7
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel (op, variant, dtype, C, knobs) at one row count."""
+
+    family: str
+    op: str
+    variant: Variant
+    label: str
+    dtype: str
+    classes: int
+    rows: int
+    smoothing: float = 0.0
+    zloss: float = 0.0
+    ignore: str = "some"  # "none", "some" (every third row), "all"
+    inplace: bool = False  # the gradient written over the logits
+    knobs: CUDAKnobs | None = None
+    repeats: int = 1
+    seed: int = 0
+
+    def spec(self) -> KernelSpec:
+        options = (("arch", ARCH),) + ((("knobs", self.knobs),) if self.knobs else ())
+        return KernelSpec(self.op, self.dtype, self.classes, self.variant, "cuda", options)
+
+    @property
+    def softcap(self) -> float:
+        return SOFTCAP if self.variant.softcap else 0.0
+
+    @property
+    def temperature(self) -> float:
+        return TEMPERATURE if self.variant.tempered else 1.0
+
+
+# --- the cases ----------------------------------------------------------------
+
+
+def _loss(op, reduction="mean", weighted=False, **fields):
+    return op, Variant(reduction, weighted, fields.pop("log_prob", False),
+                       fields.pop("grad_source", "log_prob"), **fields)
+
+
+# family -> [(op, Variant, label, Case fields)]
+KERNELS = {
+    "forward": [
+        (*_loss("forward", "mean", True, log_prob=True), "mean w lp smooth z",
+         dict(smoothing=0.1, zloss=1e-3)),
+        (*_loss("forward", "none"), "none", {}),
+        (*_loss("forward", "sum", True), "sum w no-ignore", dict(ignore="none")),
+        (*_loss("forward", "mean", True, log_prob=True), "mean w all-ignored",
+         dict(ignore="all")),
+    ],
+    "backward": [
+        (*_loss("backward", "mean", True), "from log_prob mean w smooth z",
+         dict(smoothing=0.1, zloss=1e-3)),
+        (*_loss("backward", "none", grad_source="logits"), "from logits none z",
+         dict(zloss=1e-3)),
+        (*_loss("backward", "sum", True, grad_source="logits"), "from logits sum w in place",
+         dict(inplace=True, smoothing=0.1)),
+    ],
+    "train": [
+        (*_loss("train", "mean", True), "mean w smooth z", dict(smoothing=0.1, zloss=1e-3)),
+        (*_loss("train", "sum"), "sum", {}),
+        (*_loss("train", "mean", True), "mean w all-ignored", dict(ignore="all")),
+    ],
+    "prob_targets": [
+        (*_loss("prob_forward", "mean", True), "mean w smooth z",
+         dict(smoothing=0.1, zloss=1e-3)),
+        (*_loss("prob_forward", "none"), "none", {}),
+        (*_loss("prob_backward", "mean", True), "mean w smooth z",
+         dict(smoothing=0.1, zloss=1e-3)),
+        (*_loss("prob_target_grad", "none", True), "none w smooth", dict(smoothing=0.1)),
+    ],
+    "softcap": [
+        (*_loss("forward", "mean", True, softcap=True), "mean w softcap smooth z",
+         dict(smoothing=0.1, zloss=1e-3)),
+        (*_loss("train", "sum", softcap=True), "sum softcap", {}),
+        (*_loss("backward", "none", True, grad_source="logits", softcap=True),
+         "from logits none w softcap z", dict(zloss=1e-3)),
+        (*_loss("prob_forward", "mean", softcap=True), "mean softcap", {}),
+    ],
+    "accuracy": [
+        (*_loss("forward", "none", accuracy=True), "none hits", {}),
+        (*_loss("train", "mean", True, accuracy=True), "mean w hits smooth",
+         dict(smoothing=0.1)),
+    ],
+    "shards": [
+        ("shard_stats", Variant(weighted=True), "w", {}),
+        ("shard_stats", Variant(softcap=True), "softcap", {}),
+        ("shard_combine", Variant("mean"), "mean smooth z", dict(smoothing=0.1, zloss=1e-3)),
+        (*_loss("backward", "mean", True, grad_source="shard"), "shard mean w smooth z",
+         dict(smoothing=0.1, zloss=1e-3)),
+        (*_loss("backward", "none", grad_source="shard"), "shard none in place",
+         dict(inplace=True)),
+    ],
+    "log_probs": [
+        ("log_probs", Variant(columns=1), "K=1", dict(ignore="none")),
+        ("log_probs", Variant(columns=2, softcap=True), "K=2 softcap ignored", {}),
+        ("log_probs_grad", Variant(columns=2), "K=2 ignored", {}),
+        ("log_probs_grad", Variant(columns=1, softcap=True), "K=1 softcap in place",
+         dict(inplace=True, ignore="none")),
+    ],
+    "temperature": [
+        (*_loss("forward", "mean", True, tempered=True), "mean w T smooth z",
+         dict(smoothing=0.1, zloss=1e-3)),
+        (*_loss("train", "mean", tempered=True, softcap=True), "mean T softcap", {}),
+        (*_loss("backward", "sum", True, grad_source="logits", tempered=True),
+         "from logits sum w T", dict(zloss=1e-3)),
+        ("log_probs", Variant(columns=2), "K=2 T", {}),
+        ("log_probs_grad", Variant(columns=2, softcap=True), "K=2 T softcap", {}),
+    ],
+}
+FAMILIES = tuple(KERNELS)
+# The log-prob kernels' temperature is a scalar of every kernel (no variant):
+# the temperature family runs them at T != 1, the others at T = 1.
+TEMPERED_LOG_PROBS = "temperature"
+
+
+def matrix(families=FAMILIES, dtypes=DTYPES, classes=CLASSES, rows=ROWS) -> list[Case]:
+    """The full matrix: every kernel of ``families`` x dtype x C x rows."""
+    out = []
+    for family, dtype, c in itertools.product(families, dtypes, classes):
+        for n in rows:
+            if n > MAX_ROWS.get(c, n):
+                continue
+            out += [_case(family, k, dtype, c, n) for k in KERNELS[family]]
+    return out
+
+
+def _case(family, kernel, dtype, classes, rows, **more) -> Case:
+    op, variant, label, fields = kernel
+    return Case(family, op, variant, label, dtype, classes, rows, **{**fields, **more})
+
+
+def stress(dtypes=("float32", "bfloat16"), classes=(5003,), rows=7) -> list[Case]:
+    """The stress pass: the row kernels of every family with the fewest and the
+    most threads per block the schedule offers (``knob_space``), 4 rows per
+    block where it allows that (the backward kernels; 7 rows: the last block's
+    rows past N idle), launched 3 times each."""
+    out = []
+    threads = knob_space("backward", 1000, "float32", None)["threads"]
+    kernels = [(f, k) for f in FAMILIES for k in KERNELS[f][:2]]
+    for (family, kernel), dtype, c in itertools.product(kernels, dtypes, classes):
+        grad = kernel[0] in ("backward", "prob_backward", "prob_target_grad", "log_probs_grad")
+        choices = [CUDAKnobs(threads=min(threads)), CUDAKnobs(threads=max(threads))]
+        if grad:
+            choices.append(CUDAKnobs(threads=min(threads), rows_per_block=4))
+        for knobs in choices:
+            label = f"{kernel[2]} threads={knobs.threads}" + (
+                f" rows/block={knobs.rows_per_block}" if knobs.rows_per_block > 1 else "")
+            case = _case(family, kernel, dtype, c, rows, knobs=knobs, repeats=3)
+            out.append(replace(case, label=label + " x3"))
+    return out
+
+
+# --- inputs and the reference --------------------------------------------------
+
+
+def store(values: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(what the kernel reads, its values in float64)`` for ``values`` in ``dtype``."""
+    if dtype == "bfloat16":
+        bits = pocl.bf16_bits(values.astype(np.float32))
+        return bits, pocl.bf16_values(bits).astype(np.float64)
+    stored = values.astype(dtype)
+    return stored, stored.astype(np.float64)
+
+
+def value(array: np.ndarray, dtype: str) -> np.ndarray:
+    return (pocl.bf16_values(array) if dtype == "bfloat16" else array).astype(np.float64)
+
+
+@dataclass
+class Problem:
+    """A case's kernel inputs (``arrays``, ``scalars``, ``aliases``) and the
+    reference values of its outputs (``expected``; ``exact``: compared bit for bit)."""
+
+    arrays: dict
+    scalars: dict
+    expected: dict
+    aliases: dict = field(default_factory=dict)
+    exact: tuple = ()
+
+
+def _targets(case: Case, rng, classes: int, z=None) -> np.ndarray:
+    y = rng.integers(0, classes, case.rows)
+    if z is not None:  # token accuracy: every other target is its row's first maximum
+        y[1::2] = np.argmax(z[1::2], axis=1)
+    if case.ignore == "some":
+        y[::3] = IGNORE
+    elif case.ignore == "all":
+        y[:] = IGNORE
+    return y
+
+
+def _weights(case: Case, rng, classes: int):
+    if not case.variant.weighted:
+        return None, None
+    w = (rng.random(classes) + 0.5).astype(np.float32)
+    return w, w.astype(np.float64)
+
+
+def _logit_scalars(case: Case) -> dict:
+    return {"softcap": case.softcap, "inv_temperature": 1.0 / case.temperature}
+
+
+def _loss_problem(case: Case, rng) -> Problem:
+    """forward, train, backward (log_prob and logits sources)."""
+    n, c, op, v = case.rows, case.classes, case.op, case.variant
+    xk, x = store(rng.standard_normal((n, c)) * SCALE, case.dtype)
+    z = reference.capped(x, case.softcap) / case.temperature
+    y = _targets(case, rng, c, z if v.accuracy else None)
+    wk, w = _weights(case, rng, c)
+    scalars = {"ignore_index": IGNORE, "label_smoothing": case.smoothing,
+               "zloss_scale": case.zloss, **_logit_scalars(case)}
+    loss, logp, zloss, lse = reference.forward(z, y, w, v.reduction, IGNORE, case.smoothing,
+                                               case.zloss)
+    arrays = {"x": xk, "target": y, **({"weight": wk} if v.weighted else {})}
+    if op == "forward":
+        expected = {"ce_loss": loss, "ce_zloss": zloss, "lse": lse}
+        if v.log_prob:
+            expected["log_prob"] = logp
+        exact = ()
+        if v.accuracy:
+            expected["ce_row_hit"] = ((y != IGNORE) & (np.argmax(z, axis=1) == y)).astype(float)
+            exact = ("ce_row_hit",)
+        return Problem(arrays, scalars, expected, exact=exact)
+    rows_g = n if v.reduction == "none" else 1
+    if op == "train":
+        g, gz = np.ones(rows_g), None
+    else:
+        g, gz = rng.random(rows_g) + 0.5, rng.random(rows_g)
+    if op == "backward" and v.grad_source == "log_prob":
+        arrays["log_prob"], logp = store(logp, case.dtype)
+        del arrays["x"]
+    grad = reference.backward(g, logp, y, w, gz, lse, v.reduction, IGNORE, case.smoothing,
+                              case.zloss) / case.temperature
+    grad = reference.through_softcap(grad, x, case.softcap)
+    if op == "train":
+        expected = {"x_grad": grad, "lse": lse, "ce_loss": loss, "ce_zloss": zloss}
+        if v.reduction == "mean":
+            expected["ce_mean_norms"] = np.array(reference.totals(y, w, IGNORE, c))
+        exact = ()
+        if v.accuracy:
+            expected["ce_row_hit"] = ((y != IGNORE) & (np.argmax(z, axis=1) == y)).astype(float)
+            exact = ("ce_row_hit",)
+        return Problem(arrays, scalars, expected, exact=exact)
+    arrays.update(grad_loss=g.astype(np.float32), grad_zloss=gz.astype(np.float32),
+                  lse=lse.astype(np.float32))
+    aliases = {"x_grad": "x"} if case.inplace else {}
+    return Problem(arrays, scalars, {"x_grad": grad}, aliases)
+
+
+def _prob_problem(case: Case, rng) -> Problem:
+    """prob_forward, prob_backward, prob_target_grad."""
+    n, c, v, eps = case.rows, case.classes, case.variant, case.smoothing
+    xk, x = store(rng.standard_normal((n, c)) * SCALE, case.dtype)
+    logits_q = rng.standard_normal((n, c)) * 2
+    q = np.exp(logits_q - logits_q.max(1, keepdims=True))
+    qk, q = store(q / q.sum(1, keepdims=True), case.dtype)
+    wk, w = _weights(case, rng, c)
+    z = reference.capped(x, case.softcap) / case.temperature
+    scalars = {"label_smoothing": eps, "zloss_scale": case.zloss, **_logit_scalars(case)}
+    loss, zloss, lse = reference.prob_forward(z, q, w, v.reduction, eps, case.zloss)
+    mass = ((w if w is not None else 1.0) * ((1 - eps) * q + eps / c)).sum(axis=1)
+    weight = {"weight": wk} if v.weighted else {}
+    if case.op == "prob_forward":
+        return Problem({"x": xk, "target": qk, **weight}, scalars,
+                       {"ce_loss": loss, "ce_zloss": zloss, "lse": lse, "ce_row_mass": mass})
+    g = rng.random(n if v.reduction == "none" else 1) + 0.5
+    x_grad, target_grad = reference.prob_backward(g, x, q, w, v.reduction, eps, case.zloss)
+    common = {"grad_loss": g.astype(np.float32), "x": xk, "lse": lse.astype(np.float32),
+              **weight}
+    if case.op == "prob_backward":
+        return Problem({**common, "target": qk, "target_mass": mass.astype(np.float32)},
+                       scalars, {"x_grad": x_grad})
+    return Problem(common, scalars, {"target_grad": target_grad})
+
+
+def _shard_problem(case: Case, rng) -> Problem:
+    """The second shard (columns ``[C, 2C)``) of a ``2C`` vocabulary: its statistics,
+    the combine of the full rows' statistics, its gradient."""
+    n, c, v = case.rows, case.classes, case.variant
+    full = 2 * c if case.op != "shard_combine" else c
+    xk_full, x_full = store(rng.standard_normal((n, full)) * SCALE, case.dtype)
+    y = _targets(case, rng, full)
+    w_full = (rng.random(full) + 0.5).astype(np.float32)
+    w64 = w_full.astype(np.float64) if v.weighted or case.op == "shard_combine" else None
+    if case.op == "shard_combine":
+        loss, _, zloss, lse = reference.forward(x_full, y, w64, v.reduction, IGNORE,
+                                                case.smoothing, case.zloss)
+        t = np.where(y != IGNORE, y, 0)
+        live = (y != IGNORE).astype(np.float64)
+        arrays = {"lse": lse, "target_logit": x_full[np.arange(n), t] * live,
+                  "target_weight": w64[t] * live, "wxsum": (x_full * w64).sum(axis=1),
+                  "target": y}
+        arrays = {k: a.astype(np.float32) if a.dtype == np.float64 else a
+                  for k, a in arrays.items()}
+        scalars = {"weight_sum": float(w64.sum()), "ignore_index": IGNORE,
+                   "label_smoothing": case.smoothing, "zloss_scale": case.zloss}
+        return Problem(arrays, scalars, {"ce_loss": loss, "ce_zloss": zloss})
+    xk, x = xk_full[:, c:], x_full[:, c:]
+    w_shard = w_full[c:] if v.weighted else None
+    weight = {"weight": w_shard} if v.weighted else {}
+    if case.op == "shard_stats":
+        zs = reference.capped(x, case.softcap)
+        top = zs.max(axis=1)
+        local = y - c
+        here = (local >= 0) & (local < c)
+        at = np.where(here, local, 0)
+        ws = w_shard.astype(np.float64) if v.weighted else np.ones(c)
+        outs = (top, np.exp(zs - top[:, None]).sum(axis=1), (zs * ws).sum(axis=1),
+                np.where(here, zs[np.arange(n), at], 0.0), np.where(here, ws[at], 0.0))
+        return Problem({"x": xk, "target": y, **weight},
+                       {"shard_offset": c, **_logit_scalars(case)}, dict(enumerate(outs)))
+    # the shard's gradient, from the full rows' lse and the full target weights
+    wf = w64 if v.weighted else np.ones(full)
+    _, logp, _, lse = reference.forward(x_full, y, w64, v.reduction, IGNORE, case.smoothing,
+                                        case.zloss)
+    rows_g = n if v.reduction == "none" else 1
+    g, gz = rng.random(rows_g) + 0.5, rng.random(rows_g)
+    grad = reference.backward(g, logp, y, w64, gz, lse, v.reduction, IGNORE, case.smoothing,
+                              case.zloss)[:, c:]
+    t = np.where(y != IGNORE, y, 0)
+    arrays = {"grad_loss": g.astype(np.float32), "grad_zloss": gz.astype(np.float32),
+              "x": np.ascontiguousarray(xk), "lse": lse.astype(np.float32), "target": y,
+              **weight, "target_weight": (wf[t] * (y != IGNORE)).astype(np.float32)}
+    scalars = {"shard_offset": c, "weight_sum": float(wf.sum()), "global_classes": float(full),
+               "ignore_index": IGNORE, "label_smoothing": case.smoothing,
+               "zloss_scale": case.zloss}
+    return Problem(arrays, scalars, {"x_grad": grad}, {"x_grad": "x"} if case.inplace else {})
+
+
+def _policy_problem(case: Case, rng) -> Problem:
+    """log_probs and log_probs_grad (temperature from the family)."""
+    n, c, k = case.rows, case.classes, case.variant.columns
+    xk, x = store(rng.standard_normal((n, c)) * SCALE, case.dtype)
+    index = rng.integers(0, c, (n, k))
+    if case.ignore != "none":
+        index[::3, -1] = IGNORE
+    live = index != IGNORE
+    temp = TEMPERATURE if case.family == TEMPERED_LOG_PROBS else 1.0
+    cap = case.softcap
+    scalars = {"ignore_index": IGNORE, "inv_temperature": 1.0 / temp, "softcap": cap}
+    logp, entropy = reference.policy_outputs(x, index, live, temp, cap)
+    zc = reference.capped(x, cap)
+    top = zc.max(axis=1)
+    log_s = np.log(np.exp((zc - top[:, None]) / temp).sum(axis=1))
+    if case.op == "log_probs":
+        return Problem({"x": xk, "index": index}, scalars,
+                       {"logp": logp, "entropy": entropy, "row_max": top, "log_expsum": log_s})
+    g, h = rng.random((n, k)) + 0.5, rng.random(n)
+    grad = reference.policy_grad(x, index, live, g, h, temp, cap)
+    arrays = {"grad_logp": g.astype(np.float32), "grad_entropy": h.astype(np.float32),
+              "x": xk, "row_max": top.astype(np.float32), "log_expsum": log_s.astype(np.float32),
+              "entropy": entropy.astype(np.float32), "index": index}
+    return Problem(arrays, scalars, {"x_grad": grad}, {"x_grad": "x"} if case.inplace else {})
+
+
+def problem(case: Case) -> Problem:
+    rng = np.random.default_rng([case.seed, case.classes, case.rows])
+    if case.op.startswith("prob_"):
+        return _prob_problem(case, rng)
+    if case.op.startswith("shard_") or case.variant.grad_source == "shard":
+        return _shard_problem(case, rng)
+    if case.op.startswith("log_probs"):
+        return _policy_problem(case, rng)
+    return _loss_problem(case, rng)
+
+
+# --- running and comparing -------------------------------------------------------
+
+
+@dataclass
+class Result:
+    op: str
+    family: str
+    dtype: str
+    classes: int
+    rows: int
+    variant: str
+    max_abs_err: float
+    worst: float
+    worst_output: str
+    tol: float
+    passed: bool
+    kernels: int
+    device: str
+    seconds: float
+    problem: str = ""  # why it failed
+
+
+_BUILT: dict = {}
+
+
+def kernels_of(case: Case) -> pocl.Kernels:
+    spec = case.spec()
+    if spec not in _BUILT:
+        _BUILT[spec] = pocl.build(spec)
+    return _BUILT[spec]
+
+
+def run_case(case: Case, device: pocl.PoCL | None = None) -> Result:
+    """Build (once per kernel), run and compare one case."""
+    device = device or pocl.PoCL.get()
+    start = time.perf_counter()
+    kernels = kernels_of(case)
+    prob = problem(case)
+    runs = [device.run(kernels, case.rows, prob.arrays, prob.scalars, prob.aliases)
+            for _ in range(case.repeats)]
+    outputs = _outputs(kernels, prob)
+    tol = TOL[case.dtype]
+    max_abs, worst, worst_name, issues = 0.0, 0.0, "", []
+    for key, expected in prob.expected.items():
+        name = outputs[key]
+        actual = value(runs[0][name], kernels.param(name).dtype).reshape(np.shape(expected))
+        err, ratio, issue = compare(actual, np.asarray(expected, np.float64), tol,
+                                    exact=key in prob.exact)
+        max_abs = max(max_abs, err)
+        if ratio > worst:
+            worst, worst_name = ratio, str(name)
+        if issue:
+            issues.append(f"{name}: {issue}")
+    for i, other in enumerate(runs[1:], 2):
+        for name in outputs.values():
+            if not np.array_equal(runs[0][name], other[name], equal_nan=True):
+                issues.append(f"{name}: launch {i} differs from launch 1")
+    return Result(case.op, case.family, case.dtype, case.classes, case.rows, case.label,
+                  float(max_abs), float(worst), worst_name, tol, not issues,
+                  len(kernels.launches), device.name, round(time.perf_counter() - start, 3),
+                  "; ".join(issues))
+
+
+def _outputs(kernels: pocl.Kernels, prob: Problem) -> dict:
+    """The expected outputs' parameter names (an int key: the n-th of the last
+    buffers, for kernels whose outputs carry stage names)."""
+    buffers = [p.name for p in kernels.buffers() if not p.name.startswith("scratch_")]
+    count = sum(isinstance(k, int) for k in prob.expected)
+    tail = buffers[len(buffers) - count:] if count else []
+    names = {}
+    for key in prob.expected:
+        names[key] = tail[key] if isinstance(key, int) else key
+    return names
+
+
+def compare(actual: np.ndarray, expected: np.ndarray, tol: float,
+            exact: bool = False) -> tuple[float, float, str]:
+    """``(max |a - e|, max |a - e| / (|e| + scale), problem or "")`` with
+    ``scale = max(1, max |e|)``, as ``tests/checks.assert_close``."""
+    if actual.shape != expected.shape:
+        return float("inf"), float("inf"), f"shape {actual.shape} != {expected.shape}"
+    finite = np.isfinite(expected)
+    if not np.array_equal(finite, np.isfinite(actual)):
+        return float("inf"), float("inf"), "NaN/Inf in different places"
+    if not np.array_equal(np.nan_to_num(actual[~finite]), np.nan_to_num(expected[~finite])):
+        return float("inf"), float("inf"), "different infinities"
+    if not finite.any():
+        return 0.0, 0.0, ""
+    a, e = actual[finite], expected[finite]
+    diff = np.abs(a - e)
+    if exact:
+        return float(diff.max()), float(diff.max()), "" if not diff.any() else "not exact"
+    scale = max(1.0, float(np.abs(e).max()))
+    ratio = diff / (np.abs(e) + scale)
+    worst = float(ratio.max())
+    return float(diff.max()), worst, "" if worst <= tol else f"{worst:.3g} > tol {tol}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write one record per case here")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--classes", nargs="+", type=int, default=list(CLASSES))
+    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    parser.add_argument("--no-stress", action="store_true", help="skip the stress pass")
+    args = parser.parse_args(argv)
+    reason = pocl.pocl_unavailable()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
+    device = pocl.PoCL.get()
+    print(f"device: {device.name} ({', '.join(device.changes) or 'as PoCL set it up'})")
+    cases = matrix(args.families, args.dtypes, args.classes, args.rows)
+    if not args.no_stress:
+        cases += [c for c in stress() if c.family in args.families]
+    results, start = [], time.perf_counter()
+    for i, case in enumerate(cases, 1):
+        try:
+            result = run_case(case, device)
+        except Exception as err:  # a build or launch failure is a failed case
+            result = Result(case.op, case.family, case.dtype, case.classes, case.rows,
+                            case.label, float("inf"), float("inf"), "", TOL[case.dtype],
+                            False, 0, device.name, 0.0, f"{type(err).__name__}: {err}"[:500])
+        results.append(result)
+        mark = "ok  " if result.passed else "FAIL"
+        print(f"[{i}/{len(cases)}] {mark} {case.family:12} {case.op:16} {case.dtype:8} "
+              f"C={case.classes:<6} N={case.rows:<4} {case.label:40} worst {result.worst:.2e} "
+              f"({result.seconds:.1f} s) {result.problem}", flush=True)
+        if args.json:  # written as it goes: a long run leaves its records behind
+            args.json.write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    passed = sum(r.passed for r in results)
+    print(f"{passed} passed, {len(results) - passed} failed "
+          f"({time.perf_counter() - start:.0f} s, {len(_BUILT)} kernels built)")
+    return 0 if passed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
