@@ -307,6 +307,7 @@ OPS = {  # tool op -> (KernelSpec op, variant keywords)
     "train": ("train", {"log_prob": False}),
     "log_probs": ("log_probs", {"columns": 1}),  # SPEC section 6: one index per row
     "log_probs_grad": ("log_probs_grad", {"columns": 1}),
+    "log_probs-st": ("log_probs", {"columns": 1, "stats": True}),  # return_stats=True
 }
 
 

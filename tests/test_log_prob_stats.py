@@ -303,3 +303,17 @@ def test_vocabulary_parallel_path_refuses_the_statistics():
         ce_tvm.distributed.vocab_parallel_linear_log_probs(
             torch.randn(3, 8), torch.randn(V, 8), torch.zeros(3, dtype=torch.long),
             return_stats=True)
+
+
+def test_ascend_style_schedule():
+    """The Ascend-style tiled schedule (run on this CPU) gives the statistics too, at
+    a vocabulary of several tiles."""
+    x, index, mask = _case((6,), 3, torch.float32, seed=15, classes=WIDE)
+    with ce_tvm.schedule("ascend", profile="910b"):
+        _, stats = ce_tvm.log_probs(x, index, row_mask=mask, temperature=0.8, softcap=20.0,
+                                    return_stats=True)
+    ref_lsq, ref_mean, ref_top = _reference(x, index, mask, 0.8, 20.0, 1.0)
+    checks.assert_close(stats.log_sum_sq_probs, ref_lsq, TOL, "log_sum_sq_probs")
+    checks.assert_close(stats.mean_logits, ref_mean, TOL, "mean_logits")
+    np.testing.assert_array_equal(stats.is_top1.numpy(), ref_top)
+    assert bool(stats.is_top1.any())
