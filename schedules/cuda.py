@@ -331,20 +331,33 @@ def schedule_forward(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
     _keep_on_chip(sch, func, names + [ROWSTATS, ROW_TARGET_LOGIT, *ROW_PRODUCERS] + per_row_only)
     _bind_row_blocks(sch, row, knobs.rows_per_block)
-    copy = sch.get_loops(staged)[-1]
-    _thread_loop(sch, copy, knobs.row_threads, _vector_width(
-        classes, int(sch.get(copy).extent), dtype, vector_bytes=knobs.vector_bytes))
+    copy = _own_loop(sch, staged, row, chunk_loop)
+    if copy is not None:
+        _thread_loop(sch, copy, knobs.row_threads, _vector_width(
+            classes, int(sch.get(copy).extent), dtype, vector_bytes=knobs.vector_bytes))
     for name in names:
-        _thread_loop(sch, sch.get_loops(sch.get_sblock(name))[-1], knobs.row_threads)
+        if (loop := _own_loop(sch, sch.get_sblock(name), row, chunk_loop)) is not None:
+            _thread_loop(sch, loop, knobs.row_threads)
     if has_stage(sch, LOG_PROB):
-        lp = sch.get_sblock(LOG_PROB)
-        inner = sch.get_loops(lp)[-1]
-        _thread_loop(sch, inner, knobs.row_threads, _vector_width(
-            classes, classes, dtype, True, knobs.vector_bytes), knobs.unroll)
+        inner = _own_loop(sch, sch.get_sblock(LOG_PROB), row)
+        if inner is not None:
+            _thread_loop(sch, inner, knobs.row_threads, _vector_width(
+                classes, classes, dtype, True, knobs.vector_bytes), knobs.unroll)
     for blk in present_blocks(sch, SHARD_GATHERS):
         _bind_rows(sch, sch.get_loops(blk)[0], knobs.threads)
     _bind_single_block_reductions(sch, knobs.threads)
     return sch
+
+
+def _own_loop(sch, block, *outer):
+    """``block``'s innermost loop, or ``None`` where it has none below the
+    ``outer`` loops: with C = 1 a staged row, a chunk's reductions and
+    ``log_prob`` are one element, which TVM gives no loop. Such a block is left
+    to every thread of the row's block (each computes the same value: no
+    cross-thread reduction to feed); binding its last loop bound the row loop
+    itself, and the build failed."""
+    loop = sch.get_loops(block)[-1]
+    return None if any(sch.get(loop).same_as(sch.get(o)) for o in outer) else loop
 
 
 def _under(sch, block, loop) -> bool:
@@ -450,13 +463,15 @@ def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     sch.cache_read(in_chunk[0], _read_index(sch, in_chunk[0], CHUNK_MAX + "_shared"),
                               "local", consumer_blocks=in_chunk)
     sch.bind(sweep.row, "blockIdx.x")
-    copy = sch.get_loops(staged)[-1]
-    _thread_loop(sch, copy, knobs.threads,
-                 _vector_width(classes, int(sch.get(copy).extent), dtype))
-    for name in names:
-        _thread_loop(sch, sch.get_loops(sch.get_sblock(name))[-1], knobs.threads)
-    _thread_loop(sch, sch.get_loops(sch.get_sblock(CHUNK_PSCALE))[-1], knobs.threads)
-    _gradient_by_chunk(sch, classes, chunk, dtype, knobs.threads, knobs.unroll)
+    copy = _own_loop(sch, staged, sweep.row, sweep.chunk)
+    if copy is not None:
+        _thread_loop(sch, copy, knobs.threads,
+                     _vector_width(classes, int(sch.get(copy).extent), dtype))
+    for name in names + [CHUNK_PSCALE]:
+        if (loop := _own_loop(sch, sch.get_sblock(name), sweep.row, sweep.chunk)) is not None:
+            _thread_loop(sch, loop, knobs.threads)
+    if _own_loop(sch, sch.get_sblock(X_GRAD), sweep.row, sweep.chunk) is not None:
+        _gradient_by_chunk(sch, classes, chunk, dtype, knobs.threads, knobs.unroll)
     _bind_single_block_reductions(sch, knobs.threads)
     return scratch_as_params(sch.mod["main"])
 

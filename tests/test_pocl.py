@@ -4,7 +4,8 @@
 Every op family with float32 at C = 5003 (prime: two chunks, the last
 overlapping, no row 16-byte aligned), every one again in float16 with a single
 row at C = 1000, the bfloat16 training and log_prob kernels at C = 32000 (a
-row staged whole; eight chunks), 1000 rows once, and the stress pass (fewest
+row staged whole; eight chunks), 1000 rows once, rows of one class (C = 1),
+and the stress pass (fewest
 and most threads per block, 4 rows per block, three launches compared bit for
 bit). The full matrix is the benchmark's (docs/targets.md). The PoCL runs are
 in the slow lane; they skip, saying why, where PoCL cannot be loaded.
@@ -35,9 +36,12 @@ def _first(family, dtype, classes, rows):
 
 STRESS = [c for c in bench.stress(dtypes=("float32",), classes=(5003,), rows=7)
           if c.family in ("forward", "backward", "train", "log_probs")]
+# C = 1: a row of one class, which the forward and training schedules once failed to build
+ONE_CLASS = [_first(f, "bfloat16", 1, 7) for f in ("forward", "train", "prob_targets", "shards",
+                                                    "log_probs")]
 CASES = (_every_kernel("float32", 5003, 7) + _every_kernel("float16", 1000, 1)
          + [_first(f, "bfloat16", 32000, 64) for f in ("forward", "train")]
-         + [_first("forward", "float32", 1000, 1000)] + STRESS)
+         + [_first("forward", "float32", 1000, 1000)] + ONE_CLASS + STRESS)
 
 
 def _id(case) -> str:
