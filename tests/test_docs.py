@@ -37,7 +37,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("page", PAGES)
 def test_python_blocks_run_as_written(page, tmp_path):
     code = "\n".join(python_blocks(page))
-    script = tmp_path / (Path(page).stem + ".py")
+    script = tmp_path / f"page_{Path(page).stem}.py"  # not a package's name (trl.py)
     script.write_text(code)
     command = [sys.executable, str(script)]
     if page in TORCHRUN:

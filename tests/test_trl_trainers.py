@@ -2,11 +2,14 @@
 ``GRPOTrainer``, ``SFTTrainer`` and ``DPOTrainer`` on a tiny Llama built from a
 config (an in-process word-level tokenizer, no downloads; generation on the CPU),
 once with TRL's own head and once after ``ce_tvm.integrations.trl.apply()``:
-the same logged losses and metrics, to 1e-3 relative. That bound is the
-trainers', not the head's: the tiny model's gradient is ill-conditioned, and
-TRL's own head called through one more autograd node already moves the
-parameters' gradients by up to 3e-3 of their largest entry (measured on GRPO);
-``test_trl.py`` checks the head itself to 1e-5."""
+the same logged losses and metrics, to 1e-3 relative or 1e-4 absolute. Those
+bounds are the trainers', not the head's (``test_trl.py`` checks the head to
+1e-5): the tiny model's gradient is ill-conditioned (TRL's own head called
+through one more autograd node already moves the parameters' gradients by up to
+3e-3 of their largest entry, measured on GRPO), and DPO logs differences of
+nearly equal numbers (its rewards are beta times policy less reference
+log-probs of about -17 each; the mean logit is near 0), where float32 rounding
+of another summation order is 1e-5 absolute."""
 
 import math
 
@@ -87,8 +90,8 @@ def dpo(tmp_path):
     data = Dataset.from_dict({"prompt": [sentence(gen, 4) for _ in range(8)],
                               "chosen": [sentence(gen, 3) for _ in range(8)],
                               "rejected": [sentence(gen, 3) for _ in range(8)]})
-    return DPOTrainer(model=tiny_llama(tok), processing_class=tok, train_dataset=data,
-                      args=DPOConfig(**common(tmp_path), max_length=16))
+    return DPOTrainer(model=tiny_llama(tok), ref_model=tiny_llama(tok), processing_class=tok,
+                      train_dataset=data, args=DPOConfig(**common(tmp_path), max_length=16))
 
 
 def logged(make, tmp_path) -> list[dict]:
@@ -110,5 +113,5 @@ def test_trainer_logs_the_same_with_ce_tvm_under_its_fused_head(make, tmp_path):
     for mine, theirs in zip(got, expected):
         assert mine.keys() == theirs.keys()
         for key, value in theirs.items():
-            assert math.isclose(mine[key], value, rel_tol=1e-3, abs_tol=1e-5), (
+            assert math.isclose(mine[key], value, rel_tol=1e-3, abs_tol=1e-4), (
                 key, mine[key], value)

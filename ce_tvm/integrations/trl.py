@@ -27,14 +27,14 @@ from __future__ import annotations
 import torch
 
 from ..optional import guard
-from ..policy import linear_log_probs
+from ..policy import LogProbStats, linear_log_probs
 
 with guard("trl", "trl", "ce_tvm.integrations.trl"):
     import trl
     from trl.trainer import utils as trl_utils
 
 TESTED = ("1.16.0", "1.17.0")  # [lowest, first untested)
-STATISTICS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # ce_tvm.LogProbStats' fields
+STATISTICS = LogProbStats._fields  # log_sum_sq_probs, mean_logits, is_top1
 _TRLS_OWN = trl_utils._ChunkedLogProbFunction
 
 
@@ -72,13 +72,12 @@ class ChunkedLogProb:
                  if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype)
         cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
         wanted = [name for name in STATISTICS if name in outputs]
-        statistics = {"return_stats": True} if wanted else {}  # the variant only when asked
         with torch.autocast(hidden.device.type, enabled=False):
             result = linear_log_probs(
                 cast(hidden), cast(weight), targets, linear_bias=cast(bias),
                 temperature=float(temperature), softcap=float(final_logit_softcapping or 0.0),
                 logit_scale=float(logit_scale), return_entropy="entropy" in outputs,
-                **statistics)
+                return_stats=bool(wanted))
         result = list(result) if isinstance(result, tuple) else [result]
         stats = result.pop() if wanted else None
         entropy = result[1] if "entropy" in outputs else None
