@@ -65,6 +65,7 @@ from ..kernels.stages import (
     CHUNK_LOGITS,
     CHUNK_MAX,
     CHUNK_SQSUM,
+    CHUNK_WXSUM,
     CHUNK_ZSUM,
     LOG_PROB,
     LOGITS,
@@ -258,7 +259,7 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs):
     for blk in present_blocks(sch, SHARD_GATHERS):
         sch.parallel(sch.get_loops(blk)[0])
     row_loops = parallel_rows(sch, row, knobs.row_grain)
-    alone = ride_along(sch, stages, outer=row_loops + 1, unroll=knobs.unroll)
+    alone, swept = ride_along(sch, stages, row_loops + 1, lanes, knobs.unroll)
     vector_accumulators(sch, alone, outer=row_loops + 1, unroll=knobs.unroll)
     steps = sch.get_loops(stages[CHUNK_EXPSUM][0])[row_loops + 1:-1]
     if steps and not has_stage(sch, CHUNK_EXP):  # absent when the chunk is one vector
@@ -266,57 +267,68 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs):
     vector_row_independent(sch, vector_lanes(target) * knobs.accumulators)
     init_row_totals(sch)
     width = vector_lanes(target) * knobs.accumulators
-    for blk in present_blocks(sch, [LOG_PROB, CHUNK_LOGITS, CHUNK_EXP]):
+    for blk in present_blocks(sch, [LOG_PROB, CHUNK_LOGITS] + ([] if swept else [CHUNK_EXP])):
         vectorize_inner(sch, blk, width)
     kept = present_blocks(sch, [CHUNK_EXP])  # the log-prob kernels: exp reads the chunk
     if kept and chunk % width == 0 and chunk > width:
-        prefetch_ahead(sch, sch.get_loops(kept[0])[-2], chunk * knobs.prefetch)
+        prefetch_ahead(sch, swept or sch.get_loops(kept[0])[-2], chunk * knobs.prefetch)
     return sch
 
 
-# The log-probs' stats variant (``Variant.stats``): its chunk reductions run in
-# the exp-sum's vector loop, which the plain kernel has anyway and which comes
-# after everything they read (the chunk's max, the kept exp and, capped, the
-# staged chunk: it is staged after the max, which reads the raw logits). As
-# passes of their own over the chunk (in L1) they cost 4096 x 32000 fp32, 2
-# cores, kernel calls interleaved, best of 7: 23.2 -> 34.7 ms; riding, 18.9 ms
-# plain and 18.5 ms with them (the same run).
+# The log-probs' stats variant (``Variant.stats``) sweeps a chunk in one loop
+# after its max: the kept exp, the plain kernel's two sums of it (``SWEPT``) and
+# the three statistics (``RIDERS``), which read nothing that loop does not have
+# by then (the chunk's max, the kept exp, the chunk staged, capped, after the
+# max); the kept exp then never leaves registers (LLVM drops its stores). On a
+# 2-core EPYC (AVX-512) under load, 2048 x 32000 fp32, one thread, kernel calls
+# interleaved, best of 15, three runs: plain 12.7-13.5 ms, stats 13.7-15.1 ms.
+# The statistics as passes of their own over the chunk (in L1) cost +50%; riding
+# the exp-sum's loop only, +22-27%; with the column ramp of the first argmax
+# built cheaply (``_selected_offsets``), what is left is their arithmetic.
 RIDERS = (CHUNK_ZSUM, CHUNK_SQSUM, CHUNK_FIRST)
-RIDDEN = CHUNK_EXPSUM
+SWEPT = (CHUNK_WXSUM, CHUNK_EXPSUM)
 
 
-def ride_along(sch, stages: dict, outer: int, unroll: int = 1) -> dict:
-    """Merge the vector-step loops of the ``RIDERS``' rfactor blocks into the
-    ``RIDDEN`` one's, and their lane reductions into its, so that one loop
-    reads each element once for all of them; vectorise those accumulators as
-    ``vector_accumulator`` does. Returns the ``stages`` left to it (all of
-    them when there are no riders: the plain kernels are untouched).
+def ride_along(sch, stages: dict, outer: int, lanes: int, unroll: int = 1):
+    """Merge the chunk loops after the max into one, for the stats variant: the
+    kept exp's (split by ``lanes``), then the vector-step loops of the rfactor
+    blocks of the ``RIDERS`` and the ``SWEPT`` sums, and their lane reductions
+    after it; vectorise those as ``vector_accumulator`` and ``vectorize_inner``
+    would. Returns ``(stages left to vector_accumulators, merged loop or None)``:
+    without riders (the plain kernels) nothing is touched.
 
     ``merge`` puts the merged loop where its last argument's loop was and keeps
-    the arguments' order in its body, without checking dependences: the host
-    goes last, so the merged loops sit where the exp-sum's were, after
-    everything a rider reads. A reduction one vector long (no step loop)
-    stays alone."""
-    names = [name for name in RIDERS if name in stages] + [RIDDEN]
+    the arguments' order in its body, without checking dependences: the
+    exp-sum goes last, so the merged loops sit where its loops were, after
+    everything the body reads; the exp comes first in the body, before the
+    sums that read what it keeps. A reduction one vector long (no step loop)
+    leaves everything as it is."""
+    names = [name for name in RIDERS if name in stages]
+    kept = present_blocks(sch, [CHUNK_EXP])
+    if not names or not kept:
+        return stages, None
+    names += list(SWEPT)
     group = [stages[name] for name in names]
-    if len(group) == 1 or any(len(blocks) != 2 or len(sch.get_loops(blocks[0])) != outer + 2
-                              for blocks in group):
-        return stages
-    steps = []
+    if any(len(blocks) != 2 or len(sch.get_loops(blocks[0])) != outer + 2 for blocks in group):
+        return stages, None
+    exp_steps, exp_lanes = sch.split(sch.get_loops(kept[0])[outer], [None, lanes])
+    steps = [exp_steps]
     for rf, _ in group:
-        lanes, step = sch.get_loops(rf)[outer:]
-        sch.reorder(step, lanes)
+        lane, step = sch.get_loops(rf)[outer:]
+        sch.reorder(step, lane)
         steps.append(step)
     merged = sch.merge(*steps)
     sch.merge(*[sch.get_loops(final)[outer] for _, final in group])
     extent = sch.get(merged).extent
     if unroll > 1 and isinstance(extent, tirx.IntImm) and extent.value > unroll:
-        sch.unroll(sch.split(merged, [None, unroll])[1])
+        merged, inner = sch.split(merged, [None, unroll])
+        sch.unroll(inner)
+    sch.vectorize(exp_lanes)
     for rf, _ in group:
         sch.vectorize(sch.get_loops(rf)[-1])
     for rf, _ in group:
         sch.decompose_reduction(rf, sch.get_loops(rf)[outer])
-    return {name: blocks for name, blocks in stages.items() if name not in names}
+    return {name: blocks for name, blocks in stages.items() if name not in names}, merged
 
 
 def backward(func, target: Target, knobs: CPUKnobs | None = None):
@@ -558,11 +570,23 @@ def _compare_offsets(cmp):
     return cmp if a.same_as(cmp.a) and b.same_as(cmp.b) else type(cmp)(a, b)
 
 
+def _selected_offsets(sel):
+    """A ramp of column indices selected as a value (the stats variant's first
+    argmax: ``Select(x == max, column, none)``), built the same way: in the
+    loop of its sum, 9 shuffles and ORs per two vectors became 2 instructions."""
+    t, f = _as_offsets(sel.true_value), _as_offsets(sel.false_value)
+    if t.same_as(sel.true_value) and f.same_as(sel.false_value):
+        return sel
+    return tirx.Select(sel.condition, t, f)
+
+
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
 def compared_ramps_as_offsets(func, mod, ctx):
-    """Compare int32 ramps as a broadcast base plus a constant ramp (see above)."""
+    """Compare (and select) int32 ramps as a broadcast base plus a constant ramp
+    (see above)."""
     return func.with_body(tvm_ffi.structural_map(
-        func.body, [(kind, _compare_offsets) for kind in _COMPARISONS], order="post"))
+        func.body, [(kind, _compare_offsets) for kind in _COMPARISONS]
+        + [(tirx.Select, _selected_offsets)], order="post"))
 
 
 def _pipeline():
