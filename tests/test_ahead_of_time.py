@@ -38,7 +38,11 @@ def test_plain_build_is_unchanged_by_default():
         lambda x, y: ce_tvm.log_probs(x, y.clamp(min=0), softcap=5.0, temperature=0.7),
         lambda x, y: ce_tvm.log_probs(x, torch.zeros(len(y), 3, dtype=torch.long)),
     ]),
-], ids=["loss-variants", "log-probs"])
+    (Extras(softcap=True, log_probs=(1,), stats=True), [  # what TRL's trainers ask for
+        lambda x, y: ce_tvm.log_probs(x, y.clamp(min=0), softcap=5.0, return_entropy=True,
+                                      return_stats=True)[0],
+    ]),
+], ids=["loss-variants", "log-probs", "log-prob-stats"])
 def test_what_calls_load_is_built(extras, calls, monkeypatch):
     """Every kernel the calls run (forward and backward) is in the build list."""
     built = {_untuned(s) for s in all_specs("llvm", "float32", C, (), extras)}

@@ -43,18 +43,20 @@ PROB_OPS = ("prob_forward", "prob_backward", "prob_target_grad")  # probability 
 class Extras:
     """Kernel variants beyond the plain ones that ``ce-tvm compile`` and
     ``ce-tvm bundle`` build when asked (``--softcap``, ``--temperature``,
-    ``--accuracy``, ``--log-probs K``): what calls with those options load.
+    ``--accuracy``, ``--log-probs K``, ``--stats``): what calls with those options load.
 
     ``softcap``/``temperature``: the capped / tempered variants (and both
     together) of every loss kernel a drop-in call runs (not the seed pair's);
     ``accuracy``: the forward and training kernels that also write the token
     hits; ``log_probs``: the log-prob kernels for each ``K`` (capped too with
-    ``softcap``)."""
+    ``softcap``); ``stats``: their forward's variant that also writes the
+    statistics (``return_stats=True``, what TRL's trainers ask for)."""
 
     softcap: bool = False
     temperature: bool = False
     accuracy: bool = False
     log_probs: tuple = ()
+    stats: bool = False
 
 
 def all_specs(target: str, dtype: str, classes: int, options: tuple = (),
@@ -93,7 +95,9 @@ def _extra_specs(plain: list[KernelSpec], extras: Extras) -> list[KernelSpec]:
                          base.target, base.options)
               for k in extras.log_probs for cap in (False, True)[:1 + extras.softcap]
               for op in LOG_PROB_OPS]
-    return varied + hits + policy
+    stats = [replace(s, variant=replace(s.variant, stats=True)) for s in policy
+             if extras.stats and s.op == "log_probs"]
+    return varied + hits + policy + stats
 
 
 def ahead_of_time_specs(target: str, dtype: str, classes: int, options: tuple = (),

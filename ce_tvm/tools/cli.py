@@ -71,7 +71,7 @@ def _extras(args):
     from ..compiler.build import Extras
 
     return Extras(softcap=args.softcap, temperature=args.temperature, accuracy=args.accuracy,
-                  log_probs=tuple(args.log_probs or ()))
+                  log_probs=tuple(args.log_probs or ()), stats=args.stats)
 
 
 def _add_variant_flags(p) -> None:
@@ -84,6 +84,9 @@ def _add_variant_flags(p) -> None:
     p.add_argument("--log-probs", type=int, action="append", metavar="K",
                    help="also log_probs / linear_log_probs with K indices per row "
                         "(repeat for several K)")
+    p.add_argument("--stats", action="store_true",
+                   help="with --log-probs: also their return_stats=True variants "
+                        "(TRL's trainers ask for the statistics)")
 
 
 def cmd_bundle(args) -> int:
