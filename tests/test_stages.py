@@ -54,6 +54,8 @@ def declared_funcs():
     yield shards.shard_stats_func(10, "float32", Variant(weighted=True, tempered=True), 4)
     for softcap in (False, True):
         yield log_probs.log_probs_func(10, "float32", Variant(columns=2, softcap=softcap), 4)
+        yield log_probs.log_probs_func(10, "float32", Variant(columns=2, softcap=softcap,
+                                                              stats=True), 4)
         yield log_probs.log_probs_grad_func(10, "float32", Variant(columns=2, softcap=softcap))
 
 
