@@ -30,7 +30,8 @@ _LAZY = {"CrossEntropyLoss": "nn", "cross_entropy": "nn", "cross_entropy_loss": 
          "cross_entropy_loss_grad": "functional", "LinearCrossEntropyLoss": "linear",
          "linear_cross_entropy": "linear", "schedule": "store.targets", "use_bundle": "store.paths",
          "TargetOutOfRangeError": "validation", "log_probs": "policy", "linear_log_probs": "policy",
-         "topk_distillation_loss": "distill",
+         "topk_distillation_loss": "distill", "linear_distillation_loss": "distill",
+         "distillation_loss": "distill",
          "LogProbStats": "policy"}
 _SUBMODULES = ("distributed",)
 

@@ -67,6 +67,8 @@ from ..kernels.stages import (
     CHUNK_SQSUM,
     CHUNK_WXSUM,
     CHUNK_ZSUM,
+    KL_S_MAX,
+    KL_T_MAX,
     LOG_PROB,
     LOGITS,
     X_GRAD,
@@ -74,6 +76,7 @@ from ..kernels.stages import (
 from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
+    classes_of,
     has_stage,
     init_row_totals,
     inline_row_helpers,
@@ -85,7 +88,9 @@ from ._common import (
     row_lanes,
     row_sweep,
     sample_knobs,
+    split_reduction,
     sweep_accumulators,
+    vector_accumulator,
     vector_accumulators,
     vector_row_independent,
     vectorize_gradient_by_chunk,
@@ -596,3 +601,50 @@ def _pipeline():
 
 
 tvm.tirx.register_tir_pipeline(TIR_PIPELINE, _pipeline)
+
+
+def divergence(func, target: Target, knobs: CPUKnobs | None = None):
+    """Schedule ``ce_tvm.kernels.divergence_func``: rows in parallel; under each
+    row, the row reductions in their order (the two maxima, the two exp-sums,
+    the divergence's sums), each rfactored into ``lanes`` vector accumulators
+    (``accumulators`` native vectors: two dependency chains), then the per-row
+    outputs and the gradient's vectorised pass, which writes each element
+    after reading it (in place). A row of both models' logits (1 MB at
+    C = 128256 fp32) is read once from memory and again from L2 by each later
+    reduction: whole-row passes rather than the forward's L1 chunks, the
+    simpler nest, since two GEMMs per row chunk outweigh these passes
+    (``benchmarks/distillation_bench.py``)."""
+    knobs = knobs or CPUKnobs()
+    sch = s_tir.Schedule(func)
+    lanes = row_lanes(classes_of(func), vector_lanes(target) * knobs.accumulators)
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    rfs = {name: split_reduction(sch, name, lanes) for name in names
+           if any(v.iter_type == tirx.IterVar.CommReduce
+                  for v in sch.get(sch.get_sblock(name)).iter_vars)}
+    order = [blk for name in names for blk in rfs.get(name, [sch.get_sblock(name)])]
+    # The two maxima read only the inputs. The blocks between the first one and
+    # the second (the first side's stages) go under the first's row loop, which
+    # is then merged with the second's (``merge`` puts the merged loop at the
+    # second's place and checks no order: nothing between them is left behind)
+    # and is the row loop of all the rest.
+    roots = [rfs[KL_S_MAX][0], rfs[KL_T_MAX][0]]
+    at = [i for i, blk in enumerate(order) if any(sch.get(blk).same_as(sch.get(r)) for r in roots)]
+    first = order[at[0]]
+    row = sch.get_loops(first)[0]
+    for blk in order[at[0] + 1:at[1]]:
+        sch.reverse_compute_at(blk, row)
+    row = sch.merge(row, sch.get_loops(order[at[1]])[0])
+    for blk in order[at[1] + 1:]:  # in order: each after what it reads
+        sch.reverse_compute_at(blk, row)
+    sch.parallel(row)
+    for blocks in rfs.values():
+        if len(blocks) == 1:
+            continue
+        if any(sch.get(blocks[0]).same_as(sch.get(r)) for r in roots):  # rows, steps, lanes
+            sch.vectorize(sch.get_loops(blocks[0])[-1])
+            sch.decompose_reduction(blocks[0], sch.get_loops(blocks[0])[1])
+        else:  # regenerated under the rows: lanes, steps
+            vector_accumulator(sch, blocks[0], 1)
+    if X_GRAD in names:
+        vectorize_inner(sch, sch.get_sblock(X_GRAD), lanes)
+    return sch.mod["main"]

@@ -26,7 +26,7 @@ LAYERS = [
     ("kernels.stages",),
     ("kernels.common",),
     ("kernels.forward", "kernels.shards", "kernels.backward", "kernels.training",
-     "kernels.prob_targets", "kernels.log_probs"),
+     "kernels.prob_targets", "kernels.log_probs", "kernels.divergence"),
     ("kernels",),
     # one module per target
     ("schedules._common", "schedules.ascend_plan"),

@@ -16,6 +16,7 @@ import tvm
 from ..kernels import (
     backward,
     choices,
+    divergence,
     fastmath,
     forward,
     log_probs,
@@ -151,7 +152,8 @@ def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc
     whole = {"shard_combine": shards.shard_combine_func, "backward": backward.backward_func,
              "prob_backward": prob_targets.prob_backward_func,
              "prob_target_grad": prob_targets.prob_target_grad_func,
-             "log_probs_grad": log_probs.log_probs_grad_func}
+             "log_probs_grad": log_probs.log_probs_grad_func,
+             "divergence": divergence.divergence_func}
     return whole[spec.op](*args)
 
 
@@ -160,7 +162,7 @@ SCHEDULE_OF_OP = {"forward": "forward", "train": "train", "shard_stats": "forwar
                   "backward": "backward", "shard_combine": "per_row",
                   "prob_forward": "forward", "prob_backward": "backward",
                   "prob_target_grad": "backward", "log_probs": "forward",
-                  "log_probs_grad": "backward"}
+                  "log_probs_grad": "backward", "divergence": "divergence"}
 
 
 def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:

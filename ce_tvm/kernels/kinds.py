@@ -10,6 +10,9 @@ REDUCTIONS = ("none", "sum", "mean")
 # Storage dtypes and their sizes in bytes (the one table of them).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 DTYPES = tuple(DTYPE_BYTES)
+# The divergence kernels' directions: KL(teacher || student), KL(student || teacher)
+# and the generalized JSD of TRL's ``beta`` strictly inside (0, 1).
+DIVERGENCES = ("fkl", "rkl", "jsd")
 
 
 # A CUDA kernel's scratch (per-row terms and sums over rows, passed between its
@@ -46,6 +49,11 @@ class Variant:
     (``index[N, K]``); 0 for the loss kernels. ``stats``: the log-prob forward also
     reduces, in the same sweep, ``log sum p^2``, the mean logit of every row and
     whether each index is its row's first argmax (docs/spec.md, section 9).
+    ``divergence``: the student-teacher divergence kernels' direction
+    (``DIVERGENCES``: forward KL, reverse KL, generalized JSD; "" for the
+    others); there ``softcap`` caps the student's logits, ``teacher_softcap``
+    the teacher's, and ``reduction`` ``"none"`` writes no gradient
+    (docs/spec.md, section 12).
     """
 
     reduction: str = "mean"
@@ -57,6 +65,8 @@ class Variant:
     tempered: bool = False
     columns: int = 0
     stats: bool = False
+    divergence: str = ""
+    teacher_softcap: bool = False
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
@@ -64,6 +74,8 @@ class Variant:
         if self.grad_source not in ("log_prob", "logits", "shard"):
             raise ValueError(
                 f"grad_source must be 'log_prob', 'logits' or 'shard', got {self.grad_source!r}")
+        if self.divergence not in ("", *DIVERGENCES):
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
 
     def tag(self) -> str:
         """A short string naming the variant (used in cache keys and file names)."""
@@ -72,5 +84,7 @@ class Variant:
              *(["sc"] if self.softcap else []), *(["t"] if self.tempered else []),
              *(["acc"] if self.accuracy else []),
              *([f"k{self.columns}"] if self.columns else []), *(["st"] if self.stats else []),
+             *([self.divergence] if self.divergence else []),
+             *(["tsc"] if self.teacher_softcap else []),
              self.grad_source]
         )

@@ -114,6 +114,23 @@ merged by ``ce_rowstats`` and three more outputs:
                        ``[N, K]``, uint8)
 =====================  =====================================================
 
+student-teacher divergence (``divergence_func``; docs/spec.md, section 12;
+``p`` the student's softmax, ``q`` the teacher's, both of ``z = cap(x) / T``):
+
+=====================  =====================================================
+``kl_student_max``     the student row's max logit (before cap and temperature)
+``kl_teacher_max``     the teacher row's
+``kl_student_expsum``  ``sum exp(z_s - max z_s)``
+``kl_teacher_expsum``  ``sum exp(z_t - max z_t)``
+``kl_student_plogit``  ``sum p (z_s - max z_s)`` (the entropy's)
+``kl_aux``             ``sum p (log p - log m)``: the gradient's row term
+                       (``m = q`` reverse KL, the mixture for the JSD)
+``kl_teacher_part``    ``sum q (log q - log m)`` (``m = p`` forward KL)
+``divergence``         output ``[N]``: the row's divergence
+``entropy``            output ``[N]``: the student's entropy
+``x_grad``             output: the student logits' gradient times ``g[n]``
+=====================  =====================================================
+
 ``N`` is a symbolic int64 variable, so one compiled module serves every batch
 size; ``C`` is a compile-time constant. ``ignore_index``, ``label_smoothing``
 and ``zloss_scale`` are scalar kernel arguments.
@@ -166,6 +183,14 @@ CHUNK_FIRST = "ce_chunk_first"
 ROW_LOG_SUM_SQ = "log_sum_sq_probs"
 ROW_MEAN_LOGITS = "mean_logits"
 TOKEN_TOP1 = "is_top1"
+KL_S_MAX = "kl_student_max"
+KL_T_MAX = "kl_teacher_max"
+KL_S_EXPSUM = "kl_student_expsum"
+KL_T_EXPSUM = "kl_teacher_expsum"
+KL_S_PLOGIT = "kl_student_plogit"
+KL_AUX = "kl_aux"
+KL_T_PART = "kl_teacher_part"
+ROW_DIVERGENCE = "divergence"
 LOGITS = "x"  # the input logits
 STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
@@ -173,4 +198,6 @@ STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_M
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
           ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF,
           CHUNK_LOGITS, ROW_MAX, ROW_LOG_EXPSUM, ROW_ENTROPY, TOKEN_LOGP, CHUNK_SQSUM,
-          CHUNK_ZSUM, CHUNK_FIRST, ROW_LOG_SUM_SQ, ROW_MEAN_LOGITS, TOKEN_TOP1)
+          CHUNK_ZSUM, CHUNK_FIRST, ROW_LOG_SUM_SQ, ROW_MEAN_LOGITS, TOKEN_TOP1,
+          KL_S_MAX, KL_T_MAX, KL_S_EXPSUM, KL_T_EXPSUM, KL_S_PLOGIT, KL_AUX, KL_T_PART,
+          ROW_DIVERGENCE)

@@ -363,3 +363,53 @@ def log_probs_backward(grad_logp, grad_entropy, x, index, row_max, log_expsum, e
     _run(_spec("log_probs_grad", x, variant), x.shape[0], grad_logp, grad_entropy, x, row_max,
          log_expsum, entropy, index, *_policy_scalars(options), x_grad)
     return x_grad
+
+
+# --- Student-teacher divergence (docs/spec.md, section 12) --------------------
+
+
+@dataclass(frozen=True)
+class DivergenceOptions:
+    """The divergence kernels' runtime scalars and variant: ``kind`` (``fkl``,
+    ``rkl``, ``jsd``; ``kinds.DIVERGENCES``), ``beta``, and per side the cap
+    and the inverse temperature with the logit scale folded in
+    (``cap(s x) / T = s cap_{t / s}(x) / T``: ``softcap`` ``t / s``, inverse
+    temperature ``s / T``)."""
+
+    kind: str
+    beta: float
+    student_softcap: float
+    student_inv_temperature: float
+    teacher_softcap: float
+    teacher_inv_temperature: float
+
+    def variant(self, grad: bool) -> Variant:
+        return Variant("sum" if grad else "none", divergence=self.kind,
+                       softcap=self.student_softcap != 0.0,
+                       teacher_softcap=self.teacher_softcap != 0.0)
+
+    def scalars(self) -> tuple:
+        return (self.beta, self.student_inv_temperature, self.teacher_inv_temperature,
+                *((self.student_softcap,) if self.student_softcap != 0.0 else ()),
+                *((self.teacher_softcap,) if self.teacher_softcap != 0.0 else ()))
+
+
+def divergence(student, teacher, g, options: DivergenceOptions, *,
+               grad_out: torch.Tensor | None = None):
+    """``(divergence[N], entropy[N])`` (accumulation dtype) of the student's and
+    the teacher's logits ``[N, C]`` (one dtype); with ``grad_out`` also the
+    student logits' gradient of ``sum_n g[n] divergence[n]`` written there
+    (``g``: ``[N]``, accumulation dtype; ``grad_out`` may be ``student``
+    itself: each logit is read before its gradient takes its place)."""
+    student, teacher, g = aligned(student), aligned(teacher), aligned(g)
+    n = student.shape[0]
+    acc = accum_torch_dtype(student)
+    div, ent = student.new_empty(n, dtype=acc), student.new_empty(n, dtype=acc)
+    if grad_out is not None:
+        _check_out(grad_out)
+    if _rows_to_run(student) == 0:
+        return div, ent
+    grad = grad_out is not None
+    _run(_spec("divergence", student, options.variant(grad)), n, student, teacher, g,
+         *options.scalars(), div, ent, *([grad_out] if grad else []))
+    return div, ent

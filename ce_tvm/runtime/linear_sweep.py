@@ -367,3 +367,37 @@ def recomputed_grads(x: Tensor, W: Tensor, b: Tensor | None, rows: int, needs: N
         to_grad(sl, logits)
         sink.add(sl, x[sl], logits, W)
     return sink
+
+
+# --- Student-teacher divergence (docs/spec.md, section 12) --------------------
+# Both heads' logits of a row chunk go into two buffers (two GEMMs); one kernel
+# reduces both rows and, given the upstream gradient, writes the student's
+# logits gradient over the student buffer, which feeds the GradSink.
+
+
+def divergence_sweep(xs: Tensor, Ws: Tensor, bs: Tensor | None, xt: Tensor, Wt: Tensor,
+                     bt: Tensor | None, g: Tensor | None, opts: launch.DivergenceOptions,
+                     rows: int, needs: Needs):
+    """``(divergence[N], entropy[N], sink)``: the per-row divergence and student
+    entropy (accumulation dtype) of the heads ``xs @ Ws^T + bs`` (student) and
+    ``xt @ Wt^T + bt`` (teacher, same dtype), chunk by chunk; with ``g`` (``[N]``,
+    accumulation dtype) also a finished ``GradSink`` of the student's
+    ``(grad_x, grad_W, grad_b)`` of ``sum_n g[n] divergence[n]``, else ``None``."""
+    n, classes = xs.shape[0], Ws.shape[0]
+    acc = accum_torch_dtype(xs)
+    student = pool.POOL.empty((rows, classes), xs.dtype, xs.device)
+    teacher = pool.POOL.empty((rows, classes), xs.dtype, xs.device)
+    div, ent = xs.new_empty(n, dtype=acc), xs.new_empty(n, dtype=acc)
+    slices = chunks(n, rows)
+    sink = GradSink(xs, Ws, bs, needs, len(slices)) if g is not None else None
+    zeros = None if g is not None else torch.zeros(rows, dtype=acc, device=xs.device)
+    for sl in slices:
+        s = project(student, xs[sl], Ws, bs)
+        t = project(teacher, xt[sl], Wt, bt)
+        d, e = launch.divergence(s, t, g[sl] if g is not None else zeros[:s.shape[0]], opts,
+                                 grad_out=s if g is not None else None)
+        div[sl].copy_(d)
+        ent[sl].copy_(e)
+        if sink is not None:
+            sink.add(sl, xs[sl], s, Ws)
+    return div, ent, None if sink is None else sink.finish(xs)

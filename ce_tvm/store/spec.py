@@ -27,7 +27,7 @@ from .tvmlib import tvm_version
 
 __version__ = importlib.metadata.version("ce-tvm")
 OPS = ("forward", "train", "backward", "shard_stats", "shard_combine", "prob_forward",
-       "prob_backward", "prob_target_grad", "log_probs", "log_probs_grad")
+       "prob_backward", "prob_target_grad", "log_probs", "log_probs_grad", "divergence")
 LOG_PROB_OPS = ("log_probs", "log_probs_grad")  # docs/spec.md, section 9
 TUNED_OPS = ("forward", "train", "backward", *LOG_PROB_OPS)  # the kernels tuning records exist for
 log = logging.getLogger("ce_tvm")
