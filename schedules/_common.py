@@ -30,6 +30,8 @@ from ..kernels.stages import (
     GRAD_MASK,
     GRAD_PSCALE,
     GRAD_SMOOTH,
+    KL_S_MAX,
+    KL_T_MAX,
     LOG_PROB,
     LOSS,
     LSE,
@@ -427,3 +429,29 @@ def _innermost(sch, loop):
     while sch.get_child_blocks(blocks[0]):  # through loop_partition's opaque wrappers
         blocks = sch.get_child_blocks(blocks[0])
     return sch.get_loops(blocks[0])[-1]
+
+
+def divergence_row(sch, order: list):
+    """Put every block of ``divergence_func`` (``order``: its blocks in program
+    order, a split reduction's rfactor block before its final one) under one
+    row loop; returns ``(row loop, the two row maxima's first blocks)``.
+
+    The two maxima read only the inputs, so neither's row loop bounds the
+    other's: the blocks between the first one and the second (the first side's
+    stages) go under the first's row loop, which is then merged with the
+    second's (``merge`` puts the merged loop at the second's place and checks
+    no order: nothing between them is left behind), and every later block
+    follows under it (``reverse_compute_at``, in order: each after what it reads).
+    """
+    names = [sch.get(b).name_hint for b in order]
+    roots = [next(order[i] for i, n in enumerate(names) if n.startswith(m))
+             for m in (KL_S_MAX, KL_T_MAX)]
+    at = sorted(next(i for i, b in enumerate(order) if sch.get(b).same_as(sch.get(r)))
+                for r in roots)
+    row = sch.get_loops(order[at[0]])[0]
+    for blk in order[at[0] + 1:at[1]]:
+        sch.reverse_compute_at(blk, row)
+    row = sch.merge(row, sch.get_loops(order[at[1]])[0])
+    for blk in order[at[1] + 1:]:
+        sch.reverse_compute_at(blk, row)
+    return row, roots

@@ -196,3 +196,11 @@ def per_row(func, target: Target, profile: str = "910b"):
             _parallel_rows(sch, sch.get_loops(blk)[0], prof.vector_cores)
     init_row_totals(sch)
     return sch.mod["main"]
+
+
+def divergence(func, target: Target, profile: str = "910b"):
+    """The student-teacher divergence has no Ascend-style schedule yet: its
+    UB plan (two input rows, seven row reductions) is not written."""
+    raise NotImplementedError(
+        "ce_tvm: the divergence kernel (linear_distillation_loss, distillation_loss) has no "
+        "Ascend-style schedule yet; run it on the CPU or CUDA")

@@ -67,8 +67,6 @@ from ..kernels.stages import (
     CHUNK_SQSUM,
     CHUNK_WXSUM,
     CHUNK_ZSUM,
-    KL_S_MAX,
-    KL_T_MAX,
     LOG_PROB,
     LOGITS,
     X_GRAD,
@@ -77,6 +75,7 @@ from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
     classes_of,
+    divergence_row,
     has_stage,
     init_row_totals,
     inline_row_helpers,
@@ -622,20 +621,7 @@ def divergence(func, target: Target, knobs: CPUKnobs | None = None):
            if any(v.iter_type == tirx.IterVar.CommReduce
                   for v in sch.get(sch.get_sblock(name)).iter_vars)}
     order = [blk for name in names for blk in rfs.get(name, [sch.get_sblock(name)])]
-    # The two maxima read only the inputs. The blocks between the first one and
-    # the second (the first side's stages) go under the first's row loop, which
-    # is then merged with the second's (``merge`` puts the merged loop at the
-    # second's place and checks no order: nothing between them is left behind)
-    # and is the row loop of all the rest.
-    roots = [rfs[KL_S_MAX][0], rfs[KL_T_MAX][0]]
-    at = [i for i, blk in enumerate(order) if any(sch.get(blk).same_as(sch.get(r)) for r in roots)]
-    first = order[at[0]]
-    row = sch.get_loops(first)[0]
-    for blk in order[at[0] + 1:at[1]]:
-        sch.reverse_compute_at(blk, row)
-    row = sch.merge(row, sch.get_loops(order[at[1]])[0])
-    for blk in order[at[1] + 1:]:  # in order: each after what it reads
-        sch.reverse_compute_at(blk, row)
+    row, roots = divergence_row(sch, order)
     sch.parallel(row)
     for blocks in rfs.values():
         if len(blocks) == 1:

@@ -74,6 +74,7 @@ from ._common import (
     SHARD_GATHERS,
     all_blocks,
     classes_of,
+    divergence_row,
     has_stage,
     inline_capped_chunk,
     inline_row_helpers,
@@ -539,3 +540,27 @@ def scratch_as_params(func):
 
 def _buffer_params(func) -> list:
     return [p for p in func.params if hasattr(p, "shape")]
+
+
+def divergence(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+    """Schedule ``ce_tvm.kernels.divergence_func``: one thread block per row
+    (``divergence_row`` puts every stage under the row loop); each row
+    reduction spread over the block's threads (a cross-thread reduction: warp
+    shuffles, then shared memory), its per-row result in shared memory (no
+    global scratch); the gradient's columns spread over the threads, coalesced;
+    the two per-row outputs written by every thread (the same value). Every
+    row reduction reads its rows from global memory again (up to seven passes
+    over the student row, five over the teacher's): the simple nest, built
+    with nvcc here and not yet run or timed on a GPU."""
+    sch = s_tir.Schedule(func)
+    order = list(sch.get_child_blocks(sch.get_sblock("root")))
+    outputs = {sch.get(b).name_hint for b in sch.get_output_blocks(sch.get_sblock("root"))}
+    row, _ = divergence_row(sch, order)
+    sch.bind(row, "blockIdx.x")
+    for blk in order:
+        loops = sch.get_loops(blk)
+        if len(loops) == 2:  # a row reduction, or the gradient's columns
+            _thread_loop(sch, loops[1], knobs.threads)
+        if sch.get(blk).name_hint not in outputs:
+            sch.set_scope(blk, 0, "shared")
+    return finish(sch.mod["main"])

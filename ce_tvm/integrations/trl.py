@@ -15,7 +15,14 @@ outputs)`` without the ``[N, V]`` logits.
   without gradient. TRL's own code around it is unchanged: which positions are
   scored, the loss, the family's logit scale and softcap (read by TRL from
   the config), its FSDP gathering (``full_tensor``) and autocast.
-- ``remove()``: TRL's own function again.
+- ``apply()`` also puts ce_tvm under TRL's distillation divergence:
+  ``DistillationTrainer`` calls ``ChunkedDivergenceFunction.apply(student_hidden,
+  student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
+  beta, temperature, student_logit_scale, student_softcap, teacher_logit_scale,
+  teacher_softcap)`` (a name of ``trl.trainer.distillation_trainer``) for the
+  per-token divergence and student entropy; ``linear_distillation_loss``
+  (``reduction="none"``) computes it, the gradient to the student only.
+- ``remove()``: TRL's own functions again.
 
 Under DeepSpeed ZeRO-3 each call goes to TRL's own function: its backward
 re-gathers the partitioned weight to recompute, which ce_tvm's does not yet.
@@ -26,16 +33,19 @@ from __future__ import annotations
 
 import torch
 
+from ..distill import linear_distillation_loss
 from ..optional import guard
 from ..policy import LogProbStats, linear_log_probs
 
 with guard("trl", "trl", "ce_tvm.integrations.trl"):
     import trl
+    from trl.trainer import distillation_trainer as trl_distillation
     from trl.trainer import utils as trl_utils
 
 TESTED = ("1.16.0", "1.17.0")  # [lowest, first untested)
 STATISTICS = LogProbStats._fields  # log_sum_sq_probs, mean_logits, is_top1
 _TRLS_OWN = trl_utils._ChunkedLogProbFunction
+_TRLS_DIVERGENCE = trl_distillation.ChunkedDivergenceFunction
 
 
 def _check_version() -> None:
@@ -85,14 +95,51 @@ class ChunkedLogProb:
                 *(getattr(stats, name) if name in wanted else None for name in STATISTICS))
 
 
+class ChunkedDivergence:
+    """TRL's ``ChunkedDivergenceFunction`` interface, computed by
+    ``linear_distillation_loss``."""
+
+    @staticmethod
+    def apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+              teacher_bias, beta, temperature=1.0, student_logit_scale=1.0,
+              student_final_logit_softcapping=None, teacher_logit_scale=1.0,
+              teacher_final_logit_softcapping=None):
+        """``(divergence[N], entropy[N])`` (float32) of the rows of both heads;
+        the divergence's gradient reaches the student's hidden states, weight
+        and bias, the entropy has none."""
+        if _zero3():
+            return _TRLS_DIVERGENCE.apply(
+                student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                teacher_bias, beta, temperature, student_logit_scale,
+                student_final_logit_softcapping, teacher_logit_scale,
+                teacher_final_logit_softcapping)
+        device = student_hidden.device.type
+        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else student_hidden.dtype)
+        cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
+        with torch.autocast(device, enabled=False):
+            loss, entropy = linear_distillation_loss(
+                cast(student_hidden), cast(student_weight), cast(teacher_hidden),
+                cast(teacher_weight), student_bias=cast(student_bias),
+                teacher_bias=cast(teacher_bias), beta=float(beta),
+                temperature=float(temperature), student_logit_scale=float(student_logit_scale),
+                teacher_logit_scale=float(teacher_logit_scale),
+                student_softcap=float(student_final_logit_softcapping or 0.0),
+                teacher_softcap=float(teacher_final_logit_softcapping or 0.0),
+                reduction="none", return_entropy=True)
+        return loss.float(), entropy.float()
+
+
 def apply() -> None:
     """Compute TRL's fused LM head with ce_tvm, for every model and trainer,
     until ``remove()``; applying twice is the same as once."""
     _check_version()
     trl_utils._ChunkedLogProbFunction = ChunkedLogProb
+    trl_distillation.ChunkedDivergenceFunction = ChunkedDivergence
 
 
 def remove() -> None:
-    """TRL's own fused LM head again."""
+    """TRL's own fused LM head and divergence again."""
     trl_utils._ChunkedLogProbFunction = _TRLS_OWN
+    trl_distillation.ChunkedDivergenceFunction = _TRLS_DIVERGENCE
 

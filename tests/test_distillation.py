@@ -1,0 +1,185 @@
+"""The student-teacher divergence (``ce_tvm.linear_distillation_loss``,
+``ce_tvm.distillation_loss``; docs/distillation.md): values and the student's
+gradients against a float64 reference from whole logits (torch autograd), for
+TRL's three directions (beta 0, 1/2, 1), two temperatures, logit scales and
+softcaps on either side, masked positions, float32 and bfloat16; equality with
+TRL 1.16's ``generalized_jsd_loss`` and ``ChunkedDivergenceFunction``; TRL's
+``DistillationTrainer`` with and without ``ce_tvm.integrations.trl.apply()``;
+the errors. One vocabulary (``V``, not a multiple of the vector width's
+power-of-two tiles) so kernels compile once per variant."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ce_tvm
+
+V, H, HT = 1000, 24, 40  # the teacher is wider than the student: only V must align
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.bfloat16: dict(rtol=3e-2, atol=3e-3)}
+
+
+def reference(xs, Ws, bs, xt, Wt, bt, kept, *, beta, temperature=1.0, student_logit_scale=1.0,
+              teacher_logit_scale=1.0, student_softcap=0.0, teacher_softcap=0.0):
+    """``(per-row divergence, per-row entropy)`` in float64 from whole logits, as
+    TRL's ``generalized_jsd_loss`` defines them (0 where not ``kept``)."""
+    def z(x, W, b, scale, cap):
+        logits = x.double() @ W.double().t() + (0 if b is None else b.double())
+        logits = logits * scale
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        return F.log_softmax(logits / temperature, -1)
+
+    lp = z(xs, Ws, bs, student_logit_scale, student_softcap)
+    lq = z(xt, Wt, bt, teacher_logit_scale, teacher_softcap)
+    if beta == 0:
+        div = (lq.exp() * (lq - lp)).sum(-1)
+    elif beta == 1:
+        div = (lp.exp() * (lp - lq)).sum(-1)
+    else:
+        lm = torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
+        div = beta * (lq.exp() * (lq - lm)).sum(-1) + (1 - beta) * (lp.exp() * (lp - lm)).sum(-1)
+    return div * kept, -(lp.exp() * lp).sum(-1) * kept
+
+
+def heads(n, dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    xs, Ws = r(n, H), r(V, H, scale=0.5)
+    xt, Wt = r(n, HT), r(V, HT, scale=0.4)
+    bs, bt = (r(V), r(V)) if bias else (None, None)
+    y = torch.randint(0, V, (n,), generator=g)
+    y[::4] = -100
+    return xs, Ws, bs, xt, Wt, bt, y
+
+
+SIDES = {
+    "plain": {},
+    "student": dict(student_logit_scale=0.7, student_softcap=6.0),
+    "teacher": dict(teacher_logit_scale=1.3, teacher_softcap=4.0),
+}
+
+
+def _check_once(dtype, beta, temperature, side, reduction="mean", chunk_rows=16):
+    xs, Ws, bs, xt, Wt, bt, y = heads(37, dtype)
+    kw = dict(beta=beta, temperature=temperature, **SIDES[side])
+    leaves = [t.clone().requires_grad_() for t in (xs, Ws, bs)]
+    loss, ent = ce_tvm.linear_distillation_loss(
+        leaves[0], leaves[1], xt, Wt, y, student_bias=leaves[2], teacher_bias=bt,
+        reduction=reduction, return_entropy=True, chunk_rows=chunk_rows, **kw)
+    upstream = torch.linspace(0.5, 1.5, 37) if reduction == "none" else torch.tensor(1.0)
+    (loss * upstream).sum().backward()
+    ref_leaves = [t.double().requires_grad_() for t in (xs, Ws, bs)]
+    kept = (y != -100).double()
+    div, ref_ent = reference(ref_leaves[0], ref_leaves[1], ref_leaves[2], xt, Wt, bt, kept, **kw)
+    ref = {"none": div, "sum": div.sum(), "mean": div.sum() / kept.sum()}[reduction]
+    (ref * upstream.double()).sum().backward()
+    tol = TOL[dtype]
+    torch.testing.assert_close(loss.double(), ref, **tol)
+    torch.testing.assert_close(ent.double(), ref_ent, **tol)
+    for mine, theirs in zip(leaves, ref_leaves):
+        scale = theirs.grad.abs().max()
+        torch.testing.assert_close(mine.grad.double() / scale, theirs.grad / scale, **tol)
+
+
+@pytest.mark.parametrize("side", list(SIDES))
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_linear_values_and_student_gradients_fp32(beta, temperature, side):
+    _check_once(torch.float32, beta, temperature, side)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_linear_values_and_student_gradients_bf16(beta):
+    _check_once(torch.bfloat16, beta, 2.0, "student")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_reductions(reduction):
+    _check_once(torch.float32, 0.5, 1.0, "plain", reduction)
+
+
+def test_one_chunk_and_many_agree():
+    xs, Ws, bs, xt, Wt, bt, y = heads(37, torch.float32)
+    a = ce_tvm.linear_distillation_loss(xs, Ws, xt, Wt, y, beta=0.3, chunk_rows=5)
+    b = ce_tvm.linear_distillation_loss(xs, Ws, xt, Wt, y, beta=0.3, chunk_rows=64)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def test_teacher_gets_no_gradient_and_all_masked_is_zero():
+    xs, Ws, bs, xt, Wt, bt, y = heads(8, torch.float32)
+    Wt = Wt.clone().requires_grad_()
+    loss = ce_tvm.linear_distillation_loss(xs, Ws.requires_grad_(), xt, Wt, y)
+    loss.backward()
+    assert Wt.grad is None and Ws.grad is not None
+    none = ce_tvm.linear_distillation_loss(xs, Ws, xt, Wt, torch.full((8,), -100))
+    assert none.item() == 0.0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_logits_form_matches_trl_generalized_jsd(beta):
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    g = torch.Generator().manual_seed(1)
+    s = (torch.randn(2, 9, V, generator=g) * 3).requires_grad_()
+    t = torch.randn(2, 9, V, generator=g) * 3
+    y = torch.randint(0, V, (2, 9), generator=g)
+    y[:, :3] = -100
+    mine = ce_tvm.distillation_loss(s, t, y, beta=beta, temperature=2.0)
+    (gs,) = torch.autograd.grad(mine, s)
+    theirs = GKDTrainer.generalized_jsd_loss(s, t, y, beta=beta, temperature=2.0)
+    (gt,) = torch.autograd.grad(theirs, s)
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gs, gt, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_matches_trl_chunked_divergence_function(beta):
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    xs, Ws, bs, xt, Wt, bt, _ = heads(23, torch.float32)
+    args = dict(temperature=1.5, student_logit_scale=0.8, teacher_softcap=5.0)
+    leaves = [t.clone().requires_grad_() for t in (xs, Ws, bs)]
+    div, ent = ce_tvm.linear_distillation_loss(
+        leaves[0], leaves[1], xt, Wt, student_bias=leaves[2], teacher_bias=bt, beta=beta,
+        reduction="none", return_entropy=True, **args)
+    div.sum().backward()
+    theirs_leaves = [t.clone().requires_grad_() for t in (xs, Ws, bs)]
+    tdiv, tent = ChunkedDivergenceFunction.apply(
+        theirs_leaves[0], theirs_leaves[1], theirs_leaves[2], xt, Wt, bt, beta, 1.5, 0.8, None,
+        1.0, 5.0)
+    tdiv.sum().backward()
+    torch.testing.assert_close(div, tdiv, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(ent, tent, rtol=1e-5, atol=2e-6)
+    for mine, theirs in zip(leaves, theirs_leaves):
+        scale = theirs.grad.abs().max()
+        torch.testing.assert_close(mine.grad / scale, theirs.grad / scale, rtol=1e-4, atol=1e-5)
+
+
+def test_errors():
+    xs, Ws, bs, xt, Wt, bt, y = heads(4, torch.float32)
+    with pytest.raises(ValueError, match="vocabularies must align"):
+        ce_tvm.linear_distillation_loss(xs, Ws, xt, Wt[:-1], y)
+    with pytest.raises(ValueError, match="vocabularies must align"):
+        ce_tvm.distillation_loss(torch.randn(4, V), torch.randn(4, V + 1))
+    for beta in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="beta must be in"):
+            ce_tvm.linear_distillation_loss(xs, Ws, xt, Wt, y, beta=beta)
+    for temperature in (0.0, -1.0):
+        with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+            ce_tvm.distillation_loss(torch.randn(4, V), torch.randn(4, V),
+                                     temperature=temperature)
+
+
+def test_ascend_style_schedule_refuses_with_a_clear_error():
+    from ce_tvm.compiler.build import scheduled_func
+    from ce_tvm.kernels.kinds import Variant
+    from ce_tvm.store.spec import KernelSpec
+
+    spec = KernelSpec("divergence", "float32", V, Variant("sum", divergence="jsd"), "ascend")
+    with pytest.raises(NotImplementedError, match="divergence"):
+        scheduled_func(spec)
