@@ -55,8 +55,9 @@ TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 DTYPES = tuple(TOL)
 CLASSES = (1000, 5003, 32000, 128256)
 ROWS = (1, 7, 64, 1000)
-# 1000 rows at C <= 5003 only: at C = 128256 the float64 reference of 1000 rows
-# holds ~6 GB, and the longer vocabularies' chunks and launches are the same at 64 rows.
+# 1000 rows at C <= 5003 only: a short run and a small float64 reference (one array
+# of 1000 x 128256 is 1 GB); a longer vocabulary's chunks and launches are the same at
+# 64 rows, only the grid is longer.
 MAX_ROWS = {32000: 64, 128256: 64}
 IGNORE = -100
 ARCH = "sm_90"
@@ -83,9 +84,10 @@ class Case:
     knobs: CUDAKnobs | None = None
     repeats: int = 1
     seed: int = 0
+    arch: str = ARCH
 
     def spec(self) -> KernelSpec:
-        options = (("arch", ARCH),) + ((("knobs", self.knobs),) if self.knobs else ())
+        options = (("arch", self.arch),) + ((("knobs", self.knobs),) if self.knobs else ())
         return KernelSpec(self.op, self.dtype, self.classes, self.variant, "cuda", options)
 
     @property
@@ -197,16 +199,21 @@ def _case(family, kernel, dtype, classes, rows, **more) -> Case:
     return Case(family, op, variant, label, dtype, classes, rows, **{**fields, **more})
 
 
+# The kernels scheduled by ``schedules/cuda.py``'s ``backward`` (rows per block a knob).
+GRADIENT_OPS = ("backward", "prob_backward", "prob_target_grad", "log_probs_grad")
+
+
 def stress(dtypes=("float32", "bfloat16"), classes=(5003,), rows=7) -> list[Case]:
-    """The stress pass: the row kernels of every family with the fewest and the
-    most threads per block the schedule offers (``knob_space``), 4 rows per
-    block where it allows that (the backward kernels; 7 rows: the last block's
-    rows past N idle), launched 3 times each."""
+    """The stress pass: the first two kernels of every family and every gradient
+    kernel, with the fewest and the most threads per block the schedule offers
+    (``knob_space``), and the gradient kernels with 4 rows per block too (7
+    rows: the last block has rows past N), launched 3 times each."""
     out = []
     threads = knob_space("backward", 1000, "float32", None)["threads"]
-    kernels = [(f, k) for f in FAMILIES for k in KERNELS[f][:2]]
+    kernels = [(f, k) for f in FAMILIES for i, k in enumerate(KERNELS[f])
+               if i < 2 or k[0] in GRADIENT_OPS]
     for (family, kernel), dtype, c in itertools.product(kernels, dtypes, classes):
-        grad = kernel[0] in ("backward", "prob_backward", "prob_target_grad", "log_probs_grad")
+        grad = kernel[0] in GRADIENT_OPS
         choices = [CUDAKnobs(threads=min(threads)), CUDAKnobs(threads=max(threads))]
         if grad:
             choices.append(CUDAKnobs(threads=min(threads), rows_per_block=4))
@@ -538,6 +545,8 @@ def main(argv=None) -> int:
     parser.add_argument("--classes", nargs="+", type=int, default=list(CLASSES))
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     parser.add_argument("--no-stress", action="store_true", help="skip the stress pass")
+    parser.add_argument("--arch", default=ARCH, help="the CUDA arch the kernels are "
+                        "scheduled for (which rows the log_prob forward stages whole)")
     args = parser.parse_args(argv)
     reason = pocl.pocl_unavailable()
     if reason:
@@ -548,6 +557,7 @@ def main(argv=None) -> int:
     cases = matrix(args.families, args.dtypes, args.classes, args.rows)
     if not args.no_stress:
         cases += [c for c in stress() if c.family in args.families]
+    cases = [replace(c, arch=args.arch) for c in cases]
     results, start = [], time.perf_counter()
     for i, case in enumerate(cases, 1):
         try:
