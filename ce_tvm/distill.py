@@ -95,7 +95,7 @@ def topk_distillation_loss(student_input: Tensor, student_weight, teacher_index:
 
 
 # --- Full-vocabulary distillation: the student-teacher divergence -------------
-# (docs/distillation.md; docs/spec.md, section 12)
+# (docs/distillation.md; docs/spec.md, section 15)
 
 
 def _kind(beta: float) -> str:

@@ -183,3 +183,54 @@ def test_ascend_style_schedule_refuses_with_a_clear_error():
     spec = KernelSpec("divergence", "float32", V, Variant("sum", divergence="jsd"), "ascend")
     with pytest.raises(NotImplementedError, match="divergence"):
         scheduled_func(spec)
+
+
+@pytest.mark.slow
+def test_distillation_trainer_logs_the_same_with_ce_tvm(tmp_path):
+    """A few ``DistillationTrainer`` steps (on-policy: the student generates) with
+    TRL's divergence and with ce_tvm's: the same logged losses, to the bounds
+    ``test_trl_trainers.py`` argues for (1e-3 relative or 1e-4 absolute: the
+    trainer's, the tiny model's gradient being ill-conditioned)."""
+    from datasets import Dataset
+    from test_trl_trainers import common, sentence, tiny_llama, tokenizer
+    from trl import DistillationConfig, DistillationTrainer
+
+    from ce_tvm.integrations import trl as cetrl
+
+    def logged(path):
+        tok = tokenizer()
+        gen = torch.Generator().manual_seed(5)
+        data = Dataset.from_dict({"prompt": [sentence(gen, 4) for _ in range(8)]})
+        student = tiny_llama(tok)
+        torch.manual_seed(1)
+        teacher = type(student)(student.config)
+        args = DistillationConfig(**common(path), max_completion_length=6, beta=0.5,
+                                  temperature=0.9)
+        trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args,
+                                      processing_class=tok, train_dataset=data)
+        trainer.train()
+        return [{k: v for k, v in e.items() if isinstance(v, float) and "time" not in k
+                 and "per_second" not in k} for e in trainer.state.log_history]
+
+    expected = logged(tmp_path / "trl")
+    calls = []
+    cetrl.apply()
+    original = cetrl.ChunkedDivergence.apply
+    try:
+        cetrl.ChunkedDivergence.apply = staticmethod(
+            lambda *a, **k: calls.append(1) or original(*a, **k))
+        got = logged(tmp_path / "ce_tvm")
+    finally:
+        cetrl.ChunkedDivergence.apply = staticmethod(original)
+        cetrl.remove()
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+    from trl.trainer import distillation_trainer
+
+    assert distillation_trainer.ChunkedDivergenceFunction is ChunkedDivergenceFunction
+    assert calls, "DistillationTrainer did not call the patched divergence"
+    assert len(got) == len(expected) and any("loss" in e for e in expected), expected
+    for mine, theirs in zip(got, expected):
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert math.isclose(mine[key], value, rel_tol=1e-3, abs_tol=1e-4), (
+                key, mine[key], value)

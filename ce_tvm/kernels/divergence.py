@@ -1,5 +1,5 @@
 """The divergence between a student's and a teacher's next-token distributions
-(docs/spec.md, section 12), and the student logits' gradient, per row.
+(docs/spec.md, section 15), and the student logits' gradient, per row.
 
 ``p = softmax(z_s)``, ``q = softmax(z_t)`` with ``z = cap(x) / T`` on either
 side (``Logits``: each side its own cap, a variant, and its own inverse

@@ -53,7 +53,7 @@ class Variant:
     (``DIVERGENCES``: forward KL, reverse KL, generalized JSD; "" for the
     others); there ``softcap`` caps the student's logits, ``teacher_softcap``
     the teacher's, and ``reduction`` ``"none"`` writes no gradient
-    (docs/spec.md, section 12).
+    (docs/spec.md, section 15).
     """
 
     reduction: str = "mean"

@@ -114,7 +114,7 @@ merged by ``ce_rowstats`` and three more outputs:
                        ``[N, K]``, uint8)
 =====================  =====================================================
 
-student-teacher divergence (``divergence_func``; docs/spec.md, section 12;
+student-teacher divergence (``divergence_func``; docs/spec.md, section 15;
 ``p`` the student's softmax, ``q`` the teacher's, both of ``z = cap(x) / T``):
 
 =====================  =====================================================

@@ -365,7 +365,7 @@ def log_probs_backward(grad_logp, grad_entropy, x, index, row_max, log_expsum, e
     return x_grad
 
 
-# --- Student-teacher divergence (docs/spec.md, section 12) --------------------
+# --- Student-teacher divergence (docs/spec.md, section 15) --------------------
 
 
 @dataclass(frozen=True)

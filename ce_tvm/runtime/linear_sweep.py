@@ -369,7 +369,7 @@ def recomputed_grads(x: Tensor, W: Tensor, b: Tensor | None, rows: int, needs: N
     return sink
 
 
-# --- Student-teacher divergence (docs/spec.md, section 12) --------------------
+# --- Student-teacher divergence (docs/spec.md, section 15) --------------------
 # Both heads' logits of a row chunk go into two buffers (two GEMMs); one kernel
 # reduces both rows and, given the upstream gradient, writes the student's
 # logits gradient over the student buffer, which feeds the GradSink.
