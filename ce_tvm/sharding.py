@@ -96,13 +96,7 @@ def _not_a_view(t: Tensor) -> Tensor:
 def _through_head(entry, input, head: nn.Module, labels, linear_bias, kwargs):
     """``entry(input, head.weight, labels, linear_bias=head.bias, **kwargs)``
     inside the head's own call."""
-    if linear_bias is not None:
-        raise ValueError("pass the LM head as a module (its bias comes along) or its weight "
-                         "with linear_bias, not a module and linear_bias")
-    inner = getattr(head, "_fsdp_wrapped_module", head)
-    if not isinstance(getattr(inner, "weight", None), Tensor):
-        raise TypeError(f"an LM head module must hold its weight [V, H] as .weight (as "
-                        f"nn.Linear does); {type(inner).__name__} has none")
+    inner, _ = check.head_module(head, linear_bias)
 
     def fused(hidden):
         return entry(hidden, inner.weight, labels, linear_bias=getattr(inner, "bias", None),

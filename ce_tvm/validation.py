@@ -84,9 +84,29 @@ def is_dtensor(t) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def head_module(head: torch.nn.Module, linear_bias) -> tuple[torch.nn.Module, bool]:
+    """``(module holding .weight, needs its own call)`` for an LM head given as a
+    module (``nn.Linear``-like; FSDP1's wrapper holds it as ``_fsdp_wrapped_module``).
+    Its own call is needed when hooks would run there (FSDP2, FSDP1, ZeRO-3 and
+    tensor-parallel styles gather or lay out through them); without any, reading
+    ``.weight`` and ``.bias`` is the same and the plain, traceable path runs."""
+    if linear_bias is not None:
+        raise ValueError("pass the LM head as a module (its bias comes along) or its weight "
+                         "with linear_bias, not a module and linear_bias")
+    inner = getattr(head, "_fsdp_wrapped_module", head)
+    if not isinstance(getattr(inner, "weight", None), torch.Tensor):
+        raise TypeError(f"an LM head module must hold its weight [V, H] as .weight (as "
+                        f"nn.Linear does); {type(inner).__name__} has none")
+    hooks = torch.nn.modules.module
+    needs_call = bool(inner is not head or head._forward_hooks or head._forward_pre_hooks
+                      or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+    return inner, needs_call
+
+
 def sharded_head(input, linear_weight) -> bool:
     """Whether an LM head's entry point must go through ``ce_tvm.sharding``: the
-    head given as a module, or a DTensor weight or input."""
+    head given as a module whose own call is needed (``head_module``), or a
+    DTensor weight or input."""
     return (isinstance(linear_weight, torch.nn.Module) or is_dtensor(linear_weight)
             or is_dtensor(input))
 
