@@ -308,6 +308,9 @@ OPS = {  # tool op -> (KernelSpec op, variant keywords)
     "log_probs": ("log_probs", {"columns": 1}),  # SPEC section 6: one index per row
     "log_probs_grad": ("log_probs_grad", {"columns": 1}),
     "log_probs-st": ("log_probs", {"columns": 1, "stats": True}),  # return_stats=True
+    # the student-teacher divergence with its gradient (docs/spec.md, section 15)
+    "divergence-jsd": ("divergence", {"divergence": "jsd"}),
+    "divergence-fkl": ("divergence", {"divergence": "fkl"}),
 }
 
 

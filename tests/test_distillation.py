@@ -234,3 +234,21 @@ def test_distillation_trainer_logs_the_same_with_ce_tvm(tmp_path):
         for key, value in theirs.items():
             assert math.isclose(mine[key], value, rel_tol=1e-3, abs_tol=1e-4), (
                 key, mine[key], value)
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("kind,grad,caps", [("jsd", True, True), ("rkl", False, False),
+                                            ("fkl", True, False)])
+def test_cuda_kernel_builds_with_nvcc(kind, grad, caps):
+    """The CUDA schedule builds every direction, with and without the gradient
+    and the softcaps, and nvcc compiles it (the machine code's budgets are in
+    ``test_cuda_static.py``)."""
+    from ce_tvm.compiler.build import compile_spec, cuda_binary
+    from ce_tvm.kernels.kinds import Variant
+    from ce_tvm.store.spec import KernelSpec
+
+    variant = Variant("sum" if grad else "none", divergence=kind, softcap=caps,
+                      teacher_softcap=caps)
+    spec = KernelSpec("divergence", "bfloat16", 1001, variant, "cuda", (("arch", "sm_90"),))
+    source, cubin = cuda_binary(compile_spec(spec), spec)  # raises on any nvcc error
+    assert cubin[:4] == b"\x7fELF" and ("x_grad" in source) == grad
