@@ -5,8 +5,10 @@
 Every op family: the forward, the backward (from ``log_prob``, from the
 logits, and in place), the one-pass training kernel, probability targets,
 softcap, token accuracy, the vocabulary-shard statistics (and the combine and
-shard backward), per-token log-probs and their gradient (also in place), and
-temperature; float32, float16 and bfloat16; C = 1000, 5003 (prime),
+shard backward), per-token log-probs and their gradient (also in place),
+temperature, and the distillation kernel (the student-teacher divergence,
+its entropy and gradient, also in place; its float64 reference is
+``_distill_problem``'s); float32, float16 and bfloat16; C = 1000, 5003 (prime),
 32000 and 128256; rows 1, 7, 64 and 1000 (1000 at C = 1000 and 5003 only, see
 ``MAX_ROWS``); ignored rows, every row ignored, class weights. The
 stress pass runs the same kernels with the fewest and the most threads per
@@ -175,6 +177,12 @@ KERNELS = {
          "from logits sum w T", dict(zloss=1e-3)),
         ("log_probs", Variant(columns=2), "K=2 T", {}),
         ("log_probs_grad", Variant(columns=2, softcap=True), "K=2 T softcap", {}),
+    ],
+    "distillation": [
+        ("divergence", Variant("mean", divergence="jsd"), "jsd beta 0.5", {}),
+        ("divergence", Variant("none", divergence="fkl"), "fkl T 2 no gradient", {}),
+        ("divergence", Variant("mean", divergence="rkl", softcap=True, teacher_softcap=True),
+         "rkl T 2 softcaps in place", dict(inplace=True)),
     ],
 }
 FAMILIES = tuple(KERNELS)
@@ -428,6 +436,50 @@ def _policy_problem(case: Case, rng) -> Problem:
     return Problem(arrays, scalars, {"x_grad": grad}, {"x_grad": "x"} if case.inplace else {})
 
 
+# The distillation kernel's direction -> TRL's beta; its temperature and caps by label.
+BETA = {"fkl": 0.0, "rkl": 1.0, "jsd": 0.5}
+TEACHER_SOFTCAP = 4.0
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    top = z.max(axis=1, keepdims=True)
+    return z - top - np.log(np.exp(z - top).sum(axis=1, keepdims=True))
+
+
+def _distill_problem(case: Case, rng) -> Problem:
+    """The student-teacher divergence (TRL's generalized JSD: beta 0 forward KL,
+    1 reverse KL), the student's entropy and the student logits' gradient of
+    ``sum_n g[n] divergence[n]``, in float64 from the definitions (the gradient
+    through softmax, the temperature and the softcap by the chain rule)."""
+    n, c, v = case.rows, case.classes, case.variant
+    xk, xs = store(rng.standard_normal((n, c)) * SCALE, case.dtype)
+    tk, xt = store(rng.standard_normal((n, c)) * SCALE, case.dtype)
+    temp = 1.0 if v.divergence == "jsd" else 2.0
+    cap_s, cap_t = (SOFTCAP if v.softcap else 0.0), (TEACHER_SOFTCAP if v.teacher_softcap else 0.0)
+    beta = BETA[v.divergence]
+    lp = _log_softmax(reference.capped(xs, cap_s) / temp)
+    lq = _log_softmax(reference.capped(xt, cap_t) / temp)
+    p, q = np.exp(lp), np.exp(lq)
+    with np.errstate(divide="ignore"):
+        lm = np.logaddexp(lp + np.log1p(-beta), lq + np.log(beta))
+    kl_p = (p * (lp - (lq if beta == 1 else lm))).sum(axis=1)  # KL(p || q or m)
+    if beta == 0:
+        div, dz = (q * (lq - lp)).sum(axis=1), p - q
+    elif beta == 1:
+        div, dz = kl_p, p * (lp - lq - kl_p[:, None])
+    else:
+        div = beta * (q * (lq - lm)).sum(axis=1) + (1 - beta) * kl_p
+        dz = (1 - beta) * p * (lp - lm - kl_p[:, None])
+    g = rng.random(n) + 0.5
+    scalars = {"beta": beta, "inv_temperature_s": 1.0 / temp, "inv_temperature_t": 1.0 / temp,
+               "softcap_s": cap_s, "softcap_t": cap_t}
+    expected = {"divergence": div, "entropy": -(p * lp).sum(axis=1)}
+    if v.reduction != "none":
+        expected["x_grad"] = reference.through_softcap(g[:, None] * dz / temp, xs, cap_s)
+    return Problem({"student": xk, "teacher": tk, "g": g.astype(np.float32)}, scalars,
+                   expected, {"x_grad": "student"} if case.inplace else {})
+
+
 def problem(case: Case) -> Problem:
     rng = np.random.default_rng([case.seed, case.classes, case.rows])
     if case.op.startswith("prob_"):
@@ -436,6 +488,8 @@ def problem(case: Case) -> Problem:
         return _shard_problem(case, rng)
     if case.op.startswith("log_probs"):
         return _policy_problem(case, rng)
+    if case.op == "divergence":
+        return _distill_problem(case, rng)
     return _loss_problem(case, rng)
 
 

@@ -557,10 +557,15 @@ def divergence(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     outputs = {sch.get(b).name_hint for b in sch.get_output_blocks(sch.get_sblock("root"))}
     row, _ = divergence_row(sch, order)
     sch.bind(row, "blockIdx.x")
+    # C = 1: no block has a column loop, so every thread computes every per-row
+    # value itself; in shared memory those writes needed a barrier inside the
+    # gradient's thread predicate, which TVM refuses ("Cannot insert syncs
+    # inside condition"): the build failed. Registers need none.
+    scope = "local" if classes_of(func) == 1 else "shared"
     for blk in order:
         loops = sch.get_loops(blk)
         if len(loops) == 2:  # a row reduction, or the gradient's columns
             _thread_loop(sch, loops[1], knobs.threads)
         if sch.get(blk).name_hint not in outputs:
-            sch.set_scope(blk, 0, "shared")
+            sch.set_scope(blk, 0, scope)
     return finish(sch.mod["main"])

@@ -36,9 +36,10 @@ def _first(family, dtype, classes, rows):
 
 STRESS = [c for c in bench.stress(dtypes=("float32",), classes=(5003,), rows=7)
           if c.family in ("forward", "backward", "train", "log_probs")]
-# C = 1: a row of one class, which the forward and training schedules once failed to build
+# C = 1: a row of one class, which the forward, training and distillation schedules once
+# failed to build
 ONE_CLASS = [_first(f, "bfloat16", 1, 7) for f in ("forward", "train", "prob_targets", "shards",
-                                                    "log_probs")]
+                                                    "log_probs", "distillation")]
 CASES = (_every_kernel("float32", 5003, 7) + _every_kernel("float16", 1000, 1)
          + [_first(f, "bfloat16", 32000, 64) for f in ("forward", "train")]
          + [_first("forward", "float32", 1000, 1000)] + ONE_CLASS + STRESS)
