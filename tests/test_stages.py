@@ -9,6 +9,7 @@ from tvm import s_tir, tirx
 
 from ce_tvm.kernels import (
     backward,
+    divergence,
     forward,
     kinds,
     log_probs,
@@ -57,6 +58,9 @@ def declared_funcs():
         yield log_probs.log_probs_func(10, "float32", Variant(columns=2, softcap=softcap,
                                                               stats=True), 4)
         yield log_probs.log_probs_grad_func(10, "float32", Variant(columns=2, softcap=softcap))
+    # the student-teacher divergence, each direction, with and without its gradient
+    for kind, reduction in itertools.product(kinds.DIVERGENCES, ("none", "sum")):
+        yield divergence.divergence_func(10, "float32", Variant(reduction, divergence=kind))
 
 
 def block_names(func) -> set:
