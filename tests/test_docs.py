@@ -18,6 +18,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 TORCHRUN = {"docs/distributed.md": 2}
+# A rank that tears gloo down while its peer exits can abort at interpreter exit, after
+# the page's code ran (a PyTorch race: seen in about one run in six under load, with
+# destroy_process_group called); a page that fails for itself fails the second run too.
+EXIT_RACE = "terminate called without an active exception"
 
 
 def python_blocks(page: str) -> list[str]:
@@ -44,6 +48,8 @@ def test_python_blocks_run_as_written(page, tmp_path):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                    str(TORCHRUN[page]), "--master-port", str(_free_port()), str(script)]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    if page in TORCHRUN and EXIT_RACE in done.stderr:  # once more: gloo's race, not the page's
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     numbered = "\n".join(f"{i:4} {line}" for i, line in enumerate(code.splitlines(), 1))
     assert done.returncode == 0, (
         f"{page}'s python blocks failed (exit {done.returncode}).\n"
