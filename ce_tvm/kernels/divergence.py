@@ -98,8 +98,8 @@ def divergence_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc
     def prob(lp):
         return fastmath.exp(lp, nonpositive=True)
 
-    def log_mix(n, c):  # log((1 - beta) p + beta q); -inf where both are 0
-        return te.log((one - beta) * prob(logp(n, c)) + beta * prob(logq(n, c)))
+    def log_mix(n, c):  # log((1 - beta) p + beta q), read only where p > 0 or q > 0
+        return fastmath.log((one - beta) * prob(logp(n, c)) + beta * prob(logq(n, c)))
 
     def term(weight_log, other_log):  # w (log w - log o); 0 where w = 0
         w = prob(weight_log)
