@@ -19,6 +19,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import validation as check
 from .policy import linear_log_probs
 from .runtime import launch, linear_sweep, pool
 from .runtime.launch import DivergenceOptions
@@ -203,10 +204,28 @@ class _LinearDivergence(torch.autograd.Function):
         return gx, gW, gb if ctx.has_bias else None, None, None, None, None, None, None, None
 
 
-def _head(weight, bias):
-    """``(weight, bias)`` of a head given as a tensor or a module with ``.weight``."""
+def _local(side: str, *tensors) -> None:
+    """A ``ValueError`` for a sharded (DTensor) head or input: never a guess."""
+    if any(check.is_dtensor(t) for t in tensors):
+        raise ValueError(
+            f"the {side}'s head or input is a DTensor: the distillation losses take local "
+            f"heads (a sharded head, data- or tensor-parallel, is not supported yet); under "
+            f"FSDP2 call them inside the model's forward, or gather the head first")
+
+
+def _head(weight, bias, side: str):
+    """``(weight, bias)`` of a head given as tensors or as a module with ``.weight``
+    whose call runs no hooks (a module that gathers its weight in its call is
+    refused, as a DTensor weight is)."""
     if isinstance(weight, torch.nn.Module):
-        return weight.weight, weight.bias if bias is None else bias
+        inner, needs_call = check.head_module(weight, bias)
+        if needs_call:
+            raise ValueError(f"the {side}'s head module has hooks (FSDP, ZeRO-3, tensor "
+                             f"parallelism gather or lay out its weight in its call): the "
+                             f"distillation losses take local heads; pass its weight inside "
+                             f"the model's forward, or gather it first")
+        weight, bias = inner.weight, getattr(inner, "bias", None)
+    _local(side, weight, bias)
     return weight, bias
 
 
@@ -245,8 +264,10 @@ def linear_distillation_loss(student_input: Tensor, student_weight, teacher_inpu
                               student_logit_scale=student_logit_scale,
                               teacher_logit_scale=teacher_logit_scale,
                               student_softcap=student_softcap, teacher_softcap=teacher_softcap)
-    Ws, bs = _head(student_weight, student_bias)
-    Wt, bt = _head(teacher_weight, teacher_bias)
+    Ws, bs = _head(student_weight, student_bias, "student")
+    Wt, bt = _head(teacher_weight, teacher_bias, "teacher")
+    _local("student", student_input)
+    _local("teacher", teacher_input)
     _check_vocab(Ws.shape[0], Wt.shape[0])
     lead = tuple(student_input.shape[:-1])
     if tuple(teacher_input.shape[:-1]) != lead:
@@ -311,6 +332,8 @@ def distillation_loss(student_logits: Tensor, teacher_logits: Tensor,
                               student_logit_scale=student_logit_scale,
                               teacher_logit_scale=teacher_logit_scale,
                               student_softcap=student_softcap, teacher_softcap=teacher_softcap)
+    _local("student", student_logits)
+    _local("teacher", teacher_logits)
     _check_vocab(student_logits.shape[-1], teacher_logits.shape[-1])
     lead = tuple(student_logits.shape[:-1])
     if tuple(teacher_logits.shape[:-1]) != lead:

@@ -155,9 +155,10 @@ def test_vocab_parallel_paths_take_the_logit_scale():
 def test_dtensor_placements_take_the_vocabulary_parallel_paths():
     """torchtitan's setups (1-D mesh): logits Shard(-1); an lm_head weight Shard(0)
     with the input Replicate(), Shard(0) or sequence-sharded [B, T, H] Shard(1);
-    a plain input beside it (ambiguous), other placements and meshes refused;
+    a plain input beside it (ambiguous), other placements and meshes, and sharded heads
+    given to the distillation losses refused;
     the same values under torch.compile."""
-    check_world(2, "dtensor", 14)
+    check_world(2, "dtensor", 15)
 
 
 # --- Data-parallel sharding (FSDP2, FSDP x TP): tests/fsdp_worker.py ----------------

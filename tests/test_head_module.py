@@ -68,3 +68,6 @@ def test_wrong_uses_of_a_module_are_clear_errors():
         ce_tvm.linear_cross_entropy(hidden, head, target, linear_bias=head.bias)
     with pytest.raises(TypeError, match=r"must hold its weight \[V, H\] as .weight"):
         ce_tvm.linear_log_probs(hidden, torch.nn.ReLU(), target)
+    head.register_forward_pre_hook(lambda module, args: None)  # as FSDP's gathering hook
+    with pytest.raises(ValueError, match="student's head module has hooks"):
+        ce_tvm.linear_distillation_loss(hidden, head, hidden, head.weight.detach())
