@@ -212,9 +212,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     backward consumes gradients computed in the forward, so a second
     backward through the same graph needs ``allow_retain_graph=True``.
     """
-    if isinstance(linear_weight, nn.Module) and not check.head_module(linear_weight,
-                                                                      linear_bias)[1]:
-        linear_weight, linear_bias = linear_weight.weight, getattr(linear_weight, "bias", None)
+    linear_weight, linear_bias = check.unhooked_head(linear_weight, linear_bias)
     if check.sharded_head(input, linear_weight):  # a module, or DTensors: ce_tvm.sharding
         from . import sharding
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import validation as check
 from .custom_ops import custom_op
@@ -316,9 +316,7 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
     ``LogProbStats``, each chunk's from the kernel call that gives its
     log-probs (not on the vocabulary-parallel path of a DTensor weight).
     """
-    if isinstance(linear_weight, nn.Module) and not check.head_module(linear_weight,
-                                                                      linear_bias)[1]:
-        linear_weight, linear_bias = linear_weight.weight, getattr(linear_weight, "bias", None)
+    linear_weight, linear_bias = check.unhooked_head(linear_weight, linear_bias)
     if check.sharded_head(input, linear_weight):  # a module, or DTensors: ce_tvm.sharding
         from . import sharding
 

@@ -103,6 +103,15 @@ def head_module(head: torch.nn.Module, linear_bias) -> tuple[torch.nn.Module, bo
     return inner, needs_call
 
 
+def unhooked_head(linear_weight, linear_bias) -> tuple:
+    """``(weight, bias)`` of a head module whose call would run no hooks
+    (``head_module``): such a call only reads them; anything else unchanged."""
+    if isinstance(linear_weight, torch.nn.Module) and not head_module(linear_weight,
+                                                                      linear_bias)[1]:
+        return linear_weight.weight, getattr(linear_weight, "bias", None)
+    return linear_weight, linear_bias
+
+
 def sharded_head(input, linear_weight) -> bool:
     """Whether an LM head's entry point must go through ``ce_tvm.sharding``: the
     head given as a module whose own call is needed (``head_module``), or a

@@ -6,12 +6,11 @@ then PyTorch's loss) run through the same sharding, or with the single-process
 model: losses, log-probs and every parameter's gradient."""
 
 import copy
-import datetime
 import re
 import sys
 
+import dist_worker
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -282,17 +281,5 @@ CHECKS = {"fsdp2": check_fsdp2, "fsdp1": check_fsdp1, "fsdp_tp": check_fsdp_tp,
           "transformers": check_transformers}
 
 
-def main():
-    modes = sys.argv[1].split(",")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for mode in modes:
-        checked = CHECKS[mode](rank, world)
-        dist.barrier()
-        print(f"rank {rank}/{world}: {checked} {mode} ok", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(dist_worker.main(CHECKS))
