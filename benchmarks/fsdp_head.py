@@ -28,7 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tp_head import run_ranks
+from tp_head import run_ranks, write_report
 
 METHODS = ("ce_tvm", "stock", "fsdp")
 
@@ -84,6 +84,7 @@ def worker(mode: str, n: int, h: int, v: int, reps: int, chunk_rows) -> None:
             fn(x, y).backward()
         result = {mode: peak.mb}
     print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()  # every rank done before any tears gloo down (its exit race)
     dist.destroy_process_group()
 
 
@@ -111,10 +112,7 @@ def main() -> int:
               "peak_mb_per_rank": peaks, "extra_peak_mb_beyond_fsdp": extra,
               "ce_tvm_over_stock": extra["ce_tvm"] / extra["stock"],
               "command": " ".join(sys.argv)}
-    print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(report, args.json)
     return 0
 
 

@@ -71,6 +71,7 @@ def worker(mode: str, n: int, h: int, v: int, reps: int, chunk_rows: int | None)
         grads = sum(t.grad.numel() * t.grad.element_size() for t in (x, W)) / 2**20
         result = {mode: peak.mb - grads}
     print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()  # every rank done before any tears gloo down (its exit race)
     dist.destroy_process_group()
 
 
@@ -102,6 +103,14 @@ def run_ranks(world: int, mode: str, shape: tuple, reps: int, chunk_rows: int | 
     return results
 
 
+def write_report(report: dict, path: str | None) -> None:
+    """Print ``report`` as JSON, and write it to ``path`` when given."""
+    print(json.dumps(report, indent=1))
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
@@ -126,10 +135,7 @@ def main() -> int:
               "ms": {m: max(t[m] for t in times) for m in METHODS},
               "extra_peak_mb_per_rank": {m: max(v) for m, v in peaks.items()},
               "command": " ".join(sys.argv)}
-    print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(report, args.json)
     return 0
 
 

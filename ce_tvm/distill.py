@@ -38,6 +38,13 @@ def _log_rest(logp: Tensor) -> Tensor:
     return torch.log(-torch.expm1(torch.logsumexp(logp, -1).clamp(max=-tiny)))
 
 
+def _reduced(per_row: Tensor, kept: Tensor, reduction: str) -> Tensor:
+    """``sum`` of the per-position losses, or for ``mean`` over the counted
+    positions (0 when none counts, as TRL has it)."""
+    total = per_row.sum()
+    return total / kept.sum().clamp(min=1) if reduction == "mean" else total
+
+
 def topk_kl(student_logp: Tensor, teacher_logp: Tensor, tail: str = "bucket") -> Tensor:
     """Per-row forward KL(teacher || student) over the top-k tokens ``[..., K]``
     (log-probs of the same tokens under each model), with the tail as ``tail``
@@ -89,10 +96,7 @@ def topk_distillation_loss(student_input: Tensor, student_weight, teacher_index:
     # a left-out position's teacher values may be padding (-inf): never read
     teacher = torch.where(kept[..., None], teacher_logprobs.detach().to(student_logp.dtype), 0.0)
     per_row = torch.where(kept, topk_kl(student_logp, teacher, tail), 0.0)
-    if reduction == "none":
-        return per_row
-    total = per_row.sum()
-    return total / kept.sum().clamp(min=1) if reduction == "mean" else total
+    return per_row if reduction == "none" else _reduced(per_row, kept, reduction)
 
 
 # --- Full-vocabulary distillation: the student-teacher divergence -------------
@@ -187,8 +191,7 @@ class _LinearDivergence(torch.autograd.Function):
             ctx.opts, ctx.rows, ctx.needs = opts, rows, needs
             return per_row, ent
         ctx.grads = grads
-        loss = per_row.sum()
-        return (loss / kept.sum().clamp(min=1) if reduction == "mean" else loss), ent
+        return _reduced(per_row, kept, reduction), ent
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_entropy):
@@ -303,8 +306,7 @@ class _Divergence(torch.autograd.Function):
             ctx.save_for_backward(s, t, kept)
             return per_row, ent
         ctx.grad = buf
-        loss = per_row.sum()
-        return (loss / kept.sum().clamp(min=1) if reduction == "mean" else loss), ent
+        return _reduced(per_row, kept, reduction), ent
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_entropy):
