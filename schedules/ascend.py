@@ -24,7 +24,9 @@ vector repeat (64 elements), unless the tile is the whole row.
 
 from __future__ import annotations
 
-from tvm import s_tir
+import math
+
+from tvm import s_tir, tirx
 from tvm.target import Target
 
 from ..kernels.common import matrix_param
@@ -33,6 +35,7 @@ from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
     classes_of,
+    divergence_row,
     init_row_totals,
     inline_capped_chunk,
     inline_row_helpers,
@@ -42,6 +45,7 @@ from ._common import (
     present_blocks,
     row_lanes,
     row_sweep,
+    split_reduction,
     sweep_accumulators,
     vector_accumulators,
     vector_row_independent,
@@ -199,8 +203,60 @@ def per_row(func, target: Target, profile: str = "910b"):
 
 
 def divergence(func, target: Target, profile: str = "910b"):
-    """The student-teacher divergence has no Ascend-style schedule yet: its
-    UB plan (two input rows, seven row reductions) is not written."""
-    raise NotImplementedError(
-        "ce_tvm: the divergence kernel (linear_distillation_loss, distillation_loss) has no "
-        "Ascend-style schedule yet; run it on the CPU or CUDA")
+    """Schedule ``ce_tvm.kernels.divergence_func`` from the divergence plan: rows
+    in one block per vector core, every stage under the row (``divergence_row``).
+
+    When both rows fit the UB they are staged once, at the row, and every row
+    reduction and the gradient read them from UB: one read of each side. Else
+    each pass over the row (the maxima, exp-sums, the entropy's and the KL sums,
+    the gradient) stages its tiles of the sides it reads, double-buffered when
+    two fit: ``tiled_passes`` reads (ascend_plan). Each reduction is split into
+    vector accumulators of up to one fp32 repeat (a divisor of the tile, so no
+    accumulator straddles a tile), and the gradient is vectorised per tile.
+    """
+    prof = get_profile(profile)
+    sch = s_tir.Schedule(func)
+    classes = classes_of(func)
+    p = plan(prof, 1, classes, str(matrix_param(func).dtype), "divergence")
+    lanes = row_lanes(math.gcd(classes, p.chunk), prof.repeat_bytes // 4)
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    stages = {name: split_reduction(sch, name, lanes) if _reduces(sch, name) else
+              [sch.get_sblock(name)] for name in names}
+    row, roots = divergence_row(sch, [blk for name in names for blk in stages[name]])
+    passes = [stages[name][0] for name in names if len(sch.get_loops(stages[name][0])) > 1]
+    tiles = {}
+    for blk in passes:  # [steps, lanes] under the row, the steps cut at tile boundaries
+        loops = sch.get_loops(blk)[1:]
+        if len(loops) == 2:
+            if not any(sch.get(blk).same_as(sch.get(r)) for r in roots):
+                sch.reorder(loops[1], loops[0])  # regenerated under the row: lanes, steps
+            tiles[blk] = sch.split(sch.get_loops(blk)[1], [None, p.chunk // lanes])[0]
+        elif p.tiles > 1:
+            tiles[blk] = sch.split(loops[0], [None, p.chunk])[0]
+    staged = []
+    for side in ("student", "teacher"):
+        readers = [blk for blk in passes if side in _reads(sch, blk)]
+        if p.tiles == 1:
+            staged.append(_stage(sch, readers, row, p.buffers, side))
+        else:
+            staged += [_stage(sch, [blk], tiles[blk], p.buffers, side) for blk in readers]
+    _parallel_rows(sch, row, prof.vector_cores)
+    for name in names:
+        if len(stages[name]) == 2:
+            rf = stages[name][0]
+            sch.vectorize(sch.get_loops(rf)[-1])
+            sch.decompose_reduction(rf, tiles.get(rf, sch.get_loops(rf)[2]))
+    for blk in staged + present_blocks(sch, [X_GRAD]):
+        vectorize_inner(sch, blk, lanes)
+    return sch.mod["main"]
+
+
+def _reduces(sch, name: str) -> bool:
+    """Whether the block ``name`` reduces over the classes."""
+    return any(v.iter_type == tirx.IterVar.CommReduce
+               for v in sch.get(sch.get_sblock(name)).iter_vars)
+
+
+def _reads(sch, block) -> set:
+    return {r.source.name for r in sch.get(block).reads}
+

@@ -50,13 +50,18 @@ class OpModel:
     """What the plan and the cost model know of one kernel: float32 vector
     operations per element and pass; the ``[N, C]`` tiles it writes (staged in UB);
     whether it reads the logits once whatever its tiles; whether it keeps
-    ``exp(x - max)`` in UB; the vendor's passes over ``[N, C]`` (reads, writes)."""
+    ``exp(x - max)`` in UB; the vendor's passes over ``[N, C]`` (reads, writes);
+    the ``[N, C]`` inputs it reads (staged side by side); its float32 work tiles;
+    its passes over each input when a row takes several tiles."""
 
     ops_per_element: int
     writes: int
     one_pass: bool
     keeps_exp: bool
     vendor: tuple
+    inputs: int = 1
+    work_tiles: int = 2
+    tiled_passes: int = 2
 
 
 # The kernels a plan lays out: the loss (forward, backward, the one-pass training
@@ -73,12 +78,27 @@ class OpModel:
 # the dense upstream gradient read, the gradient written); its training step is
 # its forward then its backward. Per-row outputs (log-probs of K indices,
 # entropy) are not counted.
+# The student-teacher divergence (docs/spec.md, section 15; the generalized JSD
+# with its gradient, the costliest direction) reads two rows (student, teacher)
+# and computes ~100 operations per element: both maxima, both exp-sums (sub,
+# scale, exp ~4, add), the student's entropy sum, the two KL sums over the
+# mixture (two log-probs, two exps, the mixture's log ~4, their terms) and the
+# gradient, recomputing what a later pass needs rather than keeping tiles. A row
+# that fits the UB is staged once (one read of each side); otherwise every pass
+# stages its tiles again: six over the student's row (maxima, exp-sum, entropy,
+# the two KL sums, the gradient), five over the teacher's, counted as six (an
+# upper bound). Its three float32 work tiles: log p, log q, log m. No vendor
+# kernel fuses it; the unfused chain counted is the least an eager port needs:
+# two log_softmax (3 + 1 each), one fused divergence reading both (2 + 0), its
+# backward reading both (2 + 1) and the log_softmax backward (2 + 1).
 OP_MODELS = {
     "forward": OpModel(10, writes=1, one_pass=False, keeps_exp=False, vendor=(3, 1)),
     "backward": OpModel(8, writes=1, one_pass=True, keeps_exp=False, vendor=(1, 1)),
     "train": OpModel(18, writes=1, one_pass=False, keeps_exp=True, vendor=(4, 2)),
     "log_probs": OpModel(13, writes=0, one_pass=True, keeps_exp=True, vendor=(4, 1)),
     "log_probs_grad": OpModel(13, writes=1, one_pass=True, keeps_exp=False, vendor=(2, 1)),
+    "divergence": OpModel(100, writes=1, one_pass=False, keeps_exp=False, vendor=(12, 4),
+                          inputs=2, work_tiles=3, tiled_passes=6),
 }
 OPS = tuple(OP_MODELS)
 ONE_PASS_OPS = tuple(op for op, model in OP_MODELS.items() if model.one_pass)
@@ -113,21 +133,22 @@ def ub_bytes(profile: Profile, chunk: int, dtype: str, op: str, buffers: int) ->
     """Peak UB bytes of one core for tiles of ``chunk`` elements, every live buffer counted.
 
     Staged input and output tiles (storage dtype, ``buffers`` each; the
-    log-probs write no tile), the float32 cast of the input for half types,
+    log-probs write no tile; the divergence stages two inputs), the float32
+    cast of each input for half types,
     the kept float32 ``exp(x - max)`` (the training kernel's, for the
     gradient; the log-probs', reduced twice), a float32 work tile (x - max,
-    exp), the float32 weight tile (the log-probs': their ``x - max``), and
-    the reduction scratch (partial max and sums: four repeats) plus 256
-    bytes of per-row scalars.
+    exp), the float32 weight tile (the log-probs': their ``x - max``; the
+    divergence has a third work tile), and the reduction scratch (partial max
+    and sums: four repeats) plus 256 bytes of per-row scalars.
     """
     a, esize = profile.ub_align, DTYPE_BYTES[dtype]
     tile = _align(chunk * esize, a)
     f32 = _align(chunk * 4, a)
-    cast = f32 if esize < 4 else 0
     model = OP_MODELS[op]
-    staged = (1 + model.writes) * tile * buffers  # input tile in, output (log_prob, x_grad) out
+    cast = model.inputs * f32 if esize < 4 else 0
+    staged = (model.inputs + model.writes) * tile * buffers  # inputs in, output out
     kept = f32 if model.keeps_exp else 0
-    return staged + cast + kept + f32 + f32 + 4 * profile.repeat_bytes + 256
+    return staged + cast + kept + model.work_tiles * f32 + 4 * profile.repeat_bytes + 256
 
 
 def _tile_quantum(profile: Profile, dtype: str) -> int:
@@ -197,8 +218,10 @@ def tiled(profile, rows: int, classes: int, dtype: str, op: str, chunk: int,
     tiles = -(-classes // chunk)
     # One read of the logits when the row's tiles fit the UB (the training
     # kernel keeps exp(x - max) there); else a second read (log_prob, or the
-    # training kernel's gradient, recomputing exp), unless the op reads once anyway.
-    passes = 1 if (tiles == 1 or OP_MODELS[op].one_pass) else 2
+    # training kernel's gradient, recomputing exp), unless the op reads once
+    # anyway; the divergence reads each side once per pass (``tiled_passes``).
+    model = OP_MODELS[op]
+    passes = 1 if (tiles == 1 or model.one_pass) else model.tiled_passes
     return Plan(prof.name, op, dtype, rows, classes, len(per_core), per_core, chunk, tiles,
                 ub_bytes(prof, chunk, dtype, op, buffers), buffers, passes)
 
@@ -270,5 +293,6 @@ def cost(p: Plan) -> dict:
                  time_us=prof.launch_us + body + steps * prof.tile_us + exposed)
         return e
 
-    return {"ce_tvm": tiled_estimate(p.passes, model.writes), "vendor": estimate(*model.vendor)}
+    return {"ce_tvm": tiled_estimate(p.passes * model.inputs, model.writes),
+            "vendor": estimate(*model.vendor)}
 
