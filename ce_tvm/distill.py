@@ -15,11 +15,13 @@ and 0 when the student matches the teacher on them.
 from __future__ import annotations
 
 import math
+from dataclasses import astuple
 
 import torch
 from torch import Tensor
 
 from . import validation as check
+from .custom_ops import custom_op
 from .policy import linear_log_probs
 from .runtime import launch, linear_sweep, pool
 from .runtime.launch import DivergenceOptions
@@ -169,42 +171,141 @@ def _upstream(kept: Tensor, reduction: str) -> Tensor:
     return kept / kept.sum().clamp(min=1) if reduction == "mean" else kept
 
 
-class _LinearDivergence(torch.autograd.Function):
-    """``(loss, entropy)`` of ``linear_distillation_loss``; for ``mean``/``sum``
-    the student's gradients come from the forward's sweep (scaled by the
-    upstream gradient in the backward), for ``none`` the backward sweeps again
-    with the upstream gradient per row."""
+def _row_upstream(grad_loss: Tensor, kept: Tensor) -> Tensor:
+    """The ``none`` loss's upstream gradient as the kernels take it: ``[N]``,
+    accumulation dtype, 0 where the position is left out."""
+    return (grad_loss.to(kept.dtype) * kept).contiguous()
 
-    @staticmethod
-    def forward(ctx, xs, Ws, bs, xt, Wt, bt, kept, opts, reduction, rows):
-        needs = Needs(*ctx.needs_input_grad[:2], ctx.needs_input_grad[2] and bs is not None)
-        g = _upstream(kept, reduction) if reduction != "none" and needs.any() else None
-        div, ent, grads = linear_sweep.divergence_sweep(xs, Ws, bs, xt, Wt, bt, g, opts, rows,
-                                                        needs)
-        per_row = div * kept
-        ent = ent * kept
-        ctx.mark_non_differentiable(ent)
-        ctx.reduction = reduction
-        ctx.has_bias = bs is not None
-        if reduction == "none":
-            ctx.save_for_backward(xs, Ws, bs, xt, Wt, bt, kept)
-            ctx.opts, ctx.rows, ctx.needs = opts, rows, needs
-            return per_row, ent
-        ctx.grads = grads
-        return _reduced(per_row, kept, reduction), ent
 
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_entropy):
-        if ctx.reduction == "none":
-            xs, Ws, bs, xt, Wt, bt, kept = ctx.saved_tensors
-            g = (grad_loss.to(kept.dtype) * kept).contiguous()
-            _, _, grads = linear_sweep.divergence_sweep(xs, Ws, bs, xt, Wt, bt, g, ctx.opts,
-                                                        ctx.rows, ctx.needs)
-        else:
-            grads = tuple(t * grad_loss.to(t.dtype) if t.numel() else t for t in ctx.grads)
-            ctx.grads = None
-        gx, gW, gb = (t if t.numel() else None for t in grads)
-        return gx, gW, gb if ctx.has_bias else None, None, None, None, None, None, None, None
+def _outputs(div: Tensor, ent: Tensor, kept: Tensor, reduction: str) -> tuple[Tensor, Tensor]:
+    """``(loss, entropy)`` from the kernels' per-row values: left-out positions
+    0, the loss reduced as ``reduction`` says (0-d for ``mean``/``sum``)."""
+    per_row = div * kept
+    return (per_row if reduction == "none" else _reduced(per_row, kept, reduction)), ent * kept
+
+
+def _loss_like(x: Tensor, reduction: str) -> tuple[Tensor, Tensor]:
+    """Empty ``(loss, entropy)`` of the forward ops, for ``x [N, ...]`` (the fakes)."""
+    acc, n = accum_torch_dtype(x), x.shape[0]
+    return x.new_empty((n,) if reduction == "none" else (), dtype=acc), x.new_empty(n, dtype=acc)
+
+
+def _grad_like(like: Tensor | None, wanted: bool, x: Tensor) -> Tensor:
+    """A fake gradient output: ``like``'s when ``wanted`` (and ``like`` given),
+    else an empty tensor of ``x``'s dtype."""
+    return torch.empty_like(like) if wanted and like is not None else x.new_empty(0)
+
+
+@custom_op("ce_tvm::linear_distillation", mutates_args=())
+def linear_distillation_forward(
+        student_input: Tensor, student_weight: Tensor, student_bias: Tensor | None,
+        teacher_input: Tensor, teacher_weight: Tensor, teacher_bias: Tensor | None,
+        kept: Tensor, reduction: str, kind: str, beta: float, student_softcap: float,
+        student_inv_temperature: float, teacher_softcap: float,
+        teacher_inv_temperature: float, chunk_rows: int, grad_input: bool, grad_weight: bool,
+        grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, entropy, grad_input, grad_weight, grad_bias)`` of the heads
+    ``student_input [N, Hs] @ student_weight.T + student_bias`` and the
+    teacher's (same dtype), ``kept [N]`` (accumulation dtype) 1 where a
+    position counts; the scalars are ``DivergenceOptions``' fields.
+
+    ``loss``: ``[N]`` for ``none``, else 0-d; ``entropy [N]``. For
+    ``mean``/``sum`` the student's gradients of a unit upstream gradient, from
+    the same sweep, for each flag set; an empty tensor for each other one (and
+    all three for ``none``). ``chunk_rows`` 0: the default
+    (``linear_sweep.chunk_rows``)."""
+    opts = DivergenceOptions(kind, beta, student_softcap, student_inv_temperature,
+                             teacher_softcap, teacher_inv_temperature)
+    xs, Ws, bs = student_input, student_weight, student_bias
+    rows = linear_sweep.chunk_rows(xs.shape[0], Ws.shape[0], xs.dtype, chunk_rows)
+    needs = Needs(grad_input, grad_weight, grad_bias and bs is not None)
+    g = _upstream(kept, reduction) if reduction != "none" and needs.any() else None
+    div, ent, grads = linear_sweep.divergence_sweep(xs, Ws, bs, teacher_input, teacher_weight,
+                                                    teacher_bias, g, opts, rows, needs)
+    if grads is None:
+        grads = tuple(xs.new_empty(0) for _ in range(3))
+    return *_outputs(div, ent, kept, reduction), *grads
+
+
+@linear_distillation_forward.register_fake
+def _(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias,
+      kept, reduction, kind, beta, student_softcap, student_inv_temperature, teacher_softcap,
+      teacher_inv_temperature, chunk_rows, grad_input, grad_weight, grad_bias):
+    scalar = reduction != "none"
+    return (*_loss_like(student_input, reduction),
+            *(_grad_like(like, scalar and wanted, student_input) for like, wanted in
+              ((student_input, grad_input), (student_weight, grad_weight),
+               (student_bias, grad_bias))))
+
+
+@custom_op("ce_tvm::linear_distillation_backward", mutates_args=())
+def linear_distillation_backward(
+        grad_rows: Tensor, student_input: Tensor, student_weight: Tensor,
+        student_bias: Tensor | None, teacher_input: Tensor, teacher_weight: Tensor,
+        teacher_bias: Tensor | None, kind: str, beta: float, student_softcap: float,
+        student_inv_temperature: float, teacher_softcap: float,
+        teacher_inv_temperature: float, chunk_rows: int, grad_input: bool, grad_weight: bool,
+        grad_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_input, grad_weight, grad_bias)`` of ``sum_n grad_rows[n] D[n]``
+    (``grad_rows [N]``, accumulation dtype), both heads swept again; an empty
+    tensor for each gradient not asked for."""
+    opts = DivergenceOptions(kind, beta, student_softcap, student_inv_temperature,
+                             teacher_softcap, teacher_inv_temperature)
+    xs, Ws, bs = student_input, student_weight, student_bias
+    rows = linear_sweep.chunk_rows(xs.shape[0], Ws.shape[0], xs.dtype, chunk_rows)
+    needs = Needs(grad_input, grad_weight, grad_bias and bs is not None)
+    return linear_sweep.divergence_sweep(xs, Ws, bs, teacher_input, teacher_weight,
+                                         teacher_bias, grad_rows, opts, rows, needs)[2]
+
+
+@linear_distillation_backward.register_fake
+def _(grad_rows, student_input, student_weight, student_bias, teacher_input, teacher_weight,
+      teacher_bias, kind, beta, student_softcap, student_inv_temperature, teacher_softcap,
+      teacher_inv_temperature, chunk_rows, grad_input, grad_weight, grad_bias):
+    return tuple(_grad_like(like, wanted, student_input) for like, wanted in
+                 ((student_input, grad_input), (student_weight, grad_weight),
+                  (student_bias, grad_bias)))
+
+
+def _forward_grads(ctx) -> tuple:
+    """The forward's gradients kept on ``ctx``, consumed (the backward of a
+    ``mean``/``sum`` loss runs once per graph)."""
+    grads, ctx.grads = ctx.grads, None
+    if grads is None:
+        raise RuntimeError("ce_tvm: backward ran twice through a distillation loss's graph; "
+                           "with reduction 'mean'/'sum' the first backward consumes the "
+                           "gradients its forward computed")
+    return grads
+
+
+def _setup_linear_context(ctx, inputs, output):
+    xs, Ws, bs, xt, Wt, bt, kept, reduction, *options, grad_input, grad_weight, grad_bias = inputs
+    ctx.reduction, ctx.needs = reduction, (grad_input, grad_weight, grad_bias)
+    if reduction == "none":
+        ctx.save_for_backward(xs, Ws, bs, xt, Wt, bt, kept)
+        ctx.options = tuple(options)  # the scalars and chunk_rows
+    else:
+        # detached: an output kept on ctx with its grad_fn would be a reference cycle
+        ctx.grads = tuple(t.detach() for t in output[2:])
+    ctx.mark_non_differentiable(*output[1:])  # the entropy, the gradients
+    ctx.set_materialize_grads(False)
+
+
+def _linear_backward(ctx, grad_loss, *_):
+    none = (None,) * 15
+    if grad_loss is None:
+        return (None, None, None, *none)
+    if ctx.reduction == "none":
+        xs, Ws, bs, xt, Wt, bt, kept = ctx.saved_tensors
+        grads = linear_distillation_backward(_row_upstream(grad_loss, kept), xs, Ws, bs, xt,
+                                             Wt, bt, *ctx.options, *ctx.needs)
+    else:
+        grads = tuple(t * grad_loss.to(t.dtype) for t in _forward_grads(ctx))
+    return (*(g if wanted else None for g, wanted in zip(grads, ctx.needs)), *none)
+
+
+linear_distillation_forward.register_autograd(_linear_backward,
+                                              setup_context=_setup_linear_context)
 
 
 def _local(side: str, *tensors) -> None:
@@ -280,44 +381,86 @@ def linear_distillation_loss(student_input: Tensor, student_weight, teacher_inpu
     dtype = xs.dtype
     xt, Wt = (t.detach().to(dtype).contiguous() for t in (teacher_input, Wt))
     bt = None if bt is None else bt.detach().to(dtype)
-    n = xs.shape[0]
-    acc = accum_torch_dtype(xs)
-    kept = _kept(target, n, ignore_index, xs.device, acc)
-    rows = linear_sweep.chunk_rows(max(n, 1), Ws.shape[0], dtype, chunk_rows or 0)
-    loss, ent = _LinearDivergence.apply(xs, Ws, bs, xt, Wt, bt, kept, opts, reduction, rows)
+    kept = _kept(target, xs.shape[0], ignore_index, xs.device, accum_torch_dtype(xs))
+    needs = Needs.of(xs, Ws, bs)
+    loss, ent, *_ = linear_distillation_forward(xs, Ws, bs, xt, Wt, bt, kept, reduction,
+                                                *astuple(opts), chunk_rows or 0,
+                                                needs.input, needs.weight, needs.bias)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, ent.reshape(lead)) if return_entropy else loss
 
 
-class _Divergence(torch.autograd.Function):
-    """``(loss, entropy)`` of ``distillation_loss`` on whole logits (one launch)."""
+@custom_op("ce_tvm::distillation", mutates_args=())
+def distillation_forward(student: Tensor, teacher: Tensor, kept: Tensor, reduction: str,
+                         kind: str, beta: float, student_softcap: float,
+                         student_inv_temperature: float, teacher_softcap: float,
+                         teacher_inv_temperature: float, grad: bool
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, entropy, grad)`` of the logits ``student``, ``teacher`` ``[N, V]``
+    (one dtype) in one launch, ``kept`` and the scalars as
+    ``linear_distillation_forward``'s. ``grad``: for ``mean``/``sum`` also the
+    student logits' gradient of a unit upstream gradient (in a buffer of its
+    own); else an empty tensor."""
+    opts = DivergenceOptions(kind, beta, student_softcap, student_inv_temperature,
+                             teacher_softcap, teacher_inv_temperature)
+    grad = grad and reduction != "none"
+    buf = pool.empty_like(student) if grad else student.new_empty(0)
+    div, ent = launch.divergence(student, teacher, _upstream(kept, reduction) if grad else kept,
+                                 opts, grad_out=buf if grad else None)
+    return *_outputs(div, ent, kept, reduction), buf
 
-    @staticmethod
-    def forward(ctx, s, t, kept, opts, reduction):
-        ctx.reduction, ctx.opts = reduction, opts
-        grad = reduction != "none" and ctx.needs_input_grad[0]
-        buf = pool.empty_like(s) if grad else None
-        div, ent = launch.divergence(s, t, _upstream(kept, reduction) if grad else kept, opts,
-                                     grad_out=buf)
-        per_row, ent = div * kept, ent * kept
-        ctx.mark_non_differentiable(ent)
-        if reduction == "none":
-            ctx.save_for_backward(s, t, kept)
-            return per_row, ent
-        ctx.grad = buf
-        return _reduced(per_row, kept, reduction), ent
 
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_entropy):
-        if ctx.reduction == "none":
-            s, t, kept = ctx.saved_tensors
-            grad = pool.empty_like(s)
-            launch.divergence(s, t, (grad_loss.to(kept.dtype) * kept).contiguous(), ctx.opts,
-                              grad_out=grad)
-        else:
-            grad, ctx.grad = ctx.grad * grad_loss.to(ctx.grad.dtype), None
-        return grad, None, None, None, None
+@distillation_forward.register_fake
+def _(student, teacher, kept, reduction, kind, beta, student_softcap, student_inv_temperature,
+      teacher_softcap, teacher_inv_temperature, grad):
+    return (*_loss_like(student, reduction),
+            _grad_like(student, grad and reduction != "none", student))
+
+
+@custom_op("ce_tvm::distillation_backward", mutates_args=())
+def distillation_backward(grad_rows: Tensor, student: Tensor, teacher: Tensor, kind: str,
+                          beta: float, student_softcap: float, student_inv_temperature: float,
+                          teacher_softcap: float, teacher_inv_temperature: float) -> Tensor:
+    """The student logits' gradient of ``sum_n grad_rows[n] D[n]`` (``grad_rows
+    [N]``, accumulation dtype), in a buffer of its own."""
+    opts = DivergenceOptions(kind, beta, student_softcap, student_inv_temperature,
+                             teacher_softcap, teacher_inv_temperature)
+    grad = pool.empty_like(student)
+    launch.divergence(student, teacher, grad_rows, opts, grad_out=grad)
+    return grad
+
+
+@distillation_backward.register_fake
+def _(grad_rows, student, teacher, kind, beta, student_softcap, student_inv_temperature,
+      teacher_softcap, teacher_inv_temperature):
+    return torch.empty_like(student, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    s, t, kept, reduction, *scalars, _ = inputs
+    ctx.reduction = reduction
+    if reduction == "none":
+        ctx.save_for_backward(s, t, kept)
+        ctx.options = tuple(scalars)
+    else:
+        ctx.grads = (output[2].detach(),)  # detached: see _setup_linear_context
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_loss, *_):
+    none = (None,) * 10
+    if grad_loss is None:
+        return (None, *none)
+    if ctx.reduction == "none":
+        s, t, kept = ctx.saved_tensors
+        return (distillation_backward(_row_upstream(grad_loss, kept), s, t, *ctx.options), *none)
+    (grad,) = _forward_grads(ctx)
+    return (grad * grad_loss.to(grad.dtype), *none)
+
+
+distillation_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def distillation_loss(student_logits: Tensor, teacher_logits: Tensor,
@@ -344,7 +487,8 @@ def distillation_loss(student_logits: Tensor, teacher_logits: Tensor,
     s = student_logits.reshape(-1, student_logits.shape[-1]).contiguous()
     t = teacher_logits.detach().reshape(s.shape).to(s.dtype).contiguous()
     kept = _kept(target, s.shape[0], ignore_index, s.device, accum_torch_dtype(s))
-    loss, ent = _Divergence.apply(s, t, kept, opts, reduction)
+    grad = torch.is_grad_enabled() and s.requires_grad
+    loss, ent, _ = distillation_forward(s, t, kept, reduction, *astuple(opts), grad)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, ent.reshape(lead)) if return_entropy else loss

@@ -2,6 +2,7 @@
 its ``Extras``) covers what calls with those options load."""
 
 import dataclasses
+import textwrap
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from ce_tvm.kernels.kinds import Variant
 from ce_tvm.runtime import cache, launch, registry
 from ce_tvm.store.files import sealed_problem
 from ce_tvm.store.spec import KernelSpec
+from processes import CLI, Forked, run
 
 C = 37  # the softcap and temperature tests' class count: their kernels are built already
 
@@ -25,6 +27,17 @@ def test_plain_build_is_unchanged_by_default():
     other flags) existed."""
     assert len(all_specs("llvm", "float32", C)) == 46
     assert all_specs("llvm", "float32", C, (), Extras()) == all_specs("llvm", "float32", C)
+
+
+def test_distill_adds_the_divergence_kernels():
+    """``--distill``: 3 directions x with and without the gradient; with
+    ``--softcap`` x either side capped or not (24)."""
+    def divergence(extras):
+        return [s for s in all_specs("llvm", "float32", C, (), extras) if s.op == "divergence"]
+
+    assert divergence(Extras()) == divergence(Extras(softcap=True)) == []
+    assert len(divergence(Extras(distill=True))) == 6
+    assert len(set(divergence(Extras(softcap=True, distill=True)))) == 24
 
 
 @pytest.mark.parametrize("extras,calls", [
@@ -42,7 +55,14 @@ def test_plain_build_is_unchanged_by_default():
         lambda x, y: ce_tvm.log_probs(x, y.clamp(min=0), softcap=5.0, return_entropy=True,
                                       return_stats=True)[0],
     ]),
-], ids=["loss-variants", "log-probs", "log-prob-stats"])
+    (Extras(softcap=True, distill=True), [  # every direction, either side capped
+        lambda x, y: ce_tvm.distillation_loss(x, x.detach().flip(0), y, beta=beta,
+                                              reduction=reduction, **caps)
+        for beta in (0.0, 0.3, 1.0) for reduction in ("mean", "none")
+        for caps in ({}, dict(student_softcap=4.0), dict(teacher_softcap=3.0),
+                     dict(student_softcap=4.0, teacher_softcap=3.0, temperature=0.7))
+    ]),
+], ids=["loss-variants", "log-probs", "log-prob-stats", "distill"])
 def test_what_calls_load_is_built(extras, calls, monkeypatch):
     """Every kernel the calls run (forward and backward) is in the build list."""
     built = {_untuned(s) for s in all_specs("llvm", "float32", C, (), extras)}
@@ -82,3 +102,44 @@ def test_export_module_keeps_copies_or_builds(tmp_path, monkeypatch):
     fresh.mkdir(mode=0o700)
     lib, built = cache.export_module(spec, fresh)
     assert built and sealed_problem(lib) is None and not (tmp_path / "empty").exists()
+
+
+# Both distillation losses in every direction, with and without the gradient
+# (``none``'s backward launches the gradient variant), on C = argv[1] classes;
+# a kernel that is not on disk is an error.
+DISTILL_PROBE = textwrap.dedent("""
+    import sys, torch
+    import ce_tvm, ce_tvm.runtime.cache as cache
+    def refuse(spec, directory):
+        raise AssertionError(f"compiled {spec.file_name()}")
+    cache.write_module = refuse
+    c = int(sys.argv[1])
+    torch.manual_seed(0)
+    for beta in (0.0, 0.5, 1.0):
+        for reduction in ("mean", "none"):
+            h, W = torch.randn(6, 8, requires_grad=True), torch.randn(c, 8, requires_grad=True)
+            loss = ce_tvm.linear_distillation_loss(h, W, torch.randn(6, 4), torch.randn(c, 4),
+                                                   beta=beta, reduction=reduction)
+            s = torch.randn(6, c, requires_grad=True)
+            loss = loss.sum() + ce_tvm.distillation_loss(s, torch.randn(6, c), beta=beta,
+                                                         reduction=reduction).sum()
+            loss.backward()
+            assert loss.isfinite() and W.grad.isfinite().all() and s.grad.isfinite().all()
+    assert "ce_tvm.compiler.build" not in sys.modules
+    print("distill probe ok")
+""")
+
+
+@pytest.mark.slow
+def test_compile_distill_serves_the_distillation_losses(tmp_path):
+    """``ce-tvm compile --distill --out DIR`` (a fresh cache): the distillation
+    losses then load every kernel from ``DIR`` and compile nothing."""
+    out, cache_dir = tmp_path / "modules", tmp_path / "cache"
+    text = run([CLI, "compile", "--classes", "11", "--distill", "--out", out],
+               CE_TVM_CACHE=cache_dir)
+    assert "52 kernels" in text and "-divergence-" in text
+    done = Forked(DISTILL_PROBE, 11, CE_TVM_MODULE_DIR=out,
+                  CE_TVM_CACHE=tmp_path / "empty").result()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "distill probe ok" in done.stdout
+    assert list((tmp_path / "empty").glob("*.so")) == []  # nothing built or copied there

@@ -17,6 +17,7 @@ import sys
 import textwrap
 
 import pytest
+from test_ahead_of_time import DISTILL_PROBE
 
 from ce_tvm.store.files import fingerprint
 from ce_tvm.store.paths import sha256_file
@@ -83,11 +84,11 @@ def bundle(compiled_cache, tmp_path_factory):
     return out
 
 
-def probe(c, **env):
+def probe(c, program=PROBE, **env):
     tests = os.path.dirname(__file__)
     full = {**os.environ, "PYTHONPATH": tests, **{k: str(v) for k, v in env.items()}}
-    return subprocess.run([sys.executable, "-c", PROBE, str(c)], env=full, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", program, str(c)], env=full,
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_bundle_contents(bundle):
@@ -146,6 +147,21 @@ def test_damaged_bundle_file_is_a_clear_error(bundle, tmp_path, which):
     assert done.returncode == 1, done.stderr
     assert "ModuleIntegrityError" in done.stderr and "ce-tvm bundle" in done.stderr
     assert any(str(p.with_suffix("")) in done.stderr for p in damaged), done.stderr
+
+
+def test_distill_bundle_runs_the_distillation_losses_without_the_compiler(compiled_cache,
+                                                                         tmp_path):
+    """``--distill`` adds the 6 divergence kernels (3 directions x with and without
+    the gradient); both distillation losses then run from the bundle alone."""
+    out = tmp_path / "b"
+    run([CLI, "bundle", "--classes", str(C), "--distill", "--out", out],
+        CE_TVM_CACHE=compiled_cache[0])
+    kernels = json.loads((out / "bundle.json").read_text())["kernels"]
+    assert len(kernels) == 46 + 6 and sum("-divergence-" in k for k in kernels) == 6
+    done = probe(C, BLOCK_TVM + DISTILL_PROBE, CE_TVM_MODULE_DIR=out,
+                 CE_TVM_CACHE=tmp_path / "cache")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "distill probe ok" in done.stdout
 
 
 def make_cuda_bundle(out, classes):

@@ -24,7 +24,7 @@ from ..kernels import (
     shards,
     training,
 )
-from ..kernels.kinds import REDUCTIONS, Variant
+from ..kernels.kinds import DIVERGENCES, REDUCTIONS, Variant
 from ..store import records
 from ..store.files import copy_file
 from ..store.spec import LOG_PROB_OPS, KernelSpec, schedule_name, tuned_variants
@@ -44,20 +44,25 @@ PROB_OPS = ("prob_forward", "prob_backward", "prob_target_grad")  # probability 
 class Extras:
     """Kernel variants beyond the plain ones that ``ce-tvm compile`` and
     ``ce-tvm bundle`` build when asked (``--softcap``, ``--temperature``,
-    ``--accuracy``, ``--log-probs K``, ``--stats``): what calls with those options load.
+    ``--accuracy``, ``--log-probs K``, ``--stats``, ``--distill``): what calls with
+    those options load.
 
     ``softcap``/``temperature``: the capped / tempered variants (and both
     together) of every loss kernel a drop-in call runs (not the seed pair's);
     ``accuracy``: the forward and training kernels that also write the token
     hits; ``log_probs``: the log-prob kernels for each ``K`` (capped too with
     ``softcap``); ``stats``: their forward's variant that also writes the
-    statistics (``return_stats=True``, what TRL's trainers ask for)."""
+    statistics (``return_stats=True``, what TRL's trainers ask for);
+    ``distill``: the divergence kernels of the distillation losses, each
+    direction with and without the gradient (with ``softcap`` also each side
+    capped, and both)."""
 
     softcap: bool = False
     temperature: bool = False
     accuracy: bool = False
     log_probs: tuple = ()
     stats: bool = False
+    distill: bool = False
 
 
 def all_specs(target: str, dtype: str, classes: int, options: tuple = (),
@@ -98,7 +103,14 @@ def _extra_specs(plain: list[KernelSpec], extras: Extras) -> list[KernelSpec]:
               for op in LOG_PROB_OPS]
     stats = [replace(s, variant=replace(s.variant, stats=True)) for s in policy
              if extras.stats and s.op == "log_probs"]
-    return varied + hits + policy + stats
+    # the divergence kernels write the student's gradient for "sum", none for "none"
+    caps = (False, True)[:1 + extras.softcap]
+    divergence = [KernelSpec("divergence", base.dtype, base.classes,
+                             Variant(r, divergence=kind, softcap=student, teacher_softcap=teacher),
+                             base.target, base.options)
+                  for kind in DIVERGENCES for r in ("none", "sum") for student in caps
+                  for teacher in caps if extras.distill]
+    return varied + hits + policy + stats + divergence
 
 
 def ahead_of_time_specs(target: str, dtype: str, classes: int, options: tuple = (),

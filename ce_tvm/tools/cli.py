@@ -71,7 +71,7 @@ def _extras(args):
     from ..compiler.build import Extras
 
     return Extras(softcap=args.softcap, temperature=args.temperature, accuracy=args.accuracy,
-                  log_probs=tuple(args.log_probs or ()), stats=args.stats)
+                  log_probs=tuple(args.log_probs or ()), stats=args.stats, distill=args.distill)
 
 
 def _add_variant_flags(p) -> None:
@@ -87,6 +87,10 @@ def _add_variant_flags(p) -> None:
     p.add_argument("--stats", action="store_true",
                    help="with --log-probs: also their return_stats=True variants "
                         "(TRL's trainers ask for the statistics)")
+    p.add_argument("--distill", action="store_true",
+                   help="also the divergence kernels of linear_distillation_loss / "
+                        "distillation_loss: every direction (beta), with and without the "
+                        "gradient (with --softcap also either side capped)")
 
 
 def cmd_bundle(args) -> int:
