@@ -20,6 +20,7 @@ from dataclasses import astuple
 import torch
 from torch import Tensor
 
+from . import sharding
 from . import validation as check
 from .custom_ops import custom_op
 from .policy import linear_log_probs
@@ -308,29 +309,39 @@ linear_distillation_forward.register_autograd(_linear_backward,
                                               setup_context=_setup_linear_context)
 
 
-def _local(side: str, *tensors) -> None:
-    """A ``ValueError`` for a sharded (DTensor) head or input: never a guess."""
+def _local(what: str, *tensors) -> None:
+    """A ``ValueError`` for DTensor rows (inputs, logits): never a guess."""
     if any(check.is_dtensor(t) for t in tensors):
         raise ValueError(
-            f"the {side}'s head or input is a DTensor: the distillation losses take local "
-            f"heads (a sharded head, data- or tensor-parallel, is not supported yet); under "
-            f"FSDP2 call them inside the model's forward, or gather the head first")
+            f"the {what} is a DTensor: the distillation losses take each rank's own rows as "
+            f"plain tensors (sequence- or tensor-parallel rows are not supported); pass "
+            f".to_local() for data-parallel rows")
 
 
-def _head(weight, bias, side: str):
-    """``(weight, bias)`` of a head given as tensors or as a module with ``.weight``
-    whose call runs no hooks (a module that gathers its weight in its call is
-    refused, as a DTensor weight is)."""
-    if isinstance(weight, torch.nn.Module):
-        inner, needs_call = check.head_module(weight, bias)
-        if needs_call:
-            raise ValueError(f"the {side}'s head module has hooks (FSDP, ZeRO-3, tensor "
-                             f"parallelism gather or lay out its weight in its call): the "
-                             f"distillation losses take local heads; pass its weight inside "
-                             f"the model's forward, or gather it first")
-        weight, bias = inner.weight, getattr(inner, "bias", None)
-    _local(side, weight, bias)
-    return weight, bias
+def _student_weight(weight) -> None:
+    """A ``ValueError`` for a DTensor student weight (beside plain rows): two readings."""
+    if check.is_dtensor(weight):
+        raise ValueError(
+            f"the student's head weight is a DTensor {tuple(weight.placements)} beside plain "
+            f"rows, which has two readings; ce_tvm does not guess. (1) Data parallel (FSDP2 "
+            f"fully_shard, FSDP, ZeRO-3 shard it outside the head's forward): pass the head "
+            f"module, linear_distillation_loss(hidden, model.lm_head, teacher_hidden, "
+            f"teacher.lm_head, target), so the loss runs inside its call, where the weight "
+            f"is gathered and its gradient reduced. (2) Tensor parallel (a vocabulary-sharded "
+            f"student head, also what the module's call holds under FSDP x TP): not supported "
+            f"by the distillation losses yet; every rank has the same rows there, so "
+            f"weight.full_tensor() gives the right loss and gradients")
+
+
+@torch.compiler.disable
+def _through_student_head(head: torch.nn.Module, student_input: Tensor, fused):
+    """``fused(hidden, weight, bias)`` inside the student head module's own call
+    (``sharding.inside``: FSDP / ZeRO-3 gather its weight there and reduce its
+    gradient); eager under ``torch.compile`` (its hooks are not traced)."""
+    inner, _ = check.head_module(head, None)
+    return sharding.inside(
+        head, lambda hidden: fused(hidden, inner.weight, getattr(inner, "bias", None)),
+        student_input)
 
 
 def linear_distillation_loss(student_input: Tensor, student_weight, teacher_input: Tensor,
@@ -346,8 +357,13 @@ def linear_distillation_loss(student_input: Tensor, student_weight, teacher_inpu
     both heads: neither model's ``[N, V]`` logits exist whole.
 
     ``student_input [*, Hs]``, ``student_weight [V, Hs]`` (or the head module),
-    ``teacher_input [*, Ht]``, ``teacher_weight [V, Ht]``: the vocabularies must
-    align, the widths may differ. Each side's distribution is
+    ``teacher_input [*, Ht]``, ``teacher_weight [V, Ht]`` (or the head module):
+    the vocabularies must align, the widths may differ. Sharded heads: the
+    student's module under FSDP / ZeRO-3 runs the loss inside its own call
+    (gathered there, its gradient reduced); a DTensor student weight is a
+    ``ValueError`` (data or tensor parallel: two readings). The teacher, which
+    takes no gradient, is used whole however it is sharded
+    (``sharding.whole_frozen_head``). Each side's distribution is
     ``softmax(cap(s x) / temperature)`` (its logit scale ``s`` and softcap).
     ``beta`` as TRL's ``generalized_jsd_loss``: 0 is ``KL(teacher || student)``,
     1 is ``KL(student || teacher)``, in between the generalized JSD
@@ -368,27 +384,35 @@ def linear_distillation_loss(student_input: Tensor, student_weight, teacher_inpu
                               student_logit_scale=student_logit_scale,
                               teacher_logit_scale=teacher_logit_scale,
                               student_softcap=student_softcap, teacher_softcap=teacher_softcap)
-    Ws, bs = _head(student_weight, student_bias, "student")
-    Wt, bt = _head(teacher_weight, teacher_bias, "teacher")
-    _local("student", student_input)
-    _local("teacher", teacher_input)
-    _check_vocab(Ws.shape[0], Wt.shape[0])
-    lead = tuple(student_input.shape[:-1])
-    if tuple(teacher_input.shape[:-1]) != lead:
-        raise ValueError(f"the teacher's positions {tuple(teacher_input.shape[:-1])} must be "
-                         f"the student's {lead}")
-    xs = student_input.reshape(-1, student_input.shape[-1]).contiguous()
-    dtype = xs.dtype
-    xt, Wt = (t.detach().to(dtype).contiguous() for t in (teacher_input, Wt))
-    bt = None if bt is None else bt.detach().to(dtype)
-    kept = _kept(target, xs.shape[0], ignore_index, xs.device, accum_torch_dtype(xs))
-    needs = Needs.of(xs, Ws, bs)
-    loss, ent, *_ = linear_distillation_forward(xs, Ws, bs, xt, Wt, bt, kept, reduction,
-                                                *astuple(opts), chunk_rows or 0,
-                                                needs.input, needs.weight, needs.bias)
-    if reduction == "none":
-        loss = loss.reshape(lead)
-    return (loss, ent.reshape(lead)) if return_entropy else loss
+    Wt, bt = sharding.whole_frozen_head(teacher_weight, teacher_bias)
+
+    def fused(student_input, Ws, bs):
+        _student_weight(Ws)
+        _local("student's input", student_input)
+        _local("teacher's input", teacher_input)
+        _check_vocab(Ws.shape[0], Wt.shape[0])
+        lead = tuple(student_input.shape[:-1])
+        if tuple(teacher_input.shape[:-1]) != lead:
+            raise ValueError(f"the teacher's positions {tuple(teacher_input.shape[:-1])} must "
+                             f"be the student's {lead}")
+        xs = student_input.reshape(-1, student_input.shape[-1]).contiguous()
+        xt = teacher_input.detach().reshape(-1, teacher_input.shape[-1])
+        xt, wt = (t.to(xs.dtype).contiguous() for t in (xt, Wt))
+        kept = _kept(target, xs.shape[0], ignore_index, xs.device, accum_torch_dtype(xs))
+        needs = Needs.of(xs, Ws, bs)
+        loss, ent, *_ = linear_distillation_forward(
+            xs, Ws, bs, xt, wt, None if bt is None else bt.to(xs.dtype), kept, reduction,
+            *astuple(opts), chunk_rows or 0, needs.input, needs.weight, needs.bias)
+        if reduction == "none":
+            loss = loss.reshape(lead)
+        return (loss, ent.reshape(lead)) if return_entropy else loss
+
+    if isinstance(student_weight, torch.nn.Module):
+        inner, needs_call = check.head_module(student_weight, student_bias)
+        if needs_call:
+            return _through_student_head(student_weight, student_input, fused)
+        student_weight, student_bias = inner.weight, getattr(inner, "bias", None)
+    return fused(student_input, student_weight, student_bias)
 
 
 @custom_op("ce_tvm::distillation", mutates_args=())
@@ -477,8 +501,8 @@ def distillation_loss(student_logits: Tensor, teacher_logits: Tensor,
                               student_logit_scale=student_logit_scale,
                               teacher_logit_scale=teacher_logit_scale,
                               student_softcap=student_softcap, teacher_softcap=teacher_softcap)
-    _local("student", student_logits)
-    _local("teacher", teacher_logits)
+    _local("student's logits", student_logits)
+    _local("teacher's logits", teacher_logits)
     _check_vocab(student_logits.shape[-1], teacher_logits.shape[-1])
     lead = tuple(student_logits.shape[:-1])
     if tuple(teacher_logits.shape[:-1]) != lead:

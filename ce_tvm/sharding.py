@@ -105,6 +105,34 @@ def _through_head(entry, input, head: nn.Module, labels, linear_bias, kwargs):
     return inside(head, fused, input)
 
 
+def whole_frozen_head(weight, bias) -> tuple:
+    """``(weight, bias)`` of a head that takes no gradient (a distillation
+    teacher), whole and detached, however it is sharded: one reading, since
+    without a gradient a data-parallel shard and a vocabulary shard have the
+    same whole. A module with hooks gives them from inside its own call (FSDP /
+    ZeRO-3 gather there; copied out, as the gathered storage is freed after the
+    call); DTensors (FSDP2 outside the call, tensor-parallel styles inside it)
+    give their ``full_tensor()``. A hook-free module, plain tensors: as they are."""
+    def whole(t, copy=False):
+        if t is None:
+            return None
+        if check.is_dtensor(t):
+            return t.full_tensor().detach()
+        return t.detach().clone() if copy else t.detach()
+
+    if not isinstance(weight, nn.Module):
+        return whole(weight), whole(bias)
+    inner, needs_call = check.head_module(weight, bias)
+
+    def held(copy=False):  # read in the call: FSDP swaps the gathered parameters in there
+        return whole(inner.weight, copy), whole(getattr(inner, "bias", None), copy)
+
+    if not needs_call:
+        return held()
+    with torch.no_grad():
+        return inside(weight, lambda _: held(copy=True), torch.empty(0))
+
+
 # --- DTensors: the rule --------------------------------------------------------
 
 

@@ -430,7 +430,7 @@ def check_dtensor(rank, world):
             distribute_tensor(flat, mesh, [Replicate()]), W, t.reshape(-1))),
         ("local logits", lambda: ce_tvm.log_probs(
             distribute_tensor(logits.clone(), mesh, [Shard(0)]), y.clamp(min=0))),
-        ("local heads", lambda: ce_tvm.linear_distillation_loss(flat, sharded_W, flat, W)),
+        ("two readings", lambda: ce_tvm.linear_distillation_loss(flat, sharded_W, flat, W)),
     ]:
         try:
             call()

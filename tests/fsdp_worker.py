@@ -228,6 +228,13 @@ def check_fsdp_tp(rank, world):
         checked += 1
     sharding.vocab_parallel_linear_cross_entropy = vocab_parallel
     assert len(calls) == 2 and calls[0] is mesh["tp"].get_group(), calls
+    # Last (the refusal leaves the head's call unfinished): inside it the student's
+    # weight is the vocabulary shard, which the distillation losses do not take.
+    tokens, target = batch(dp_rank)
+    teacher = single.lm_head
+    checked += refuses(lambda: ce_tvm.linear_distillation_loss(
+        model(tokens), model.lm_head, single(tokens), teacher, target), "Tensor parallel",
+        "full_tensor")
     return checked
 
 
@@ -277,8 +284,57 @@ def check_transformers(rank, world):
     return 2
 
 
+def check_distill(rank, world):
+    """Distillation under FSDP2, each rank its own rows, the student and the
+    teacher each fully sharded: the bare sharded student weight is refused (two
+    readings); the head modules give the stock divergence of the two heads'
+    logits (beta 0, 0.5, 1; temperature, softcap) and FSDP2's stock gradients of
+    the student; a bare sharded teacher weight and bias are gathered (it takes no
+    gradient: one reading). Returns how many checks ran."""
+    from test_distillation import logits_reference
+
+    model, stock = sharded_pair()
+    torch.manual_seed(1)
+    teacher = Tiny()
+    for m in (teacher.body, teacher.lm_head, teacher):
+        fully_shard(m)
+    teacher.requires_grad_(False)
+    tokens, target = batch(rank)
+    kept = (target != -100).double()
+    with torch.no_grad():
+        hidden_t = teacher(tokens)
+        logits_t = teacher.lm_head(hidden_t)
+    checked = refuses(lambda: ce_tvm.linear_distillation_loss(
+        model(tokens), model.lm_head.weight, hidden_t, teacher.lm_head, target),
+        "two readings", "model.lm_head")
+    cases = [(0.0, dict()), (0.5, dict(temperature=2.0)), (1.0, dict(student_softcap=5.0))]
+    for beta, options in cases:
+        zero(model, stock)
+        loss = ce_tvm.linear_distillation_loss(model(tokens), model.lm_head, hidden_t,
+                                               teacher.lm_head, target, beta=beta, **options)
+        div, _ = logits_reference(stock.lm_head(stock(tokens)), logits_t, kept, beta=beta,
+                                  **options)
+        expected = (div.sum() / kept.sum()).float()
+        close(loss, expected.detach(), f"distillation beta={beta} {options}")
+        loss.backward()
+        expected.backward()
+        same_grads(model, stock, f"distillation beta={beta} {options}")
+        checked += 1
+    zero(model, stock)
+    loss = ce_tvm.linear_distillation_loss(model(tokens), model.lm_head, hidden_t,
+                                           teacher.lm_head.weight, target,
+                                           teacher_bias=teacher.lm_head.bias)
+    div, _ = logits_reference(stock.lm_head(stock(tokens)), logits_t, kept, beta=0.5)
+    expected = (div.sum() / kept.sum()).float()
+    close(loss, expected.detach(), "distillation, the teacher's bare sharded weight")
+    loss.backward()
+    expected.backward()
+    same_grads(model, stock, "distillation, the teacher's bare sharded weight")
+    return checked + 1
+
+
 CHECKS = {"fsdp2": check_fsdp2, "fsdp1": check_fsdp1, "fsdp_tp": check_fsdp_tp,
-          "transformers": check_transformers}
+          "transformers": check_transformers, "distill": check_distill}
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def test_dtensor_placements_take_the_vocabulary_parallel_paths():
 
 # --- Data-parallel sharding (FSDP2, FSDP x TP): tests/fsdp_worker.py ----------------
 FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
-FSDP_MODES = {2: ("fsdp2", "fsdp1", "transformers"), 4: ("fsdp2", "fsdp_tp")}
+FSDP_MODES = {2: ("fsdp2", "fsdp1", "transformers", "distill"), 4: ("fsdp2", "fsdp_tp")}
 
 
 @functools.cache
@@ -187,9 +187,18 @@ def test_fsdp1_wrapped_head_module_matches_stock_path():
 
 def test_fsdp_x_tp_head_module_matches_single_process_model():
     """A 2 x 2 mesh: FSDP over dp, a column-wise parallel head over tp; the head
-    module runs the vocabulary-parallel head inside its call."""
-    assert_reported(fsdp_ranks_of(4), "fsdp_tp", 3)
+    module runs the vocabulary-parallel head inside its call; the distillation losses
+    refuse that tensor-parallel student head."""
+    assert_reported(fsdp_ranks_of(4), "fsdp_tp", 4)
 
 
 def test_transformers_fused_loss_and_token_log_probs_under_fully_shard():
     assert_reported(fsdp_ranks_of(2), "transformers", 2)
+
+
+def test_distillation_under_fully_shard():
+    """The student and the teacher each under FSDP2, each rank its own rows: the bare
+    sharded student weight refused (two readings); the head modules give the stock
+    divergence (beta 0, 0.5, 1) and FSDP2's stock student gradients; the teacher's bare
+    sharded weight is gathered (it takes no gradient)."""
+    assert_reported(fsdp_ranks_of(2), "distill", 5)

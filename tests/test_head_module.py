@@ -68,6 +68,32 @@ def test_wrong_uses_of_a_module_are_clear_errors():
         ce_tvm.linear_cross_entropy(hidden, head, target, linear_bias=head.bias)
     with pytest.raises(TypeError, match=r"must hold its weight \[V, H\] as .weight"):
         ce_tvm.linear_log_probs(hidden, torch.nn.ReLU(), target)
-    head.register_forward_pre_hook(lambda module, args: None)  # as FSDP's gathering hook
-    with pytest.raises(ValueError, match="student's head module has hooks"):
-        ce_tvm.linear_distillation_loss(hidden, head, hidden, head.weight.detach())
+    with pytest.raises(ValueError, match="not a module and linear_bias"):
+        ce_tvm.linear_distillation_loss(hidden, head, hidden, head, student_bias=head.bias)
+
+
+def test_distillation_runs_inside_both_hooked_heads_calls():
+    """A student head with hooks (as FSDP's): the loss runs inside its call, its
+    outputs seen by its forward hook; a hooked teacher's weight is read in its own
+    call; the same loss and student gradients as from the bare tensors."""
+    student, hidden, target = setup()
+    torch.manual_seed(1)
+    teacher = torch.nn.Linear(hidden.shape[-1], student.out_features)
+    seen = []
+    for name, head in (("student", student), ("teacher", teacher)):
+        head.register_forward_pre_hook(lambda module, args, name=name: seen.append(name))
+    student.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    leaves = [hidden, student.weight, student.bias]
+    loss = ce_tvm.linear_distillation_loss(hidden, student, hidden, teacher, target)
+    assert seen == ["teacher", "student", loss.shape]
+    loss.backward()
+    mine = grads(*leaves)
+    plain = ce_tvm.linear_distillation_loss(leaves[0], student.weight, hidden,
+                                            teacher.weight.detach(), target,
+                                            student_bias=student.bias,
+                                            teacher_bias=teacher.bias.detach())
+    plain.backward()
+    torch.testing.assert_close(loss, plain)
+    for ours, theirs in zip(mine, leaves):
+        torch.testing.assert_close(ours, theirs.grad)
+    assert teacher.weight.grad is None
