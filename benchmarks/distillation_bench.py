@@ -9,7 +9,9 @@ Methods, interleaved rep by rep (best rep kept; ``ce_tvm.tools.measure``):
 - ``trl``: TRL 1.16's ``ChunkedDivergenceFunction`` (its CPU path: torch on
   vocabulary tiles), reduced as ``DistillationTrainer`` does;
 - ``eager``: ``F.linear`` for both heads, then the divergence in torch
-  (``generalized_jsd_loss``'s expression on the whole logits).
+  (``generalized_jsd_loss``'s expression on the whole logits);
+- the floor ``gemm``: the step's four products alone (both heads' logits,
+  the student's input and weight gradients), into buffers made beforehand.
 
 With ``--memory`` the extra peak RSS of one step beyond the inputs and the
 gradients, each method in a fresh process (``bench_policy``'s protocol).
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
+from ce_tvm.store.targets import host_cpu
 from ce_tvm.tools.measure import PeakRSS, in_fresh_processes, interleaved_ms
 
 BETA = 0.5
@@ -70,6 +73,20 @@ def fused(xs, Ws, xt, Wt):
 METHODS = {"ce_tvm": fused, "trl": trl, "eager": eager}
 
 
+def gemm_floor(xs, Ws, xt, Wt):
+    """The step's four GEMMs alone, as a callable (its buffers made here, once)."""
+    xs, Ws = xs.detach(), Ws.detach()
+    logits = xs.new_empty((xs.shape[0], Ws.shape[0]))
+    grad_x, grad_W = torch.empty_like(xs), torch.empty_like(Ws)
+
+    def gemm():
+        torch.mm(xs, Ws.t(), out=logits)
+        torch.mm(xt, Wt.t(), out=logits)
+        torch.mm(logits, Ws, out=grad_x)
+        torch.mm(logits.t(), xs, out=grad_W)
+    return gemm
+
+
 def step(fn, leaves, xt, Wt):
     for t in leaves:
         t.grad = None
@@ -99,16 +116,18 @@ def main() -> int:
     # the same loss from each method first (a benchmark of wrong answers is no benchmark)
     with torch.no_grad():
         values = {name: float(fn(xs, Ws, xt, Wt)) for name, fn in METHODS.items()}
-    ms = interleaved_ms({name: (lambda fn=fn: step(fn, [xs, Ws], xt, Wt))
-                         for name, fn in METHODS.items()}, reps=args.reps)
+    timed = {name: (lambda fn=fn: step(fn, [xs, Ws], xt, Wt)) for name, fn in METHODS.items()}
+    timed["gemm"] = gemm_floor(xs, Ws, xt, Wt)
+    ms = interleaved_ms(timed, reps=args.reps)
     result = {
         "what": "one step of the beta 0.5 generalized JSD through both LM heads (fp32), "
                 "loss.backward() to the student's input and weight",
-        "machine": f"{platform.node()}: 2-core AMD EPYC with AVX-512 (LLVM znver5)",
+        "machine": f"{platform.node()}: {os.cpu_count()} cores, LLVM {host_cpu()}",
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "shape_NxHxV": args.shape,
         "loss": values, "ms": ms,
-        "speedup": {name: ms[name] / ms["ce_tvm"] for name in ms if name != "ce_tvm"},
+        "speedup": {name: ms[name] / ms["ce_tvm"] for name in METHODS if name != "ce_tvm"},
+        "of_gemm_floor": ms["ce_tvm"] / ms["gemm"],
     }
     if args.memory:  # the children import this file as a module
         here = str(Path(__file__).resolve().parent)
