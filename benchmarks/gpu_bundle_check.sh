@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check on a host without apache-tvm (torch with CUDA, no TVM, no
 # network), with the kernels from bundles.
-#   benchmarks/gpu_bundle_check.sh prepare [DIR]  # here (apache-tvm, nvcc): bundles + wheel
+#   benchmarks/gpu_bundle_check.sh prepare [DIR]  # here (apache-tvm, nvcc): kernels + wheels
 #   benchmarks/gpu_bundle_check.sh run [DIR]      # there, from the repository root
-# DIR (default .gpu, ignored by git: carry it) holds one bundle per dtype, sized
-# for gpu_check.py (its grid, timed shapes and sanitizer grid; about 45 MB), and
-# the apache-tvm-ffi wheel for the host's Python (PY, default 3.12).
+# DIR (default .gpu) holds one bundle per dtype (ce-tvm bundle with the
+# log-prob, statistics and, for bf16 and fp32, distillation kernels), in
+# DIR/extra every other kernel gpu_check.py loads (found by a rehearsal of all
+# its sections on the CPU, which must pass), and the wheels of apache-tvm-ffi
+# (for the host's Python, PY, default 3.12), liger-kernel and trl (the timed
+# peers). The device run takes the working tree and DIR (carry it: git
+# ignores its .so files), at most 64 MiB together: prepare prints both sizes
+# and fails above that.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 step="${1:?prepare or run}"
@@ -14,14 +19,25 @@ arch="${ARCH:-sm_90}"
 if [ "$step" = prepare ]; then
   set -e
   bundle() { ce-tvm bundle --target cuda --arch "$arch" --dtype "$1" "${@:3}" --out "$dir/$2"; }
-  bundle bfloat16 bf16 --classes 1001 --classes 5000 --classes 32000 --classes 50257 \
-    --classes 128256
-  bundle float32 fp32 --classes 9000 --classes 32000
-  bundle float16 fp16 --classes 32000
+  bundle bfloat16 bf16 --classes 32000 --classes 128256 --log-probs 1 --stats --distill
+  bundle float32 fp32 --classes 32000 --log-probs 1 --stats --distill
+  bundle float16 fp16 --classes 32000 --log-probs 1 --stats
+  rm -f "$dir/rehearsal.jsonl"
+  python benchmarks/gpu_check.py --device cpu --sections checks,timings,sanitize --arch "$arch" \
+    --bundle "$dir/bf16" --bundle "$dir/fp32" --bundle "$dir/fp16" --export "$dir/extra" \
+    --json "$dir/rehearsal.jsonl"
   python -m pip download -q --no-deps --only-binary=:all: --python-version "${PY:-3.12}" \
     --implementation cp --platform manylinux_2_28_x86_64 -d "$dir/whl" \
-    "apache-tvm-ffi==0.1.14.post1"
-  du -sh "$dir"
+    "apache-tvm-ffi==0.1.14.post1" "liger-kernel==0.8.5" "trl==1.16.0"
+  du -sh "$dir"/*
+  mib() { echo $((($1 + 1048575) / 1048576)); }
+  prepared=$(du -sb "$dir" | cut -f1)
+  tree=$(git ls-files -z -co --exclude-standard | grep -zv "^${dir#./}/" |
+    du -cb --files0-from=- | tail -1 | cut -f1)
+  total=$((tree + prepared))
+  echo "$dir: $(mib "$prepared") MiB; with the working tree: $(mib "$total") MiB (at most 64)"
+  [ "$total" -le $((64 * 1048576)) ] ||
+    { echo "too large (kernels of an older prepare stay in DIR: start from an empty one)"; exit 1; }
   exit 0
 fi
 [ "$step" = run ] || { echo "usage: $0 prepare|run [DIR]"; exit 2; }
@@ -45,12 +61,13 @@ cudart=$(python3 -c "import glob, os, site; print(':'.join(sorted({os.path.dirna
   recursive=True)})))")
 export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 chmod -R go-w "$dir"
-dirs=() bundles=()
+dirs=() kernels=()
 for b in "$dir"/*/bundle.json; do dirs+=("$(dirname "$b")"); done
-for d in "${dirs[@]}"; do bundles+=(--bundle "$d"); done
+for d in "${dirs[@]}"; do kernels+=(--bundle "$d"); done
+[ -d "$dir/extra" ] && dirs+=("$dir/extra") && kernels+=(--modules "$dir/extra")
 # A one-call smoke test first (its own time limit): a run that fails or hangs
 # here costs a minute of device time, not the whole check.
-CE_TVM_MODULE_DIR="$(IFS=:; echo "${dirs[*]}")" timeout "${SMOKE_TIMEOUT_S:-120}" python3 -X \
+CE_TVM_MODULE_DIR="$(IFS=:; echo "${dirs[*]}")" timeout "${SMOKE_TIMEOUT_S:-90}" python3 -X \
   faulthandler -c "
 import faulthandler, torch, torch.nn.functional as F
 faulthandler.dump_traceback_later(30, repeat=True)
@@ -61,6 +78,7 @@ loss = ce_tvm.cross_entropy(x, y)
 loss.backward()
 print('smoke: loss', loss.item(), 'torch', F.cross_entropy(x.float(), y).item())
 " || { echo "smoke test failed: the check is skipped"; exit 1; }
-SANITIZE_TIMEOUT_S="${SANITIZE_TIMEOUT_S:-120}" timeout "${CHECK_TIMEOUT_S:-480}" \
-  bash benchmarks/gpu_check.sh "${bundles[@]}" --json "${OUT:-.}/gpu_check.json"
+# The steps' own limits add up to more: this keeps the whole run near 8 minutes.
+CHECK_TIMEOUT_S="${CHECK_TIMEOUT_S:-420}" bash benchmarks/gpu_check.sh "${kernels[@]}" \
+  --json "${OUT:-.}/gpu_check.jsonl"
 echo "gpu_check.sh: exit $?"

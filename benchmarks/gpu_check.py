@@ -1,31 +1,89 @@
-"""One prepared GPU check (under five minutes on one GPU): correctness of the
-CUDA kernels against torch.nn.functional.cross_entropy on a grid of shapes and
-dtypes (the one-pass training kernel too, which CUDA tensors do not use by
-default yet), then forward and forward+backward timings against PyTorch eager,
-torch.compile, dlight's GeneralReduction schedule of the same compute, and
-Liger Kernel / flash-attn's cross entropy when importable, with achieved
-bandwidth as a share of the device's measured copy bandwidth; an empty batch
-and offset views timed, and the training step through the one-pass kernel
-against the recompute path (forward + backward) with the copy floor.
-``--sanitize`` runs only a small grid (with N = 0, offset views and the
-training kernel), for compute-sanitizer.
+"""The prepared GPU check: the CUDA kernels against float64 references computed
+here, then timings against PyTorch eager, torch.compile and the Triton kernels
+of Liger Kernel and TRL, in sections whose results reach a JSON-lines file as
+they come.
 
-    python benchmarks/gpu_check.py [--json gpu_check.json] [--quick] [--sanitize] [--bundle DIR]...
+    python benchmarks/gpu_check.py [--sections S,...] [--json F] [--bundle DIR]... [--modules DIR]
+    python benchmarks/gpu_check.py --device cpu [--export DIR] [--bundle DIR]... [--modules DIR]
 
-With ``--bundle DIR`` (made by ``ce-tvm bundle --target cuda``) the kernels and
-the TVM runtime come from the bundle, so the host needs PyTorch and
-apache-tvm-ffi but not apache-tvm; only the bundles' dtypes and class counts
-are checked and timed (``--bundle`` repeats: one bundle per dtype), and the
-dlight baseline (which needs the compiler) is left out.
+Sections (``--sections``: names, or the groups ``checks`` and ``timings``; by
+default both). Checks compare every output and gradient by relative error,
+``max |ours - ref| / max |ref|``:
+
+- ``correctness``: ``ce_tvm.cross_entropy`` (class weights, ignore_index,
+  smoothing 0.1) on a grid of shapes and dtypes, loss and gradient;
+- ``training_kernel``: the one-pass training kernel (``launch.train``), which
+  CUDA tensors do not use by default yet;
+- ``log_probs``: ``log_probs`` and ``linear_log_probs`` with
+  ``return_entropy=True`` and ``return_stats=True``, temperature 0.7, with and
+  without a softcap, an ignored index and masked rows;
+- ``sharded_direct``: the vocabulary-parallel head's kernels on two column
+  shards of one logits tensor (each shard's statistics and gradient), and the
+  loss from statistics combined over the shards;
+- ``sharded_group``: ``ce_tvm.distributed``'s cross entropy, linear cross
+  entropy and linear log-probs in a world of one (gloo);
+- ``distill``: ``distillation_loss`` and ``linear_distillation_loss`` at beta
+  0, 0.5 (temperature 2) and 1 (both softcaps): loss, entropy, gradients.
+
+Timings (forward + backward; every method timed in turn within each rep after
+one warm-up call, the best rep kept; a method that fails or is not installed
+is recorded and left out):
+
+- ``time_ce``: cross entropy at 8192 x 128256, bf16 and fp32, against eager,
+  torch.compile, Liger (``liger_cross_entropy``) and flash-attn when
+  importable, with the copy floor (one read and one write of the logits);
+  where the TVM compiler is installed also the forward against dlight's
+  GeneralReduction schedule of the same compute;
+- ``time_linear``: fused linear cross entropy at 8192 x 4096 x 128256 bf16
+  against Liger's, eager (logits upcast, as Hugging Face models do) and the
+  floor of three GEMMs;
+- ``time_log_probs``: log-probs and entropy at 8192 x 128256 bf16 against
+  TRL's Triton kernel (``selective_log_softmax_and_entropy``), eager and
+  torch.compile, with the copy floor;
+- ``time_distill``: the beta 0.5 divergence through both heads at 4096 x 2048
+  x 128256 bf16 against TRL's ``ChunkedDivergenceFunction``, eager and the
+  floor of the step's four GEMMs (``distillation_bench``'s);
+- ``time_training``: the one-pass training kernel against the recompute path;
+- ``time_edge``: an empty batch and offset views.
+
+``sanitize`` (run only when named) is a small grid of every kernel family with
+an empty batch and offset views, for compute-sanitizer (``gpu_check.sh``).
+
+Every row is appended to ``--json`` as soon as it is done and every section
+ends with a record of its verdict and time, so a run stopped by a time limit
+keeps what finished; a case or a section that raises (a kernel no bundle
+holds, a failed launch) is recorded and the next one runs.
+``--bundle DIR`` (``ce-tvm bundle --target cuda``; repeatable) and
+``--modules DIR`` (a module directory, as ``--export`` writes one) provide the
+kernels and the TVM runtime: the host needs torch and apache-tvm-ffi, not
+apache-tvm.
+
+``--device cpu`` rehearses the check without a GPU: the same sections on CPU
+tensors, at most 16 rows and a hidden size of 64, the class counts kept
+(``--classes C`` replaces them and ``--dtypes`` keeps some dtypes: a quicker
+run), one rep, no torch.compile (Triton's kernels fail to import or run, and
+are recorded so). It loads the CPU builds of the kernels the GPU run loads
+(the one-pass training kernel only where CUDA takes it by default), then looks
+for each one's CUDA build (``--arch``) in the ``--bundle`` and ``--modules``
+directories, when any is given: the missing ones are built into ``--export
+DIR`` (with nvcc), or reported (exit status 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import importlib.util
 import json
+import math
 import os
 import sys
+import time
+import traceback
+import types
+from dataclasses import dataclass
+from pathlib import Path
 
 # Every GPU_CHECK_TRACE_EVERY_S seconds, every thread's stack on stderr: device
 # time is short, and a run that hangs (one on an H200 printed nothing) shows where.
@@ -36,147 +94,556 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ce_tvm  # noqa: E402
-from ce_tvm.ops import scale_unit_gradient
-from ce_tvm.runtime import launch
-from ce_tvm.runtime.options import LossOptions
+from ce_tvm.ops import scale_unit_gradient  # noqa: E402
+from ce_tvm.runtime import launch  # noqa: E402
+from ce_tvm.runtime.options import LossOptions  # noqa: E402
+from ce_tvm.tools import bench_policy  # noqa: E402
 
-GRID = [(64, 17), (256, 1001), (512, 32000), (128, 128256), (64, 256000)]
-TIMED = [(8192, 128256, torch.bfloat16), (4096, 32000, torch.float32),
-         (8192, 50257, torch.bfloat16)]
+CPU_ROWS, CPU_HIDDEN = 16, 64  # a CPU rehearsal's cuts
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+ACC_TOL = 1e-4  # values the kernels compute in float32 from the very inputs of the reference
+GRID = [(n, c, dtype) for n, c in [(64, 17), (256, 1001), (512, 32000), (128, 128256),
+                                   (64, 256000)] for dtype in TOL]
+POLICY_GRID = [(256, 32000, dtype) for dtype in TOL] + [(64, 128256, torch.bfloat16)]
+HEAD_GRID = [(256, 32000, torch.bfloat16), (256, 32000, torch.float32)]  # shards, distillation
+HIDDEN = 256  # the LM heads' width in the checks
+SOFTCAP = 30.0
+# Softcaps with reverse KL: the capped JSD's CPU build (the rehearsal's) takes minutes
+DISTILL_CASES = ({"beta": 0.0}, {"beta": 0.5, "temperature": 2.0},
+                 {"beta": 1.0, "student_softcap": SOFTCAP, "teacher_softcap": 50.0})
+SANITIZE_GRID = [(8, 1001, torch.bfloat16), (4, 9000, torch.float32), (0, 5000, torch.bfloat16)]
+CE_TIMED = [(8192, 128256, torch.bfloat16), (8192, 128256, torch.float32)]
+LINEAR_TIMED, LINEAR_HIDDEN = [(8192, 128256, torch.bfloat16)], 4096
+LOG_PROBS_TIMED = [(8192, 128256, torch.bfloat16)]
+DISTILL_TIMED, DISTILL_HIDDEN = [(4096, 128256, torch.bfloat16)], 2048
+EDGE_TIMED = [(4096, 32000, torch.bfloat16)]
 
 
-def _inputs(n: int, c: int, dtype):
-    """Seeded logits ``[n, c]`` (dtype), targets with every 7th row ignored, weights."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn(n, c, device="cuda", generator=gen) * 3).to(dtype)
-    y = torch.randint(0, c, (n,), device="cuda", generator=gen)
+@dataclass(frozen=True)
+class Plan:
+    """Where the check runs and, for a CPU rehearsal, how its shapes are cut:
+    ``classes`` replaces every class count, ``dtypes`` (when not empty) keeps
+    only those dtypes."""
+
+    device: torch.device
+    classes: int | None = None
+    dtypes: tuple = ()
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def reps(self) -> int:
+        return 10 if self.cuda else 1
+
+    def rows(self, n: int) -> int:
+        return n if self.cuda else min(n, CPU_ROWS)
+
+    def hidden(self, h: int) -> int:
+        return h if self.cuda else min(h, CPU_HIDDEN)
+
+    def width(self, c: int) -> int:
+        return self.classes or c
+
+    def cases(self, grid) -> list:
+        """``(rows, classes, dtype)`` of ``grid``, cut for this plan."""
+        return [(self.rows(n), self.width(c), dtype) for n, c, dtype in grid
+                if not self.dtypes or dtype in self.dtypes]
+
+    def generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name() if self.cuda else "cpu (rehearsal)"
+
+
+# --- Inputs and references -------------------------------------------------------
+
+
+def _inputs(plan: Plan, n: int, c: int, dtype, seed: int = 0):
+    """Seeded logits ``[n, c]`` (dtype), targets with every 7th row ignored, class weights."""
+    gen = plan.generator(seed)
+    x = (torch.randn(n, c, device=plan.device, generator=gen) * 3).to(dtype)
+    y = torch.randint(0, c, (n,), device=plan.device, generator=gen)
     y[::7] = -100
-    w = torch.rand(c, device="cuda", generator=gen) + 0.5
+    w = torch.rand(c, device=plan.device, generator=gen) + 0.5
     return x, y, w
 
 
-def _against_torch(label: str, n: int, c: int, dtype, loss_and_grad) -> dict:
-    """``loss_and_grad(x, y, w)`` on the seeded inputs against F.cross_entropy
-    (loss and autograd gradient, smoothing 0.1); prints and returns the row."""
-    x, y, w = _inputs(n, c, dtype)
-    loss, grad = loss_and_grad(x, y, w)
-    xr = x.float().requires_grad_()
-    ref = F.cross_entropy(xr, y, w, label_smoothing=0.1)
-    ref.backward()
-    loss_err = abs(loss.float().item() - ref.item()) / abs(ref.item())
-    grad_err = ((grad.float() - xr.grad).abs().max() / xr.grad.abs().max()).item()
-    ok = loss_err <= TOL[dtype] and grad_err <= 2 * TOL[dtype]
-    print(f"  {'ok ' if ok else 'BAD'} {label}{n}x{c} {dtype}: "
-          f"loss {loss_err:.1e} grad {grad_err:.1e}")
-    return dict(n=n, c=c, dtype=str(dtype), loss_rel_err=loss_err, grad_rel_err=grad_err,
-                ok=ok)
+def _head(plan: Plan, n: int, c: int, dtype, hidden: int = HIDDEN, seed: int = 3):
+    """Seeded hidden states ``[n, H]`` and an LM head ``[c, H]`` (logits of unit scale)."""
+    gen, h = plan.generator(seed), plan.hidden(hidden)
+    x = torch.randn(n, h, device=plan.device, generator=gen).to(dtype)
+    W = (torch.randn(c, h, device=plan.device, generator=gen) * h ** -0.5).to(dtype)
+    return x, W
 
 
-def _autograd(x, y, w):
-    """``(loss, grad)`` of ``ce_tvm.cross_entropy`` through autograd."""
-    xa = x.clone().requires_grad_()
-    loss = ce_tvm.cross_entropy(xa, y, w, label_smoothing=0.1)
-    loss.backward()
-    return loss, xa.grad
+def _policy_inputs(plan: Plan, n: int, c: int, dtype):
+    """Logits (``_inputs``), one index per row (the row's first argmax on even
+    rows, so that ``is_top1`` holds there; every 7th from the 3rd ignored), a
+    row mask (every 11th from the 5th masked) and the upstream weights of the
+    log-probs and the entropy."""
+    x, _, _ = _inputs(plan, n, c, dtype)
+    gen = plan.generator(2)
+    index = torch.randint(0, c, (n,), device=plan.device, generator=gen)
+    index[::2] = x[::2].float().argmax(-1)
+    index[3::7] = -100
+    mask = torch.ones(n, dtype=torch.bool, device=plan.device)
+    mask[5::11] = False
+    a, b = (torch.randn(n, device=plan.device, generator=gen) for _ in range(2))
+    return x, index, mask, a, b
 
 
-def check_correctness(grid) -> list[dict]:
-    return [_against_torch("", n, c, dtype, _autograd) for (n, c), dtype in grid]
+def _head_logits(x, W, dtype):
+    """``x @ W.T`` in float64 with the values of the product in ``dtype`` (the
+    logits the kernels get from the head: the reference then does not count
+    their rounding as an error) and the gradients of the float64 product."""
+    exact = x @ W.T
+    return exact + ((x.to(dtype) @ W.to(dtype).T).double() - exact).detach()
 
 
-def _train_kernel(x, y, w, reduction="mean"):
-    """``(loss, grad)`` of the one-pass training kernel (``launch.train``)."""
-    out, grad = launch.train(x, y, w, LossOptions(reduction=reduction, label_smoothing=0.1))
-    return out.loss, grad
+def _capped(z, softcap: float):
+    return softcap * torch.tanh(z / softcap) if softcap else z
 
 
-def check_training_kernel(grid) -> list[dict]:
-    """The one-pass training kernel against F.cross_entropy (loss and autograd grad)."""
-    return [_against_torch("train kernel ", n, c, dtype, _train_kernel)
-            for (n, c), dtype in grid]
+def _loss(loss) -> dict:
+    """A loss as ``_evaluated`` takes it: compared, and differentiated."""
+    return {"loss": loss, "objective": loss}
 
 
-def time_training(shapes) -> list[dict]:
-    """A training step (loss + logits gradient, mean, smoothing 0.1, every 17th row
-    ignored): the one-pass kernel alone and with the scaled copy its autograd
-    backward makes on CUDA (``ops.scale_unit_gradient``: the upstream gradient
-    cannot be read there without a host sync), the recompute path (forward,
-    then the backward from the logits), and the copy floor (one read + one
-    write)."""
-    rows = []
+def _cross_entropy(x, y, w) -> dict:
+    return _loss(ce_tvm.cross_entropy(x, y, w, label_smoothing=0.1))
+
+
+def _train_kernel(x, y, w) -> dict:
+    """The one-pass training kernel's loss and gradient (no autograd)."""
+    out, grad = launch.train(x, y, w, LossOptions(reduction="mean", label_smoothing=0.1))
+    return {"loss": out.loss, "grad0": grad}
+
+
+def _torch_cross_entropy(x, y, w) -> dict:
+    return _loss(F.cross_entropy(x, y, w.to(x.dtype), label_smoothing=0.1))
+
+
+def _policy_outputs(a, b, logp, entropy, stats=None) -> dict:
+    """``log_probs``' outputs as ``_evaluated`` takes them; the objective weighs
+    the log-probs by ``a`` and the entropy by ``b``."""
+    out = {"logp": logp, "entropy": entropy, "objective": (a * logp).sum() + (b * entropy).sum()}
+    if stats is not None:
+        out.update(stats._asdict())
+    return out
+
+
+def _policy_reference(z, index, live, a, b, *, stats: bool, temperature: float,
+                      softcap: float = 0.0) -> dict:
+    """``_policy_outputs`` from the definitions (docs/spec.md, section 9) on
+    float64 logits ``z``; ``live``: the entries that count."""
+    z = _capped(z, softcap) / temperature
+    logp_all = torch.log_softmax(z, -1)
+    logp = torch.where(live, logp_all.gather(-1, index.clamp(min=0)[:, None])[:, 0], 0.0)
+    out = _policy_outputs(a, b, logp, -(logp_all.exp() * logp_all).sum(-1))
+    if stats:
+        out.update(log_sum_sq_probs=torch.logsumexp(2 * logp_all, -1), mean_logits=z.mean(-1),
+                   is_top1=live & (index == z.argmax(-1)))
+    return out
+
+
+def _divergence_reference(s, t, kept, *, beta: float, temperature: float = 1.0,
+                          student_softcap: float = 0.0, teacher_softcap: float = 0.0) -> dict:
+    """``distillation_loss``'s mean loss and per-row entropy from the definitions
+    (docs/spec.md, section 15) on float64 logits; ``kept``: 1.0 where a row counts."""
+    ls = torch.log_softmax(_capped(s, student_softcap) / temperature, -1)
+    lt = torch.log_softmax(_capped(t, teacher_softcap) / temperature, -1)
+
+    def kl(lp, lq):  # KL(p || q) per row
+        return (lp.exp() * (lp - lq)).sum(-1)
+
+    if beta == 0.0:
+        rows = kl(lt, ls)
+    elif beta == 1.0:
+        rows = kl(ls, lt)
+    else:
+        lm = torch.logsumexp(torch.stack([ls + math.log1p(-beta), lt + math.log(beta)]), 0)
+        rows = beta * kl(lt, lm) + (1 - beta) * kl(ls, lm)
+    out = _loss((rows * kept).sum() / kept.sum().clamp(min=1))
+    out["entropy"] = -(ls.exp() * ls).sum(-1) * kept
+    return out
+
+
+# --- Comparing ---------------------------------------------------------------------
+
+
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"[:500]
+
+
+def _rel_err(ours, ref) -> float:
+    """``max |ours - ref| / max |ref|`` (NaN where both are NaN counts as equal);
+    for booleans the fraction of entries that differ."""
+    if ref.numel() == 0:
+        return 0.0
+    if ref.dtype == torch.bool:
+        return (ours != ref).double().mean().item()
+    ours, ref = ours.double(), ref.double()
+    diff = torch.where(ours.isnan() & ref.isnan(), 0.0, ours - ref).abs().max()
+    return (diff / torch.nan_to_num(ref, nan=0.0).abs().max().clamp_min(1e-30)).item()
+
+
+def _evaluated(fn, leaves) -> dict:
+    """``fn(*leaves)``: a dict of outputs; with an ``"objective"`` (a scalar), its
+    gradients with respect to the leaves join as ``"grad0"``, ``"grad1"``...
+    Each leaf is the caller's tensor detached (an offset view stays one)."""
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    objective = out.pop("objective", None)
+    if objective is not None:
+        out.update((f"grad{i}", g) for i, g in enumerate(torch.autograd.grad(objective, leaves)))
+    return {k: v.detach() for k, v in out.items()}
+
+
+def _verdict(label: str, ours: dict, ref: dict, tol: float, grad_tol: float, **fields) -> dict:
+    """Every output of ``ref`` against ``ours``: values within ``tol``,
+    gradients (``grad*``) within ``grad_tol``. Prints and returns the row."""
+    errors = {k: _rel_err(ours[k], v) for k, v in ref.items()}
+    ok = all(e <= (grad_tol if k.startswith("grad") else tol) for k, e in errors.items())
+    print(f"  {'ok ' if ok else 'BAD'} {label}: "
+          + " ".join(f"{k} {e:.1e}" for k, e in errors.items()), flush=True)
+    return dict(fields, case=label, errors=errors, ok=ok)
+
+
+def _compare(label: str, fn, reference, leaves, tol: float, grad_tol: float, **fields) -> dict:
+    """``fn`` on ``leaves`` against ``reference`` on float64 copies of them (``_verdict``)."""
+    return _verdict(label, _evaluated(fn, leaves),
+                    _evaluated(reference, [t.double() for t in leaves]), tol, grad_tol, **fields)
+
+
+def _against_torch(label: str, run, x, y, w) -> dict:
+    """``run(x, y, w)`` (a dict: ``_cross_entropy``, ``_train_kernel``...) against
+    F.cross_entropy in float64 (weights, ignore_index, smoothing 0.1)."""
+    n, c = x.shape
+    return _compare(f"{label}{n}x{c} {x.dtype}", lambda t: run(t, y, w),
+                    lambda t: _torch_cross_entropy(t, y, w), [x], TOL[x.dtype],
+                    2 * TOL[x.dtype], n=n, c=c, dtype=str(x.dtype))
+
+
+# --- Checks ------------------------------------------------------------------------
+
+
+def _each(plan: Plan, grid, rows):
+    """``rows(plan, n, c, dtype)`` (a generator of rows) for each case of
+    ``grid``; a case that raises (a kernel no bundle holds, a failed launch) is
+    recorded as a failed row, and the next case runs."""
+    for n, c, dtype in plan.cases(grid):
+        try:
+            yield from rows(plan, n, c, dtype)
+        except Exception as err:  # noqa: BLE001 - recorded; the next case runs
+            traceback.print_exc()
+            print(f"  BAD {n}x{c} {dtype}: {_error(err)}", flush=True)
+            yield dict(n=n, c=c, dtype=str(dtype), case=f"{n}x{c} {dtype}", ok=False,
+                       error=_error(err))
+
+
+def _ce_rows(plan: Plan, n: int, c: int, dtype):
+    yield _against_torch("", _cross_entropy, *_inputs(plan, n, c, dtype))
+
+
+def correctness(plan: Plan):
+    yield from _each(plan, GRID, _ce_rows)
+
+
+def _train_kernel_rows(plan: Plan, n: int, c: int, dtype):
+    yield _against_torch("train kernel ", _train_kernel, *_inputs(plan, n, c, dtype))
+
+
+def training_kernel(plan: Plan):
+    yield from _each(plan, GRID, _train_kernel_rows)
+
+
+def _policy_rows(plan: Plan, n: int, c: int, dtype):
+    """``log_probs`` and ``linear_log_probs`` (entropy and statistics), with and
+    without a softcap, against ``_policy_reference``."""
+    x, index, mask, a, b = _policy_inputs(plan, n, c, dtype)
+    live = mask & (index != -100)
+    h, W = _head(plan, n, c, dtype)
+    fields = dict(n=n, c=c, dtype=str(dtype))
+    for softcap in (0.0, SOFTCAP):
+        opts = dict(temperature=bench_policy.TEMPERATURE, softcap=softcap)
+        call = dict(row_mask=mask, return_entropy=True, return_stats=True, **opts)
+
+        def reference(z, opts=opts):
+            return _policy_reference(z, index, live, a, b, stats=True, **opts)
+
+        yield _compare(f"log_probs {n}x{c} {dtype} softcap {softcap}",
+                       lambda t, call=call: _policy_outputs(a, b, *ce_tvm.log_probs(t, index,
+                                                                                  **call)),
+                       reference, [x], ACC_TOL, 2 * TOL[dtype], softcap=softcap, **fields)
+        yield _compare(f"linear_log_probs {n}x{c} {dtype} softcap {softcap}",
+                       lambda t, V, call=call: _policy_outputs(
+                           a, b, *ce_tvm.linear_log_probs(t, V, index, **call)),
+                       lambda t, V, reference=reference: reference(_head_logits(t, V, dtype)),
+                       [h, W], TOL[dtype], 2 * TOL[dtype], softcap=softcap, **fields)
+
+
+def log_probs(plan: Plan):
+    yield from _each(plan, POLICY_GRID, _policy_rows)
+
+
+def _shard_rows(plan: Plan, n: int, c: int, dtype):
+    """The vocabulary-parallel kernels on the two halves of ``[n, c]`` logits:
+    each shard's statistics (``launch.shard_stats``) and gradient
+    (``launch.shard_backward``, from the full rows' float64 statistics) against
+    float64, then the loss from statistics combined over the shards
+    (``launch.shard_combine``) against F.cross_entropy."""
+    x, y, w = _inputs(plan, n, c, dtype)
     options = LossOptions(reduction="mean", label_smoothing=0.1)
-    for n, c, dtype in shapes:
-        x = torch.randn(n, c, device="cuda").to(dtype)
-        y = torch.randint(0, c, (n,), device="cuda")
-        y[::17] = -100
-        one = torch.ones(1, device="cuda")
-        dst = torch.empty_like(x)
+    full = _evaluated(lambda t: _torch_cross_entropy(t, y, w), [x.double()])
+    x64, w64 = x.double(), w.double()
+    kept = y != -100
+    lse = torch.logsumexp(x64, -1)
+    wy = torch.where(kept, w64[y.clamp(min=0)], 0.0)
+    fields = dict(n=n, c=c, dtype=str(dtype))
+    for offset, width in ((0, c // 2), (c // 2, c - c // 2)):
+        cols = slice(offset, offset + width)
+        xs, ws = x[:, cols].contiguous(), w[cols].contiguous()
+        local = y - offset  # ignored rows are < 0: in no shard
+        inside = (local >= 0) & (local < width)
+        picked = local.clamp(0, width - 1)
+        xd, wd = xs.double(), ws.double()
+        top = xd.max(-1).values
+        ref = {"rowmax": top, "expsum": (xd - top[:, None]).exp().sum(-1), "wxsum": xd @ wd,
+               "target_logit": torch.where(inside, xd.gather(1, picked[:, None])[:, 0], 0.0),
+               "target_weight": torch.where(inside, wd[picked], 0.0),
+               "grad0": full["grad0"][:, cols]}
+        ours = dict(zip(ref, launch.shard_stats(xs, y, ws, offset, options)))
+        ours["grad0"] = launch.shard_backward(
+            lse.new_ones(1, dtype=torch.float32), xs, lse.float(), y, ws, wy.float(),
+            offset=offset, weight_sum=float(w64.sum()), global_classes=c, options=options)
+        yield _verdict(f"shard [{offset}, {offset + width}) of {n}x{c} {dtype}", ours, ref,
+                       ACC_TOL, 2 * TOL[dtype], **fields)
+    logit = torch.where(kept, x64.gather(1, y.clamp(min=0)[:, None])[:, 0], 0.0)
+    loss, _ = launch.shard_combine(lse.float(), logit.float(), wy.float(), (x64 @ w64).float(), y,
+                                   weight_sum=float(w64.sum()), classes=c, dtype=dtype,
+                                   options=options)
+    yield _verdict(f"shard_combine {n}x{c} {dtype}", {"loss": loss}, {"loss": full["loss"]},
+                   TOL[dtype], 2 * TOL[dtype], **fields)
 
-        def recompute():
-            out = launch.forward(x, y, None, options, log_prob=False)
-            return launch.backward(one, torch.zeros_like(one), x, out.lse, y, None, options,
-                                   source_kind="logits")
 
-        def one_pass_scaled():
-            return scale_unit_gradient(launch.train(x, y, None, options)[1], one)
-
-        row = dict(n=n, c=c, dtype=str(dtype),
-                   one_pass_ms=cuda_ms(lambda: launch.train(x, y, None, options)),
-                   one_pass_scaled_ms=cuda_ms(one_pass_scaled),
-                   recompute_ms=cuda_ms(recompute), copy_ms=cuda_ms(lambda: dst.copy_(x)))
-        rows.append(row)
-        print(f"  train {n}x{c} {dtype}: one pass {row['one_pass_ms']:.3f} ms "
-              f"(+ scaled copy {row['one_pass_scaled_ms']:.3f} ms), recompute "
-              f"{row['recompute_ms']:.3f} ms, copy {row['copy_ms']:.3f} ms "
-              f"({row['one_pass_ms'] / row['copy_ms']:.2f}x / "
-              f"{row['recompute_ms'] / row['copy_ms']:.2f}x the copy)")
-    return rows
+def sharded_direct(plan: Plan):
+    yield from _each(plan, HEAD_GRID, _shard_rows)
 
 
-def cuda_ms(fn, reps=10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def _group_rows(plan: Plan, n: int, c: int, dtype):
+    """``ce_tvm.distributed``'s cross entropy, linear cross entropy and linear
+    log-probs in the process group of one (the shard is the whole vocabulary)."""
+    from ce_tvm import distributed as vp
+
+    x, y, w = _inputs(plan, n, c, dtype)
+    yield _against_torch(
+        "vocab_parallel_cross_entropy ",
+        lambda t, y, w: _loss(vp.vocab_parallel_cross_entropy(t, y, w, label_smoothing=0.1)),
+        x, y, w)
+    h, W = _head(plan, n, c, dtype)
+    fields = dict(n=n, c=c, dtype=str(dtype))
+    yield _compare(f"vocab_parallel_linear_cross_entropy {n}x{c} {dtype}",
+                   lambda t, V: _loss(vp.vocab_parallel_linear_cross_entropy(t, V, y)),
+                   lambda t, V: _loss(F.cross_entropy(_head_logits(t, V, dtype), y)),
+                   [h, W], TOL[dtype], 2 * TOL[dtype], **fields)
+    _, index, mask, a, b = _policy_inputs(plan, n, c, dtype)
+    live = mask & (index != -100)
+    temperature = bench_policy.TEMPERATURE
+    yield _compare(f"vocab_parallel_linear_log_probs {n}x{c} {dtype}",
+                   lambda t, V: _policy_outputs(a, b, *vp.vocab_parallel_linear_log_probs(
+                       t, V, index, row_mask=mask, temperature=temperature,
+                       return_entropy=True)),
+                   lambda t, V: _policy_reference(_head_logits(t, V, dtype), index, live, a, b,
+                                                  stats=False, temperature=temperature),
+                   [h, W], TOL[dtype], 2 * TOL[dtype], **fields)
+
+
+def sharded_group(plan: Plan):
+    """``_group_rows`` in a world of one (gloo, in this process)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield from _each(plan, HEAD_GRID, _group_rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def _distill_rows(plan: Plan, n: int, c: int, dtype):
+    """``distillation_loss`` and ``linear_distillation_loss`` (the teacher's head
+    wider than the student's) for each of ``DISTILL_CASES``, with the entropy,
+    against ``_divergence_reference``."""
+    s, y, _ = _inputs(plan, n, c, dtype)
+    t, _, _ = _inputs(plan, n, c, dtype, seed=4)
+    kept = (y != -100).double()
+    hs, Ws = _head(plan, n, c, dtype)
+    ht, Wt = _head(plan, n, c, dtype, hidden=HIDDEN * 3 // 2, seed=5)
+    fields = dict(n=n, c=c, dtype=str(dtype))
+    for case in DISTILL_CASES:
+        def ours(loss, entropy):
+            return {**_loss(loss), "entropy": entropy}
+
+        yield _compare(f"distillation_loss {n}x{c} {dtype} {case}",
+                       lambda z, case=case: ours(*ce_tvm.distillation_loss(
+                           z, t, y, return_entropy=True, **case)),
+                       lambda z, case=case: _divergence_reference(z, t.double(), kept, **case),
+                       [s], ACC_TOL, 2 * TOL[dtype], **case, **fields)
+        yield _compare(f"linear_distillation_loss {n}x{c} {dtype} {case}",
+                       lambda u, V, case=case: ours(*ce_tvm.linear_distillation_loss(
+                           u, V, ht, Wt, y, return_entropy=True, **case)),
+                       lambda u, V, case=case: _divergence_reference(
+                           _head_logits(u, V, dtype), _head_logits(ht, Wt, dtype), kept,
+                           **case),
+                       [hs, Ws], TOL[dtype], 2 * TOL[dtype], **case, **fields)
+
+
+def distill(plan: Plan):
+    yield from _each(plan, HEAD_GRID, _distill_rows)
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values one element into a fresh buffer (not 16-byte aligned)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _sanitize_rows(plan: Plan, n: int, c: int, dtype):
+    x, y, w = _inputs(plan, n, c, dtype, seed=1)
+    for label, tensors in (("", (x, y, w)),
+                           ("offset views ", tuple(_misaligned(t) for t in (x, y, w)))):
+        for path, run in (("autograd ", _cross_entropy), ("train kernel ", _train_kernel)):
+            yield _against_torch(label + path, run, *tensors)
+    if n:
+        yield from _policy_rows(plan, n, c, dtype)
+        yield from _shard_rows(plan, n, c, dtype)
+        yield from _distill_rows(plan, n, c, dtype)
+
+
+def sanitize(plan: Plan):
+    """A small grid for compute-sanitizer (memcheck, racecheck): cross entropy
+    through autograd and the training kernel, on aligned tensors and offset
+    views, short and chunked rows and an empty batch; and the log-prob, shard
+    and divergence kernels on the non-empty shapes."""
+    yield from _each(plan, SANITIZE_GRID, _sanitize_rows)
+
+
+# --- Timings -----------------------------------------------------------------------
+
+
+def _ms_of_one_call(plan: Plan, fn) -> float:
+    if plan.cuda:
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record()
         fn()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return min(times)
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
-def copy_bandwidth_gbs() -> float:
-    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / cuda_ms(lambda: b.copy_(a)) / 1e6
+def interleaved_ms(plan: Plan, fns: dict) -> tuple[dict, dict]:
+    """``(best milliseconds of each callable, {name: error})``: one warm-up call
+    each (a callable that raises there, or whose kernels fail, is left out),
+    then ``plan.reps`` reps, each timing every callable in turn."""
+    ready, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            fn()
+            if plan.cuda:
+                torch.cuda.synchronize()
+            ready[name] = fn
+        except Exception as err:  # noqa: BLE001 - recorded, the others are timed
+            errors[name] = _error(err)
+            if plan.cuda:
+                torch.cuda.empty_cache()
+    best = dict.fromkeys(ready, math.inf)
+    for _ in range(plan.reps):
+        for name, fn in ready.items():
+            best[name] = min(best[name], _ms_of_one_call(plan, fn))
+    return best, errors
 
 
-def peers():
-    fns = {"ce_tvm": lambda x, y: ce_tvm.cross_entropy(x, y),
-           "eager": lambda x, y: F.cross_entropy(x, y)}
-    compiled = torch.compile(F.cross_entropy)
-    fns["compile"] = lambda x, y: compiled(x, y)
+def _timing_row(plan: Plan, label: str, fns: dict, left_out: dict, base: str, **fields) -> dict:
+    """``interleaved_ms`` of ``fns`` as a row: milliseconds, each over ``base``'s
+    (a floor, or ce_tvm), and what was left out (not installed, or failed)."""
+    ms, errors = interleaved_ms(plan, fns)
+    left_out = {**left_out, **errors}
+    ratio = {k: v / ms[base] for k, v in ms.items()} if base in ms else {}
+    print(f"  {label}: " + ", ".join(f"{k} {v:.3f} ms" + (f" ({ratio[k]:.2f}x)" if ratio else "")
+                                     for k, v in ms.items())
+          + f"  [x: over {base}]" + "".join(f"\n    left out {k}: {v}"
+                                           for k, v in left_out.items()), flush=True)
+    return dict(fields, case=label, ms=ms, over=base, ratio=ratio, left_out=left_out)
+
+
+def _fwd_bwd(objective, leaves):
+    """A training step: ``objective(*leaves).backward()``, the gradients then
+    dropped. The step has its own copies of the leaves (Liger writes its
+    gradient into the logits it is given)."""
+    own = [t.detach().clone().requires_grad_() for t in leaves]
+
+    def step():
+        objective(*own).backward()
+        for t in own:
+            t.grad = None
+    return step
+
+
+def _peers(plan: Plan, factories: dict) -> tuple[dict, dict]:
+    """``({name: factory()}, {name: why not})`` for the factories that work
+    here; torch.compile only on CUDA (its CPU build would dominate a rehearsal)."""
+    found, left_out = {}, {}
+    for name, factory in factories.items():
+        if name == "compile" and not plan.cuda:
+            left_out[name] = "CUDA only in this check"
+            continue
+        try:
+            found[name] = factory()
+        except Exception as err:  # noqa: BLE001 - an optional peer
+            left_out[name] = _error(err)
+    return found, left_out
+
+
+def _liger(name: str):
+    from liger_kernel.transformers import functional
+
+    return getattr(functional, name)
+
+
+def _flash_attn_cross_entropy():
+    from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+
+    return lambda x, y: cross_entropy_loss(x, y)[0].mean()
+
+
+def _trl_importable() -> str | None:
+    """Let TRL's kernels import where its trainer utilities cannot (a host
+    without ``datasets``): the kernels take only its ZeRO-3 gather of the head
+    from there, a no-op outside ZeRO-3. Returns why a stand-in was needed."""
+    if importlib.util.find_spec("trl") is None:
+        return None
     try:
-        from liger_kernel.transformers.functional import liger_cross_entropy
-
-        fns["liger"] = lambda x, y: liger_cross_entropy(x, y)
-    except ImportError:
-        pass
-    try:
-        from flash_attn.ops.triton.cross_entropy import cross_entropy_loss as fa_ce
-
-        fns["flash_attn"] = lambda x, y: fa_ce(x, y)[0].mean()
-    except ImportError:
-        pass
-    return fns
+        import trl.trainer.utils  # noqa: F401
+    except ImportError as err:
+        stand_in = types.ModuleType("trl.trainer.utils")
+        stand_in.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+        sys.modules["trl.trainer.utils"] = stand_in
+        return f"trl.trainer.utils replaced by a stand-in (no ZeRO-3 gather): {_error(err)}"
+    return None
 
 
-def dlight_forward_ms(x, y) -> float | None:
-    """Our forward compute scheduled by dlight.gpu.GeneralReduction (the baseline)."""
+def dlight_forward(x, y):
+    """Our forward compute scheduled by dlight.gpu.GeneralReduction (a baseline
+    that needs the TVM compiler), as a callable on ``x``, ``y``."""
     import tvm
+    import tvm_ffi
     from tvm.s_tir import dlight as dl
 
     from ce_tvm.kernels.forward import forward_func
@@ -192,160 +659,256 @@ def dlight_forward_ms(x, y) -> float | None:
         mod = dl.ApplyDefaultSchedule(dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
     fn = tvm.compile(mod, target=target)["main"]
     outs = [x.new_empty(1), x.new_empty(1), x.new_empty(n, dtype=torch.float32)]
-    import tvm_ffi
 
     def run():
         with tvm_ffi.use_torch_stream():
             fn(x, y, -100, 0.0, 0.0, *outs)
-
-    return cuda_ms(run)
-
-
-def time_shapes(peak_gbs: float, shapes) -> list[dict]:
-    rows = []
-    fns = peers()
-    for n, c, dtype in shapes:
-        x = torch.randn(n, c, device="cuda").to(dtype)
-        y = torch.randint(0, c, (n,), device="cuda")
-        nbytes = x.numel() * x.element_size()
-        row = dict(n=n, c=c, dtype=str(dtype), forward_ms={}, fwd_bwd_ms={})
-        for name, fn in fns.items():
-            with torch.no_grad():
-                row["forward_ms"][name] = cuda_ms(lambda: fn(x, y))
-            xg = x.clone().requires_grad_()
-
-            def step():
-                fn(xg, y).backward()
-                xg.grad = None
-
-            row["fwd_bwd_ms"][name] = cuda_ms(step)
-        try:
-            row["forward_ms"]["dlight"] = dlight_forward_ms(x, y)
-        except Exception as err:  # noqa: BLE001 - the baseline is optional
-            row["dlight_error"] = str(err)[:200]
-        row["forward_gbs"] = nbytes / row["forward_ms"]["ce_tvm"] / 1e6
-        row["fwd_bwd_gbs"] = 3 * nbytes / row["fwd_bwd_ms"]["ce_tvm"] / 1e6
-        row["fwd_bwd_share_of_peak"] = row["fwd_bwd_gbs"] / peak_gbs
-        rows.append(row)
-        print(f"  {n}x{c} {dtype}: " + ", ".join(
-            f"{k} fwd {row['forward_ms'].get(k, float('nan')):.3f} / f+b {v:.3f} ms"
-            for k, v in row["fwd_bwd_ms"].items())
-            + f"; ce_tvm f+b {row['fwd_bwd_gbs']:.0f} GB/s = "
-              f"{100 * row['fwd_bwd_share_of_peak']:.0f}% of copy bandwidth")
-    return rows
+    return run
 
 
-def _step(x, y, w):
-    xa = x.detach().requires_grad_()  # shares x's memory: an offset view stays one
-    loss = ce_tvm.cross_entropy(xa, y, w, label_smoothing=0.1)
-    loss.backward()
-    return loss, xa.grad
+def time_ce(plan: Plan):
+    from ce_tvm.store.tvmlib import compiler_installed
+
+    losses, left_out = _peers(plan, {
+        "compile": lambda: torch.compile(F.cross_entropy),
+        "liger": lambda: _liger("liger_cross_entropy"),
+        "flash_attn": _flash_attn_cross_entropy})
+    losses = {"ce_tvm": ce_tvm.cross_entropy, "eager": F.cross_entropy, **losses}
+    for n, c, dtype in plan.cases(CE_TIMED):
+        x, y, _ = _inputs(plan, n, c, dtype)
+        fns = {name: _fwd_bwd(lambda t, f=f: f(t, y), [x]) for name, f in losses.items()}
+        copy = torch.empty_like(x)
+        fns["copy"] = lambda: copy.copy_(x)
+        row = _timing_row(plan, f"cross entropy {n}x{c} {dtype}", fns, left_out, "copy",
+                          n=n, c=c, dtype=str(dtype))
+        if plan.cuda and compiler_installed():
+            row["forward"] = _timing_row(plan, "  forward", {
+                "ce_tvm": lambda: ce_tvm.cross_entropy(x, y), "dlight": dlight_forward(x, y)},
+                {}, "ce_tvm")
+        yield row
 
 
-def _misaligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values one element into a fresh buffer (not 16-byte aligned)."""
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    view = buf[1:].view(t.shape)
-    view.copy_(t)
-    return view
+def time_linear(plan: Plan):
+    peers, left_out = _peers(plan, {"liger": lambda: _liger("liger_fused_linear_cross_entropy")})
+    losses = {"ce_tvm": ce_tvm.linear_cross_entropy,
+              "eager": lambda t, V, y: F.cross_entropy(F.linear(t, V).float(), y), **peers}
+    for n, v, dtype in plan.cases(LINEAR_TIMED):
+        x, W = _head(plan, n, v, dtype, hidden=LINEAR_HIDDEN, seed=6)
+        _, y, _ = _inputs(plan, n, v, dtype)
+        fns = {name: _fwd_bwd(lambda t, V, f=f: f(t, V, y), [x, W]) for name, f in losses.items()}
+        logits, gx, gW = x.new_empty(n, v), torch.empty_like(x), torch.empty_like(W)
+
+        def gemm3():  # the logits, then the input's and the weight's gradients
+            torch.mm(x, W.t(), out=logits)
+            torch.mm(logits, W, out=gx)
+            torch.mm(logits.t(), x, out=gW)
+        fns["gemm3"] = gemm3
+        h = x.shape[1]
+        yield _timing_row(plan, f"linear cross entropy {n}x{h}x{v} {dtype}", fns, left_out,
+                          "gemm3", n=n, h=h, v=v, dtype=str(dtype))
 
 
-def sanitize_grid() -> int:
-    """A small forward+backward grid for compute-sanitizer (memcheck, racecheck):
-    short and chunked rows, an empty batch, offset views. Returns failures."""
-    failures = 0
-    for (n, c), dtype in [((8, 1001), torch.bfloat16), ((4, 9000), torch.float32),
-                          ((0, 5000), torch.bfloat16)]:
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        x = torch.randn(n, c, device="cuda", generator=gen).to(dtype)
-        y = torch.randint(0, c, (n,), device="cuda", generator=gen)
-        w = torch.rand(c, device="cuda", generator=gen) + 0.5
-        for xs, ys, ws in [(x, y, w), (_misaligned(x), _misaligned(y), _misaligned(w))]:
-            ref = F.cross_entropy(xs.float(), ys, ws, label_smoothing=0.1)
-            for path, run in [("autograd", _step), ("train kernel", _train_kernel)]:
-                loss, grad = run(xs, ys, ws)
-                ok = (torch.isnan(loss) and torch.isnan(ref)) if n == 0 else bool(
-                    torch.allclose(loss.float(), ref, rtol=TOL[dtype] * 10,
-                                   atol=TOL[dtype] * 10))
-                failures += not ok
-                print(f"sanitize {path} n={n} c={c} {dtype} aligned={ys is y}: "
-                      f"{'ok' if ok else 'FAIL'}")
-    torch.cuda.synchronize()
-    return failures
+def time_log_probs(plan: Plan):
+    stand_in = _trl_importable()
+
+    def trl_triton():
+        from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
+
+        return lambda t, i: selective_log_softmax_and_entropy(t, i, bench_policy.TEMPERATURE)
+
+    peers, left_out = _peers(plan, {
+        "compile": lambda: torch.compile(bench_policy.reference, dynamic=False),
+        "trl": trl_triton})
+    for n, c, dtype in plan.cases(LOG_PROBS_TIMED):
+        x, index, _, a, b = _policy_inputs(plan, n, c, dtype)
+        index = index.clamp(min=0)
+        methods = {**bench_policy.methods((n, c), with_compile=False, with_trl=False), **peers}
+        fns = {name: _fwd_bwd(lambda t, f=f: sum((u * o).sum() for u, o in zip((a, b),
+                                                                                 f(t, index))),
+                              [x]) for name, f in methods.items()}
+        copy = torch.empty_like(x)
+        fns["copy"] = lambda: copy.copy_(x)
+        yield _timing_row(plan, f"log-probs + entropy {n}x{c} {dtype} "
+                          f"(temperature {bench_policy.TEMPERATURE})", fns, left_out, "copy",
+                          n=n, c=c, dtype=str(dtype), trl_note=stand_in)
 
 
-def time_edge_cases() -> list[dict]:
+def time_distill(plan: Plan):
+    import distillation_bench
+
+    stand_in = _trl_importable()
+    for n, v, dtype in plan.cases(DISTILL_TIMED):
+        xs, Ws = _head(plan, n, v, dtype, hidden=DISTILL_HIDDEN, seed=7)
+        xt, Wt = _head(plan, n, v, dtype, hidden=DISTILL_HIDDEN, seed=8)
+        fns = {name: _fwd_bwd(lambda u, V, f=f: f(u, V, xt, Wt), [xs, Ws])
+               for name, f in distillation_bench.METHODS.items()}
+        fns["gemm"] = distillation_bench.gemm_floor(xs, Ws, xt, Wt)
+        h = xs.shape[1]
+        yield _timing_row(plan, f"distillation (beta {distillation_bench.BETA}) {n}x{h}x{v} "
+                          f"{dtype}", fns, {}, "gemm", n=n, h=h, v=v, dtype=str(dtype),
+                          beta=distillation_bench.BETA, trl_note=stand_in)
+
+
+def time_training(plan: Plan):
+    """A training step (loss + logits gradient, mean, smoothing 0.1, every 7th
+    row ignored): the one-pass kernel alone and with the scaled copy its
+    autograd backward makes on CUDA (``ops.scale_unit_gradient``: the upstream
+    gradient cannot be read there without a host sync), the recompute path
+    (forward, then the backward from the logits), and the copy floor."""
+    options = LossOptions(reduction="mean", label_smoothing=0.1)
+    for n, c, dtype in plan.cases(CE_TIMED):
+        x, y, _ = _inputs(plan, n, c, dtype)
+        one = torch.ones(1, device=plan.device)
+        copy = torch.empty_like(x)
+
+        def recompute():
+            out = launch.forward(x, y, None, options, log_prob=False)
+            return launch.backward(one, torch.zeros_like(one), x, out.lse, y, None, options,
+                                   source_kind="logits")
+
+        yield _timing_row(plan, f"training step {n}x{c} {dtype}", {
+            "one_pass": lambda: launch.train(x, y, None, options),
+            "one_pass_scaled": lambda: scale_unit_gradient(launch.train(x, y, None, options)[1],
+                                                           one),
+            "recompute": recompute, "copy": lambda: copy.copy_(x)},
+            {}, "copy", n=n, c=c, dtype=str(dtype))
+
+
+def time_edge(plan: Plan):
     """An empty batch (nothing may launch: about the Python overhead) and offset
     views (copied to aligned memory first: the copy's cost shows)."""
-    n, c, dtype = 4096, 32000, torch.bfloat16
-    x = torch.randn(n, c, device="cuda").to(dtype)
-    y = torch.randint(0, c, (n,), device="cuda")
-    empty = (x[:0], y[:0], None)
-    xm, ym = _misaligned(x), _misaligned(y)
-    rows = [{"case": "N=0 fwd+bwd", "ms": cuda_ms(lambda: _step(*empty))},
-            {"case": "N=0 train kernel", "ms": cuda_ms(lambda: _train_kernel(*empty))},
-            {"case": f"{n}x{c} bf16 aligned fwd+bwd", "ms": cuda_ms(lambda: _step(x, y, None))},
-            {"case": f"{n}x{c} bf16 offset views fwd+bwd",
-             "ms": cuda_ms(lambda: _step(xm, ym, None))},
-            {"case": f"{n}x{c} bf16 offset views train kernel",
-             "ms": cuda_ms(lambda: _train_kernel(xm, ym, None))}]
-    for r in rows:
-        print(f"{r['case']:40} {r['ms']:8.3f} ms")
-    return rows
+    def step(x, y):
+        return _evaluated(lambda t: _cross_entropy(t, y, None), [x])
+
+    for n, c, dtype in plan.cases(EDGE_TIMED):
+        x, y, _ = _inputs(plan, n, c, dtype)
+        xm, ym = _misaligned(x), _misaligned(y)
+        yield _timing_row(plan, f"edge cases ({n}x{c} {dtype})", {
+            "N=0 fwd+bwd": lambda: step(x[:0], y[:0]),
+            "N=0 train kernel": lambda: _train_kernel(x[:0], y[:0], None),
+            "aligned fwd+bwd": lambda: step(x, y),
+            "offset views fwd+bwd": lambda: step(xm, ym),
+            "offset views train kernel": lambda: _train_kernel(xm, ym, None)},
+            {}, "aligned fwd+bwd", n=n, c=c, dtype=str(dtype))
 
 
-def _bundle_shapes(directories: list[str]) -> tuple[list, list]:
-    """The correctness grid (256 rows of every dtype and C the bundles hold) and
-    the timed shapes (those of at least 32000 classes)."""
-    grid, timed = [], []
-    for directory in directories:
-        with open(f"{directory}/bundle.json") as f:
-            bundle = json.load(f)
-        dtype = getattr(torch, bundle["dtype"])
-        grid += [((256, c), dtype) for c in bundle["classes"]]
-        timed += [(8192 if c < 100000 else 4096, c, dtype)
-                  for c in bundle["classes"] if c >= 32000]
-        print(f"bundle {directory}: {bundle['dtype']}, C in {bundle['classes']}")
-    return grid, timed
+# --- Running -----------------------------------------------------------------------
+
+SECTIONS = {f.__name__: f for f in (correctness, training_kernel, log_probs, sharded_direct,
+                                    sharded_group, distill, time_ce, time_linear, time_log_probs,
+                                    time_distill, time_training, time_edge, sanitize)}
+GROUPS = {"checks": ["correctness", "training_kernel", "log_probs", "sharded_direct",
+                     "sharded_group", "distill"],
+          "timings": ["time_ce", "time_linear", "time_log_probs", "time_distill",
+                      "time_training", "time_edge"]}
+
+
+def _record(path: str, record: dict) -> None:
+    """Append one JSON line to ``path``, on disk before this returns."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_section(plan: Plan, name: str, path: str) -> bool:
+    """Run one section, each of its rows recorded as it comes, then its verdict
+    and time (or its error: the caller goes on). Returns whether it passed."""
+    print(f"== {name}", flush=True)
+    t0 = time.perf_counter()
+    done = {"section": name, "done": True, "ok": True, "device": plan.name()}
+    try:
+        for row in SECTIONS[name](plan):
+            done["ok"] = done["ok"] and row.get("ok", True)
+            _record(path, {"section": name, **row})
+    except Exception as err:  # noqa: BLE001 - recorded; the next section runs
+        traceback.print_exc()
+        done.update(ok=False, error=_error(err))
+    done["seconds"] = round(time.perf_counter() - t0, 1)
+    _record(path, done)
+    print(f"== {name}: {'ok' if done['ok'] else 'FAILED'} in {done['seconds']} s", flush=True)
+    if plan.cuda:
+        torch.cuda.empty_cache()
+    return done["ok"]
+
+
+def _take_cuda_paths() -> None:
+    """On the CPU, load the kernels CUDA loads: the one-pass training kernel
+    only if CUDA tensors take it by default."""
+    import ce_tvm.nn as ce_nn
+
+    ce_nn.TRAINING_KERNEL_DEVICES = ("cpu",) if "cuda" in ce_nn.TRAINING_KERNEL_DEVICES else ()
+
+
+def cuda_builds(dirs: list, arch: str, export: str | None, path: str) -> bool:
+    """After a CPU rehearsal: the CUDA build (``arch``) of each kernel it loaded,
+    looked for in ``dirs``; the missing ones built into ``export`` when given,
+    else reported. Recorded as the section ``cuda_builds``; returns whether
+    none is missing now."""
+    from ce_tvm.runtime import cache
+    from ce_tvm.runtime.registry import loaded_specs
+    from ce_tvm.store.files import make_private_dir
+    from ce_tvm.store.spec import KernelSpec
+
+    specs = sorted({KernelSpec(s.op, s.dtype, s.classes, s.variant, "cuda", (("arch", arch),))
+                    for s in loaded_specs()}, key=KernelSpec.name)
+    places = [Path(d) for d in dirs + ([export] if export else [])]
+    missing = [s for s in specs
+               if all(cache.check_module(d / s.file_name(), s) is not None for d in places)]
+    print(f"cuda_builds: {len(specs)} kernels loaded; {len(missing)} of their {arch} builds in "
+          f"none of {[str(d) for d in places]}", flush=True)
+    if export:
+        make_private_dir(Path(export))
+    for spec in missing:
+        if export:
+            cache.export_module(spec, Path(export))
+        print(f"  {'built' if export else 'missing'} {spec.name()}", flush=True)
+    ok = bool(export) or not missing
+    _record(path, {"section": "cuda_builds", "done": True, "ok": ok, "loaded": len(specs),
+                   "arch": arch, "built" if export else "missing": [s.name() for s in missing]})
+    return ok
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", default="gpu_check.json")
-    p.add_argument("--quick", action="store_true", help="time the first shape only")
-    p.add_argument("--sanitize", action="store_true",
-                   help="only the small grid run under compute-sanitizer (gpu_check.sh)")
+    p.add_argument("--sections", default="checks,timings",
+                   help=f"comma-separated: {', '.join(GROUPS)}, {', '.join(SECTIONS)}")
+    p.add_argument("--json", default="gpu_check.jsonl", help="JSON lines, appended")
     p.add_argument("--bundle", action="append", default=[],
                    help="run the kernels of this bundle (ce-tvm bundle --target cuda); repeatable")
+    p.add_argument("--modules", action="append", default=[],
+                   help="a module directory (ce-tvm compile --out, --export); repeatable")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a rehearsal without a GPU (see the module doc)")
+    p.add_argument("--classes", type=int, help="cpu: every class count replaced by this")
+    p.add_argument("--dtypes", default="", help="cpu: only these dtypes (float32,bfloat16,...)")
+    p.add_argument("--arch", default="sm_90", help="cpu: the CUDA arch of the builds looked for")
+    p.add_argument("--export", help="cpu: build the missing CUDA kernels into this directory")
     args = p.parse_args(argv)
+    names = [s for part in args.sections.split(",") for s in GROUPS.get(part, [part])]
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown sections {unknown}")
+    if args.device == "cuda" and (args.classes or args.dtypes or args.export):
+        p.error("--classes, --dtypes and --export are for a rehearsal (--device cpu)")
     for directory in reversed(args.bundle):
         ce_tvm.use_bundle(directory)
-    if not torch.cuda.is_available():
+    if args.modules:
+        os.environ["CE_TVM_MODULE_DIR"] = os.pathsep.join(
+            args.modules + [d for d in [os.environ.get("CE_TVM_MODULE_DIR")] if d])
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
-    if args.sanitize:
-        return 1 if sanitize_grid() else 0
-    print(f"device: {torch.cuda.get_device_name()}")
-    grid = [(s, d) for s in GRID for d in TOL]
-    timed = TIMED
-    if args.bundle:
-        grid, timed = _bundle_shapes(args.bundle)
-    print("correctness against F.cross_entropy (weight, ignore_index, smoothing 0.1):")
-    correctness = check_correctness(grid)
-    print("one-pass training kernel against F.cross_entropy (weight, ignore_index, 0.1):")
-    training = check_training_kernel(grid)
-    peak = copy_bandwidth_gbs()
-    print(f"device copy bandwidth: {peak:.0f} GB/s")
-    timings = time_shapes(peak, timed[:1] if args.quick else timed)
-    train_timings = time_training(timed[:1] if args.quick else timed)
-    edge = time_edge_cases()
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": peak,
-                   "correctness": correctness, "training_kernel": training,
-                   "timings": timings, "training": train_timings, "edge_cases": edge},
-                  f, indent=1)
+    if args.device == "cpu":
+        _take_cuda_paths()
+    plan = Plan(torch.device(args.device), args.classes,
+                tuple(getattr(torch, d) for d in args.dtypes.split(",") if d))
+    print(f"device: {plan.name()}", flush=True)
+    passed = [run_section(plan, name, args.json) for name in names]
+    if not plan.cuda and (args.bundle or args.modules or args.export):
+        passed.append(cuda_builds(args.bundle + args.modules, args.arch, args.export, args.json))
     print(f"wrote {args.json}")
-    return 0 if all(r["ok"] for r in correctness + training) else 1
+    return 0 if all(passed) else 1
 
 
 if __name__ == "__main__":
