@@ -9,7 +9,7 @@
 # its sections on the CPU, which must pass), and the wheels of apache-tvm-ffi
 # (for the host's Python, PY, default 3.12), liger-kernel and trl (the timed
 # peers). The device run takes the working tree and DIR (carry it: git
-# ignores its .so files), at most 64 MiB together: prepare prints both sizes
+# ignores .gpu/), at most 64 MiB together: prepare prints both sizes
 # and fails above that.
 set -uo pipefail
 cd "$(dirname "$0")/.."
