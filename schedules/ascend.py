@@ -51,7 +51,7 @@ from ._common import (
     vector_row_independent,
     vectorize_inner,
 )
-from .ascend_plan import get_profile, plan
+from .ascend_plan import DIVERGENCE, get_profile, plan
 
 
 def forward_chunk(classes: int, dtype: str, target: Target, profile: str = "910b") -> int:
@@ -217,7 +217,7 @@ def divergence(func, target: Target, profile: str = "910b"):
     prof = get_profile(profile)
     sch = s_tir.Schedule(func)
     classes = classes_of(func)
-    p = plan(prof, 1, classes, str(matrix_param(func).dtype), "divergence")
+    p = plan(prof, 1, classes, str(matrix_param(func).dtype), DIVERGENCE)
     lanes = row_lanes(math.gcd(classes, p.chunk), prof.repeat_bytes // 4)
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     stages = {name: split_reduction(sch, name, lanes) if _reduces(sch, name) else

@@ -45,6 +45,11 @@ PROFILES = {
 }
 
 
+# The student-teacher divergence's op (also the name of its per-row stage, which
+# schedules look up through ce_tvm.kernels.stages, never as a literal).
+DIVERGENCE = "divergence"
+
+
 @dataclass(frozen=True)
 class OpModel:
     """What the plan and the cost model know of one kernel: float32 vector
@@ -97,7 +102,7 @@ OP_MODELS = {
     "train": OpModel(18, writes=1, one_pass=False, keeps_exp=True, vendor=(4, 2)),
     "log_probs": OpModel(13, writes=0, one_pass=True, keeps_exp=True, vendor=(4, 1)),
     "log_probs_grad": OpModel(13, writes=1, one_pass=True, keeps_exp=False, vendor=(2, 1)),
-    "divergence": OpModel(100, writes=1, one_pass=False, keeps_exp=False, vendor=(12, 4),
+    DIVERGENCE: OpModel(100, writes=1, one_pass=False, keeps_exp=False, vendor=(12, 4),
                           inputs=2, work_tiles=3, tiled_passes=6),
 }
 OPS = tuple(OP_MODELS)
