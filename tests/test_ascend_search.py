@@ -54,7 +54,7 @@ def test_tune_records_the_best_plan(tmp_path):
          "--ops", ",".join(ascend_plan.OPS)])
     kernels = json.loads(report.read_text())["kernels"]
     assert [k["kind"] for k in kernels] == ["forward", "gradient", "forward+gradient",
-                                            "log-probs", "log-probs gradient"]
+                                            "log-probs", "log-probs gradient", "divergence"]
     for k in kernels:
         assert k["tuned_ms"] <= k["hand_ms"] and k["space_size"] > 12
         summary = json.loads((tmp_path / "ascend-910b" / f"{k['name']}-N8192" / "summary.json")

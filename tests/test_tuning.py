@@ -25,7 +25,7 @@ from ce_tvm.runtime import registry as runtime
 from ce_tvm.runtime.launch import _spec
 from ce_tvm.store import records
 from ce_tvm.store.spec import KernelSpec, tuned_spec
-from ce_tvm.tools import tuning
+from ce_tvm.tools import cli, tuning
 from processes import CLI, run
 
 # its module fixtures are built once: every test of the module on one worker
@@ -426,3 +426,13 @@ def test_log_prob_records_replay_and_match_the_reference(tmp_path, monkeypatch):
         for op, spec in specs.items():
             tuned = tuned_spec(spec, 13)
             assert tuned.tuned and tuned in loaded, f"{op} did not run its record"
+
+
+@pytest.mark.parametrize("ops, message", [
+    ("forward,divergence", "ce-tvm tune: no tunable schedule for 'divergence' on llvm"),
+    ("forwards", r"ce-tvm tune: unknown --ops \['forwards'\]")])
+def test_tune_refuses_an_op_it_cannot_search_before_tuning(tmp_path, ops, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["tune", "--classes", "1000", "--rows", "64", "--ops", ops,
+                  "--log-dir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())  # nothing tuned: the forward was not searched

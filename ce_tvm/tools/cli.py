@@ -135,7 +135,10 @@ TUNED_VARIANTS = {"forward": lambda r: Variant(r, False, False),
                   "train": lambda r: Variant(r, False, False),
                   # one index per row (the reduction does not apply)
                   "log_probs": lambda r: Variant(columns=1),
-                  "log_probs_grad": lambda r: Variant(columns=1)}
+                  "log_probs_grad": lambda r: Variant(columns=1),
+                  # the training kernel (it writes the student's gradient); the
+                  # Ascend plan, the only one tuned, is the same for every divergence
+                  "divergence": lambda r: Variant("sum", divergence="jsd")}
 
 
 def record_spec(kernel_name: str) -> KernelSpec:
@@ -149,6 +152,10 @@ def record_spec(kernel_name: str) -> KernelSpec:
 
 
 def _tuned_specs(args) -> list[KernelSpec]:
+    unknown = set(args.ops.split(",")) - set(TUNED_VARIANTS)
+    if unknown:
+        raise SystemExit(f"ce-tvm tune: unknown --ops {sorted(unknown)} "
+                         f"(choose from {', '.join(TUNED_VARIANTS)})")
     return [KernelSpec(op, args.dtype, args.classes, TUNED_VARIANTS[op](args.reduction),
                        args.target) for op in args.ops.split(",")]
 
@@ -167,8 +174,17 @@ def cmd_tune(args) -> int:
         rows = [tuning.tune_ascend_plan(replace(spec, options=(("profile", args.profile),)),
                                         args.rows, log_root) for spec in _tuned_specs(args)]
     else:
+        from ..compiler.build import schedule_module
+
+        specs = _tuned_specs(args)
+        for spec in specs:  # each op's schedule on this target must have knobs
+            try:
+                schedule_module(spec.target).knob_space(spec.op, spec.classes, spec.dtype,
+                                                        spec.tvm_target())
+            except ValueError as e:
+                raise SystemExit(f"ce-tvm tune: {e} on {args.target}") from e
         rows = [tuning.tune(spec, args.rows, args.trials, log_root, args.retune,
-                            args.exhaustive) for spec in _tuned_specs(args)]
+                            args.exhaustive) for spec in specs]
     print(f"\n{'kernel':<46} {'kind':<16} {'N':>6} {'space':>5} {'hand ms':>9} "
           f"{'tuned ms':>9} {'grid ms':>9} {'speedup':>8}  knobs (applied?)")
     for r in rows:

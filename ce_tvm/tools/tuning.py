@@ -280,7 +280,8 @@ CANDIDATE_RUNS = 8
 FINAL_RUNS = 15
 # What a kernel computes, for reports: the backward is a gradient kernel.
 KIND_OF_OP = {"forward": "forward", "backward": "gradient", "train": "forward+gradient",
-              "log_probs": "log-probs", "log_probs_grad": "log-probs gradient"}
+              "log_probs": "log-probs", "log_probs_grad": "log-probs gradient",
+              "divergence": "divergence"}
 
 
 def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool = False,
