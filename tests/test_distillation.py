@@ -4,7 +4,8 @@ gradients against a float64 reference from whole logits (torch autograd), for
 TRL's three directions (beta 0, 1/2, 1), two temperatures, logit scales and
 softcaps on either side, masked positions, float32 and bfloat16; equality with
 TRL 1.16's ``generalized_jsd_loss`` and ``ChunkedDivergenceFunction``; TRL's
-``DistillationTrainer`` with and without ``ce_tvm.integrations.trl.apply()``;
+``DistillationTrainer`` and ``GKDTrainer`` with and without
+``ce_tvm.integrations.trl.apply()``;
 the errors. One vocabulary (``V``, not a multiple of the vector width's
 power-of-two tiles) so kernels compile once per variant."""
 
@@ -147,6 +148,39 @@ def test_logits_form_matches_trl_generalized_jsd(beta):
     torch.testing.assert_close(gs, gt, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("reduction, labelled, items", [
+    ("batchmean", True, None), ("batchmean", False, None), ("mean", True, None),
+    ("mean", False, None), ("sum", True, None), ("batchmean", True, 11),
+    ("batchmean", True, "tensor"), ("none", True, None)])
+def test_gkd_loss_under_apply_matches_trls(reduction, labelled, items):
+    """``apply()`` replaces ``GKDTrainer.generalized_jsd_loss``: TRL's value and
+    student gradient for each of its reductions, with and without labels and
+    ``num_items_in_batch``; ``remove()`` restores TRL's own."""
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    from ce_tvm.integrations import trl as cetrl
+
+    g = torch.Generator().manual_seed(4)
+    s = (torch.randn(3, 5, V, generator=g) * 3).requires_grad_()
+    t = torch.randn(3, 5, V, generator=g) * 3
+    y = torch.randint(0, V, (3, 5), generator=g)
+    y[0, :4] = -100
+    args = dict(labels=y if labelled else None, beta=0.3, temperature=1.5, reduction=reduction,
+                num_items_in_batch=torch.tensor(11) if items == "tensor" else items)
+    theirs = GKDTrainer.generalized_jsd_loss(s, t, **args)
+    cetrl.apply()
+    try:
+        assert GKDTrainer.generalized_jsd_loss is cetrl.generalized_jsd_loss
+        mine = GKDTrainer.generalized_jsd_loss(s, t, **args)
+    finally:
+        cetrl.remove()
+    assert GKDTrainer.generalized_jsd_loss is not cetrl.generalized_jsd_loss
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    (gs,) = torch.autograd.grad(mine.sum(), s)
+    (gt,) = torch.autograd.grad(theirs.sum(), s)
+    torch.testing.assert_close(gs, gt, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_matches_trl_chunked_divergence_function(beta):
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
@@ -228,6 +262,53 @@ def test_distillation_trainer_logs_the_same_with_ce_tvm(tmp_path):
 
     assert distillation_trainer.ChunkedDivergenceFunction is ChunkedDivergenceFunction
     assert calls, "DistillationTrainer did not call the patched divergence"
+    assert len(got) == len(expected) and any("loss" in e for e in expected), expected
+    for mine, theirs in zip(got, expected):
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert math.isclose(mine[key], value, rel_tol=1e-3, abs_tol=1e-4), (
+                key, mine[key], value)
+
+
+@pytest.mark.slow
+def test_gkd_trainer_logs_the_same_with_ce_tvm(tmp_path):
+    """A few ``GKDTrainer`` steps (half on-policy) with TRL's loss and with
+    ce_tvm's (``apply()``): the same logged losses, to the bounds of the
+    ``DistillationTrainer`` test above."""
+    from datasets import Dataset
+    from test_trl_trainers import common, sentence, tiny_llama, tokenizer
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    from ce_tvm.integrations import trl as cetrl
+
+    def logged(path):
+        tok = tokenizer()
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        gen = torch.Generator().manual_seed(6)
+        data = Dataset.from_dict({"messages": [
+            [{"role": "user", "content": sentence(gen, 4)},
+             {"role": "assistant", "content": sentence(gen, 3)}] for _ in range(8)]})
+        student = tiny_llama(tok)
+        torch.manual_seed(1)
+        teacher = type(student)(student.config)
+        args = GKDConfig(**common(path), max_new_tokens=4, lmbda=0.5, beta=0.4,
+                         temperature=0.9, max_length=32)
+        trainer = GKDTrainer(model=student, teacher_model=teacher, args=args,
+                             processing_class=tok, train_dataset=data)
+        trainer.train()
+        return [{k: v for k, v in e.items() if isinstance(v, float) and "time" not in k
+                 and "per_second" not in k} for e in trainer.state.log_history]
+
+    expected = logged(tmp_path / "trl")
+    calls = []
+    cetrl.apply()
+    try:
+        GKDTrainer.generalized_jsd_loss = staticmethod(
+            lambda *a, **k: calls.append(1) or cetrl.generalized_jsd_loss(*a, **k))
+        got = logged(tmp_path / "ce_tvm")
+    finally:
+        cetrl.remove()
+    assert calls, "GKDTrainer did not call the patched loss"
     assert len(got) == len(expected) and any("loss" in e for e in expected), expected
     for mine, theirs in zip(got, expected):
         assert mine.keys() == theirs.keys()

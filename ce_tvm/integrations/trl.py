@@ -22,6 +22,11 @@ outputs)`` without the ``[N, V]`` logits.
   teacher_softcap)`` (a name of ``trl.trainer.distillation_trainer``) for the
   per-token divergence and student entropy; ``linear_distillation_loss``
   (``reduction="none"``) computes it, the gradient to the student only.
+- ``apply()`` also computes GKD's loss: ``trl.experimental.gkd.GKDTrainer``
+  calls its ``generalized_jsd_loss(student_logits, teacher_logits, labels, beta,
+  temperature, reduction, num_items_in_batch)`` on materialised logits;
+  ``distillation_loss`` computes it in one sweep (TRL's reductions over its
+  per-element divergence; ``reduction="none"``, per element, stays TRL's).
 - ``remove()``: TRL's own functions again.
 
 Under DeepSpeed ZeRO-3 each call goes to TRL's own function: its backward
@@ -31,9 +36,12 @@ A TRL version outside ``TESTED`` is an error, not a silent patch.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
-from ..distill import linear_distillation_loss
+from ..distill import distillation_loss, linear_distillation_loss
 from ..optional import guard
 from ..policy import LogProbStats, linear_log_probs
 
@@ -130,16 +138,58 @@ class ChunkedDivergence:
         return loss.float(), entropy.float()
 
 
+@functools.cache
+def _gkd() -> tuple[type, staticmethod]:
+    """TRL's ``GKDTrainer`` and its own ``generalized_jsd_loss``, read before
+    ``apply()`` replaces it (imported on first use: ``trl.experimental`` warns
+    on import and takes seconds)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*trl.experimental")
+        from trl.experimental.gkd import GKDTrainer
+    return GKDTrainer, GKDTrainer.__dict__["generalized_jsd_loss"]
+
+
+def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5,
+                         temperature=1.0, reduction="batchmean", num_items_in_batch=None):
+    """TRL's ``GKDTrainer.generalized_jsd_loss``, its arguments and value: the
+    divergence summed over the vocabulary and the positions whose ``labels``
+    are not -100 (``distillation_loss``), divided as TRL divides its
+    per-element divergence: by ``num_items_in_batch`` when given, else
+    ``batchmean`` by the kept positions (the first dimension without labels),
+    ``mean`` by the kept elements, ``sum`` not at all; the gradient to the
+    student only. ``reduction="none"`` (per element) is TRL's own."""
+    if num_items_in_batch is None and reduction not in ("batchmean", "mean", "sum"):
+        return _gkd()[1].__func__(
+            student_logits, teacher_logits, labels, beta, temperature, reduction)
+    total = distillation_loss(student_logits, teacher_logits, labels, beta=float(beta),
+                              temperature=float(temperature), reduction="sum")
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    if reduction == "sum":
+        return total
+    if labels is None:  # TRL's batchmean then divides by the first dimension
+        kept, batch = student_logits.shape[:-1].numel(), max(student_logits.shape[0], 1)
+    else:
+        kept = (labels != -100).sum()
+        batch = kept.clamp_min(1)
+    return total / (kept * student_logits.shape[-1] if reduction == "mean" else batch)
+
+
 def apply() -> None:
-    """Compute TRL's fused LM head with ce_tvm, for every model and trainer,
-    until ``remove()``; applying twice is the same as once."""
+    """Compute TRL's fused LM head, its distillation divergence and GKD's loss
+    with ce_tvm, for every model and trainer, until ``remove()``; applying twice
+    is the same as once."""
     _check_version()
     trl_utils._ChunkedLogProbFunction = ChunkedLogProb
     trl_distillation.ChunkedDivergenceFunction = ChunkedDivergence
+    _gkd()[0].generalized_jsd_loss = staticmethod(generalized_jsd_loss)
 
 
 def remove() -> None:
-    """TRL's own fused LM head and divergence again."""
+    """TRL's own fused LM head, divergence and GKD loss again."""
     trl_utils._ChunkedLogProbFunction = _TRLS_OWN
     trl_distillation.ChunkedDivergenceFunction = _TRLS_DIVERGENCE
-
+    gkd, trls_own = _gkd()
+    gkd.generalized_jsd_loss = trls_own
