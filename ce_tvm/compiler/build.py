@@ -192,13 +192,30 @@ def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     return schedule(func, spec.tvm_target(), **spec.schedule_options())
 
 
+# Pass options by op, on every target. The divergence names each logit's
+# transcendentals (softcap, exp, log) inside one another, so its per-element
+# trees are large (fastmath: no Let), and TIR's common-subexpression pass took
+# half of a capped kernel's build (fp32 JSD with both caps, znver5: 134 s,
+# 66 s without it); LLVM and nvcc fold the repeats themselves: the same kernel
+# time, bitwise the same results (benchmarks/divergence_build_bench.py;
+# results/llvm-znver5-2c/divergence_build_bench.json).
+PASS_CONFIG_OF_OP = {"divergence": {"tirx.disable_cse_tir": True}}
+
+
+def pass_config(spec: KernelSpec) -> dict:
+    """The pass options ``spec`` builds with: its schedule module's
+    (``PASS_CONFIG``) and its op's (``PASS_CONFIG_OF_OP``)."""
+    return {**getattr(schedule_module(spec.target), "PASS_CONFIG", {}),
+            **PASS_CONFIG_OF_OP.get(spec.op, {})}
+
+
 def lower_and_compile(spec: KernelSpec):
     """``tvm.compile`` the scheduled kernel; returns the Executable. A schedule
     module may name its own lowering pipeline (``TIR_PIPELINE``: the CPU's adds
-    prefetches) and pass options (``PASS_CONFIG``)."""
+    prefetches); the pass options are ``pass_config``'s."""
     schedule = schedule_module(spec.target)
     pipeline = getattr(schedule, "TIR_PIPELINE", None)
-    config = getattr(schedule, "PASS_CONFIG", {})
+    config = pass_config(spec)
     with tvm.transform.PassContext(opt_level=3, config=config):
         return tvm.compile(scheduled_func(spec), target=spec.tvm_target(),
                            **({"tir_pipeline": pipeline} if pipeline else {}))

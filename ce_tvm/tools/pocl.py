@@ -50,7 +50,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm.tirx.buffer import BufferType
 
-from ..compiler.build import schedule_module, scheduled_func
+from ..compiler.build import pass_config, scheduled_func
 from ..store.spec import KernelSpec
 
 # CUDA's limits for a block: the static shared memory one block may declare
@@ -128,11 +128,9 @@ def build(spec: KernelSpec) -> Kernels:
     """The CUDA schedule of ``spec`` (a ``cuda`` spec) built for OpenCL."""
     if spec.target != "cuda":
         raise ValueError(f"the PoCL harness runs the CUDA schedule, not {spec.target!r}")
-    schedule = schedule_module(spec.target)
     func = _static_local(scheduled_func(spec))
     grab = tvm.ir.instrument.pass_instrument(_AfterSplit)()
-    with tvm.transform.PassContext(opt_level=3, config=getattr(schedule, "PASS_CONFIG", {}),
-                                   instruments=[grab]):
+    with tvm.transform.PassContext(opt_level=3, config=pass_config(spec), instruments=[grab]):
         executable = tvm.compile(func, target=opencl_target(spec.tvm_target()))
     return _plan(spec, hoist_local(executable.mod.imports[0].inspect_source()), grab.mod)
 

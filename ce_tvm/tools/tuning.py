@@ -45,7 +45,13 @@ import tvm_ffi
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
-from ..compiler.build import SCHEDULE_OF_OP, KernelSpec, declared_func, schedule_module
+from ..compiler.build import (
+    SCHEDULE_OF_OP,
+    KernelSpec,
+    declared_func,
+    pass_config,
+    schedule_module,
+)
 from ..runtime.omp_pool import use_torch_pool
 from ..runtime.registry import configure_thread_pool
 from ..runtime.tensors import TORCH_DTYPES
@@ -73,7 +79,7 @@ def compile_scheduled(scheduled, spec: KernelSpec, entry: str | None = "main"):
     the Executable when ``entry`` is ``None``."""
     schedule = schedule_module(spec.target)
     pipeline = getattr(schedule, "TIR_PIPELINE", None)
-    with tvm.transform.PassContext(opt_level=3, config=getattr(schedule, "PASS_CONFIG", {})):
+    with tvm.transform.PassContext(opt_level=3, config=pass_config(spec)):
         ex = tvm.compile(scheduled, target=spec.tvm_target(),
                          **({"tir_pipeline": pipeline} if pipeline else {}))
     if entry is None:
