@@ -194,10 +194,11 @@ def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
 
 # Pass options by op, on every target. The divergence names each logit's
 # transcendentals (softcap, exp, log) inside one another, so its per-element
-# trees are large (fastmath: no Let), and TIR's common-subexpression pass took
-# half of a capped kernel's build (fp32 JSD with both caps, znver5: 134 s,
-# 66 s without it); LLVM and nvcc fold the repeats themselves: the same kernel
-# time, bitwise the same results (benchmarks/divergence_build_bench.py;
+# trees are large where the log's argument is not bound once (half inputs:
+# kernels.divergence), and TIR's common-subexpression pass took half of such a
+# build (fp32 capped JSD as a plain tree, znver5: 133 s, 61 s without it);
+# LLVM and nvcc fold the repeats themselves: the same kernel time, bitwise
+# the same results (benchmarks/divergence_build_bench.py;
 # results/llvm-znver5-2c/divergence_build_bench.json).
 PASS_CONFIG_OF_OP = {"divergence": {"tirx.disable_cse_tir": True}}
 

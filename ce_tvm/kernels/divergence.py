@@ -98,8 +98,14 @@ def divergence_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc
     def prob(lp):
         return fastmath.exp(lp, nonpositive=True)
 
+    # The log names its argument ~70 times, each naming both sides' exp, softcap
+    # and logits: bound once by a Let (a capped fp32 kernel builds in 2 s, not
+    # minutes). Not for half inputs: TVM 0.27's bfloat16 legalisation then reads
+    # the bound loads wrongly (silently) and the vectoriser refuses the Let.
+    bind = dtype == "float32"
+
     def log_mix(n, c):  # log((1 - beta) p + beta q), read only where p > 0 or q > 0
-        return fastmath.log((one - beta) * prob(logp(n, c)) + beta * prob(logq(n, c)))
+        return fastmath.log((one - beta) * prob(logp(n, c)) + beta * prob(logq(n, c)), bind)
 
     def term(weight_log, other_log):  # w (log w - log o); 0 where w = 0
         w = prob(weight_log)

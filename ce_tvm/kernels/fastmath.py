@@ -197,12 +197,14 @@ _LOG_POLY = (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-
 _SQRT_HALF = 0.70710678118654752440
 
 
-def log(x):
+def log(x, bind: bool = False):
     """``log(x)`` of a float32 TIR expression with ``x`` positive and normal
     (Cephes ``logf``: the exponent from the bits, a polynomial of the mantissa;
     branch-free, so it vectorises, where ``te.log`` is a library call per
     element). Zero, subnormals, infinities and NaN are not handled: callers
-    guard them (a zero weight's term is selected away). Other dtypes, and
+    guard them (a zero weight's term is selected away). ``bind``: ``x`` is
+    bound once by a ``Let`` (it is named about 70 times; see ``exp`` for why
+    half-precision loads must not be). Other dtypes, and
     targets with their own fast transcendentals (``scaling("exp2")``: CUDA,
     where the polynomial measured 10x the instructions of ``logf``):
     ``te.log``."""
@@ -215,7 +217,8 @@ def log(x):
     def i32(v):
         return tirx.const(v, "int32")
 
-    bits = tirx.reinterpret("int32", x)
+    arg = tirx.Var("log_arg", "float32") if bind else x
+    bits = tirx.reinterpret("int32", arg)
     # frexp: x = m 2**e with m in [1/2, 1)
     e = (tirx.shift_right(bits, i32(23)) & i32(0xFF)) - i32(126)
     m = tirx.reinterpret("float32", (bits & i32(0x007FFFFF)) | i32(0x3F000000))
@@ -227,4 +230,5 @@ def log(x):
     for coef in _LOG_POLY[1:]:
         poly = poly * f + f32(coef)
     y = poly * f * z + e * f32(-2.12194440e-4) - f32(0.5) * z
-    return f + y + e * f32(0.693359375)
+    out = f + y + e * f32(0.693359375)
+    return tirx.Let(arg, x, out) if bind else out
