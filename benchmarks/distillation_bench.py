@@ -23,7 +23,6 @@ gradients, each method in a fresh process (``bench_policy``'s protocol).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 
 import ce_tvm
 from ce_tvm.store.targets import host_cpu
-from ce_tvm.tools.measure import PeakRSS, in_fresh_processes, interleaved_ms
+from ce_tvm.tools.measure import PeakRSS, in_fresh_processes, interleaved_ms, write_report
 
 BETA = 0.5
 
@@ -136,11 +135,7 @@ def main() -> int:
         peaks = in_fresh_processes("distillation_bench", list(METHODS), shape)
         result["extra_peak_mb"] = peaks
         result["peak_vs_eager"] = peaks["ce_tvm"] / peaks["eager"]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_report(result, args.out)
     return 0
 
 

@@ -16,7 +16,6 @@ of thousands of loads; the capped JSD is the largest. On the CPU target:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -30,7 +29,7 @@ from ce_tvm.kernels.kinds import Variant
 from ce_tvm.runtime.registry import configure_thread_pool
 from ce_tvm.store.spec import KernelSpec
 from ce_tvm.store.targets import host_cpu
-from ce_tvm.tools.measure import interleaved_ms
+from ce_tvm.tools.measure import interleaved_ms, write_report
 
 CSE_OFF = "tirx.disable_cse_tir"
 # name: (the log bound by a Let, TIR's CSE on)
@@ -88,11 +87,7 @@ def main() -> int:
                                            zip(outputs["let"], outputs[name]))
                                  for name in built if name != "let"},
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_report(result, args.out)
     return 0
 
 

@@ -28,7 +28,9 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tp_head import run_ranks, write_report
+from tp_head import run_ranks
+
+from ce_tvm.tools.measure import write_report
 
 METHODS = ("ce_tvm", "stock", "fsdp")
 

@@ -103,15 +103,9 @@ def run_ranks(world: int, mode: str, shape: tuple, reps: int, chunk_rows: int | 
     return results
 
 
-def write_report(report: dict, path: str | None) -> None:
-    """Print ``report`` as JSON, and write it to ``path`` when given."""
-    print(json.dumps(report, indent=1))
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-
-
 def main() -> int:
+    from ce_tvm.tools.measure import write_report
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--shape", default="2048x512x128256", help="N x H x V")

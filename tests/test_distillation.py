@@ -226,12 +226,12 @@ def test_distillation_trainer_logs_the_same_with_ce_tvm(tmp_path):
     ``test_trl_trainers.py`` argues for (1e-3 relative or 1e-4 absolute: the
     trainer's, the tiny model's gradient being ill-conditioned)."""
     from datasets import Dataset
-    from test_trl_trainers import common, sentence, tiny_llama, tokenizer
+    from test_trl_trainers import assert_same_logs, common, logged, sentence, tiny_llama, tokenizer
     from trl import DistillationConfig, DistillationTrainer
 
     from ce_tvm.integrations import trl as cetrl
 
-    def logged(path):
+    def make(path):
         tok = tokenizer()
         gen = torch.Generator().manual_seed(5)
         data = Dataset.from_dict({"prompt": [sentence(gen, 4) for _ in range(8)]})
@@ -240,20 +240,17 @@ def test_distillation_trainer_logs_the_same_with_ce_tvm(tmp_path):
         teacher = type(student)(student.config)
         args = DistillationConfig(**common(path), max_completion_length=6, beta=0.5,
                                   temperature=0.9)
-        trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args,
-                                      processing_class=tok, train_dataset=data)
-        trainer.train()
-        return [{k: v for k, v in e.items() if isinstance(v, float) and "time" not in k
-                 and "per_second" not in k} for e in trainer.state.log_history]
+        return DistillationTrainer(model=student, teacher_model=teacher, args=args,
+                                   processing_class=tok, train_dataset=data)
 
-    expected = logged(tmp_path / "trl")
+    expected = logged(make, tmp_path / "trl")
     calls = []
     cetrl.apply()
     original = cetrl.ChunkedDivergence.apply
     try:
         cetrl.ChunkedDivergence.apply = staticmethod(
             lambda *a, **k: calls.append(1) or original(*a, **k))
-        got = logged(tmp_path / "ce_tvm")
+        got = logged(make, tmp_path / "ce_tvm")
     finally:
         cetrl.ChunkedDivergence.apply = staticmethod(original)
         cetrl.remove()
@@ -262,12 +259,7 @@ def test_distillation_trainer_logs_the_same_with_ce_tvm(tmp_path):
 
     assert distillation_trainer.ChunkedDivergenceFunction is ChunkedDivergenceFunction
     assert calls, "DistillationTrainer did not call the patched divergence"
-    assert len(got) == len(expected) and any("loss" in e for e in expected), expected
-    for mine, theirs in zip(got, expected):
-        assert mine.keys() == theirs.keys()
-        for key, value in theirs.items():
-            assert math.isclose(mine[key], value, rel_tol=1e-3, abs_tol=1e-4), (
-                key, mine[key], value)
+    assert_same_logs(got, expected)
 
 
 @pytest.mark.slow
@@ -276,12 +268,12 @@ def test_gkd_trainer_logs_the_same_with_ce_tvm(tmp_path):
     ce_tvm's (``apply()``): the same logged losses, to the bounds of the
     ``DistillationTrainer`` test above."""
     from datasets import Dataset
-    from test_trl_trainers import common, sentence, tiny_llama, tokenizer
+    from test_trl_trainers import assert_same_logs, common, logged, sentence, tiny_llama, tokenizer
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     from ce_tvm.integrations import trl as cetrl
 
-    def logged(path):
+    def make(path):
         tok = tokenizer()
         tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
         gen = torch.Generator().manual_seed(6)
@@ -293,28 +285,20 @@ def test_gkd_trainer_logs_the_same_with_ce_tvm(tmp_path):
         teacher = type(student)(student.config)
         args = GKDConfig(**common(path), max_new_tokens=4, lmbda=0.5, beta=0.4,
                          temperature=0.9, max_length=32)
-        trainer = GKDTrainer(model=student, teacher_model=teacher, args=args,
-                             processing_class=tok, train_dataset=data)
-        trainer.train()
-        return [{k: v for k, v in e.items() if isinstance(v, float) and "time" not in k
-                 and "per_second" not in k} for e in trainer.state.log_history]
+        return GKDTrainer(model=student, teacher_model=teacher, args=args,
+                          processing_class=tok, train_dataset=data)
 
-    expected = logged(tmp_path / "trl")
+    expected = logged(make, tmp_path / "trl")
     calls = []
     cetrl.apply()
     try:
         GKDTrainer.generalized_jsd_loss = staticmethod(
             lambda *a, **k: calls.append(1) or cetrl.generalized_jsd_loss(*a, **k))
-        got = logged(tmp_path / "ce_tvm")
+        got = logged(make, tmp_path / "ce_tvm")
     finally:
         cetrl.remove()
     assert calls, "GKDTrainer did not call the patched loss"
-    assert len(got) == len(expected) and any("loss" in e for e in expected), expected
-    for mine, theirs in zip(got, expected):
-        assert mine.keys() == theirs.keys()
-        for key, value in theirs.items():
-            assert math.isclose(mine[key], value, rel_tol=1e-3, abs_tol=1e-4), (
-                key, mine[key], value)
+    assert_same_logs(got, expected)
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not on PATH")

@@ -9,10 +9,12 @@ Peak memory of a piece of code, from the process's RSS high-water mark
 RSS rose above its value at entry, at its highest, in MB. Entering resets the
 high-water mark (``/proc/self/clear_refs``). ``in_fresh_processes`` runs a
 benchmark's ``peak_child`` once per method, each in a new process.
+``write_report``: the result, printed and kept as JSON.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,3 +76,12 @@ def in_fresh_processes(module: str, methods, *args) -> dict:
                               env={**os.environ, **CHILD_ENV})
         peaks[method] = float(done.stdout.split()[-1]) if done.returncode == 0 else float("nan")
     return peaks
+
+
+def write_report(report: dict, path: str | None) -> None:
+    """Print ``report`` as JSON, and write it to ``path`` when given."""
+    print(json.dumps(report, indent=1))
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
