@@ -210,16 +210,20 @@ def pass_config(spec: KernelSpec) -> dict:
             **PASS_CONFIG_OF_OP.get(spec.op, {})}
 
 
-def lower_and_compile(spec: KernelSpec):
-    """``tvm.compile`` the scheduled kernel; returns the Executable. A schedule
-    module may name its own lowering pipeline (``TIR_PIPELINE``: the CPU's adds
-    prefetches); the pass options are ``pass_config``'s."""
-    schedule = schedule_module(spec.target)
-    pipeline = getattr(schedule, "TIR_PIPELINE", None)
-    config = pass_config(spec)
-    with tvm.transform.PassContext(opt_level=3, config=config):
-        return tvm.compile(scheduled_func(spec), target=spec.tvm_target(),
+def compile_scheduled(scheduled, spec: KernelSpec):
+    """``tvm.compile`` a scheduled PrimFunc (or IRModule) of ``spec``; returns the
+    Executable. A schedule module may name its own lowering pipeline
+    (``TIR_PIPELINE``: the CPU's adds prefetches); the pass options are
+    ``pass_config``'s."""
+    pipeline = getattr(schedule_module(spec.target), "TIR_PIPELINE", None)
+    with tvm.transform.PassContext(opt_level=3, config=pass_config(spec)):
+        return tvm.compile(scheduled, target=spec.tvm_target(),
                            **({"tir_pipeline": pipeline} if pipeline else {}))
+
+
+def lower_and_compile(spec: KernelSpec):
+    """``compile_scheduled`` of ``spec``'s scheduled kernel; returns the Executable."""
+    return compile_scheduled(scheduled_func(spec), spec)
 
 
 def compile_spec(spec: KernelSpec):

@@ -45,13 +45,8 @@ import tvm_ffi
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
-from ..compiler.build import (
-    SCHEDULE_OF_OP,
-    KernelSpec,
-    declared_func,
-    pass_config,
-    schedule_module,
-)
+from ..compiler.build import SCHEDULE_OF_OP, KernelSpec, declared_func, schedule_module
+from ..compiler.build import compile_scheduled as compile_executable
 from ..runtime.omp_pool import use_torch_pool
 from ..runtime.registry import configure_thread_pool
 from ..runtime.tensors import TORCH_DTYPES
@@ -74,14 +69,10 @@ def _random_args(func, spec: KernelSpec):
 
 def compile_scheduled(scheduled, spec: KernelSpec, entry: str | None = "main"):
     """Function ``entry`` of a scheduled PrimFunc (or IRModule) of ``spec``, built
-    as ``build`` builds (the schedule module's pipeline and pass options) and,
+    as ``build`` builds (``compiler.build.compile_scheduled``) and,
     on the CPU, loaded as the runtime loads it (``_loaded_as_the_runtime_runs_it``);
     the Executable when ``entry`` is ``None``."""
-    schedule = schedule_module(spec.target)
-    pipeline = getattr(schedule, "TIR_PIPELINE", None)
-    with tvm.transform.PassContext(opt_level=3, config=pass_config(spec)):
-        ex = tvm.compile(scheduled, target=spec.tvm_target(),
-                         **({"tir_pipeline": pipeline} if pipeline else {}))
+    ex = compile_executable(scheduled, spec)
     if entry is None:
         return ex
     return _loaded_as_the_runtime_runs_it(ex, entry) if spec.target == "llvm" else ex[entry]
