@@ -51,7 +51,7 @@ def _model(h: int, v: int):
 
 def _loss_fn(method: str, model):
     import ce_tvm
-    from ce_tvm.sharding import inside
+    from ce_tvm.distributed.heads import inside
 
     head = model.lm_head
     if method == "ce_tvm":

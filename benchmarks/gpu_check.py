@@ -94,7 +94,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ce_tvm  # noqa: E402
-from ce_tvm.ops import scale_unit_gradient  # noqa: E402
 from ce_tvm.runtime import launch  # noqa: E402
 from ce_tvm.runtime.options import LossOptions  # noqa: E402
 from ce_tvm.tools import bench_policy  # noqa: E402
@@ -751,9 +750,9 @@ def time_distill(plan: Plan):
 
 def time_training(plan: Plan):
     """A training step (loss + logits gradient, mean, smoothing 0.1, every 7th
-    row ignored): the one-pass kernel alone and with the scaled copy its
-    autograd backward makes on CUDA (``ops.scale_unit_gradient``: the upstream
-    gradient cannot be read there without a host sync), the recompute path
+    row ignored): the one-pass kernel alone and with the in-place scaling its
+    autograd backward makes on CUDA (``ForwardGradients``: the upstream gradient
+    cannot be read there without a host sync), the recompute path
     (forward, then the backward from the logits), and the copy floor."""
     options = LossOptions(reduction="mean", label_smoothing=0.1)
     for n, c, dtype in plan.cases(CE_TIMED):
@@ -768,8 +767,7 @@ def time_training(plan: Plan):
 
         yield _timing_row(plan, f"training step {n}x{c} {dtype}", {
             "one_pass": lambda: launch.train(x, y, None, options),
-            "one_pass_scaled": lambda: scale_unit_gradient(launch.train(x, y, None, options)[1],
-                                                           one),
+            "one_pass_scaled": lambda: launch.train(x, y, None, options)[1].mul_(one),
             "recompute": recompute, "copy": lambda: copy.copy_(x)},
             {}, "copy", n=n, c=c, dtype=str(dtype))
 
@@ -835,7 +833,7 @@ def run_section(plan: Plan, name: str, path: str) -> bool:
 def _take_cuda_paths() -> None:
     """On the CPU, load the kernels CUDA loads: the one-pass training kernel
     only if CUDA tensors take it by default."""
-    import ce_tvm.nn as ce_nn
+    import ce_tvm.losses.cross_entropy as ce_nn
 
     ce_nn.TRAINING_KERNEL_DEVICES = ("cpu",) if "cuda" in ce_nn.TRAINING_KERNEL_DEVICES else ()
 

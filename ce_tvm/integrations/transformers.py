@@ -36,12 +36,12 @@ import types
 import torch
 from torch import Tensor, nn
 
-from ..linear import linear_cross_entropy
-from ..nn import cross_entropy
+from ..distributed.heads import inside
+from ..losses.cross_entropy import cross_entropy
+from ..losses.linear import linear_cross_entropy
+from ..losses.log_probs import linear_log_probs
 from ..optional import guard
-from ..policy import linear_log_probs
 from ..runtime.options import LossOptions
-from ..sharding import inside
 
 with guard("transformers", "transformers", "ce_tvm.integrations.transformers"):
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss

@@ -41,9 +41,9 @@ import warnings
 
 import torch
 
-from ..distill import distillation_loss, linear_distillation_loss
+from ..losses.distillation import distillation_loss, linear_distillation_loss
+from ..losses.log_probs import LogProbStats, linear_log_probs
 from ..optional import guard
-from ..policy import LogProbStats, linear_log_probs
 
 with guard("trl", "trl", "ce_tvm.integrations.trl"):
     import trl

@@ -18,7 +18,7 @@ import torch
 from ..kernels.kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES, Variant
 from ..store.spec import KernelSpec, tuned_spec
 from . import pool
-from .options import LossOptions
+from .options import DivergenceOptions, LossOptions
 from .registry import call
 from .tensors import (
     KERNEL_ALIGNMENT,
@@ -366,32 +366,6 @@ def log_probs_backward(grad_logp, grad_entropy, x, index, row_max, log_expsum, e
 
 
 # --- Student-teacher divergence (docs/spec.md, section 15) --------------------
-
-
-@dataclass(frozen=True)
-class DivergenceOptions:
-    """The divergence kernels' runtime scalars and variant: ``kind`` (``fkl``,
-    ``rkl``, ``jsd``; ``kinds.DIVERGENCES``), ``beta``, and per side the cap
-    and the inverse temperature with the logit scale folded in
-    (``cap(s x) / T = s cap_{t / s}(x) / T``: ``softcap`` ``t / s``, inverse
-    temperature ``s / T``)."""
-
-    kind: str
-    beta: float
-    student_softcap: float
-    student_inv_temperature: float
-    teacher_softcap: float
-    teacher_inv_temperature: float
-
-    def variant(self, grad: bool) -> Variant:
-        return Variant("sum" if grad else "none", divergence=self.kind,
-                       softcap=self.student_softcap != 0.0,
-                       teacher_softcap=self.teacher_softcap != 0.0)
-
-    def scalars(self) -> tuple:
-        return (self.beta, self.student_inv_temperature, self.teacher_inv_temperature,
-                *((self.student_softcap,) if self.student_softcap != 0.0 else ()),
-                *((self.teacher_softcap,) if self.teacher_softcap != 0.0 else ()))
 
 
 def divergence(student, teacher, g, options: DivergenceOptions, *,

@@ -3,7 +3,7 @@ accumulation dtype, the kernel target for its device, and whether its data is
 aligned as the kernels assume.
 
 The one table from the compute's storage dtype names to torch dtypes. Inputs
-are those ``ce_tvm.validation`` accepted; nothing here checks them again.
+are those ``ce_tvm.losses.checks`` accepted; nothing here checks them again.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import nn as ce_nn
-from ..functional import cross_entropy_loss
-from ..nn import cross_entropy
+from ..losses import cross_entropy as cross_entropy_module
+from ..losses.cross_entropy import cross_entropy
+from ..losses.seed import cross_entropy_loss
 from ..optional import require
 from ..runtime.pool import POOL
 from ..runtime.tensors import TORCH_DTYPES
@@ -65,11 +65,11 @@ def _inputs(n, c, dtype, seed=0):
 def _recomputing(eps):
     """ce_tvm with the backward recomputing the gradient (the path before the one-pass kernel)."""
     def fn(x, y):
-        ce_nn.ONE_PASS_TRAINING = False
+        cross_entropy_module.ONE_PASS_TRAINING = False
         try:
             return cross_entropy(x, y, label_smoothing=eps)
         finally:
-            ce_nn.ONE_PASS_TRAINING = True
+            cross_entropy_module.ONE_PASS_TRAINING = True
     return fn
 
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..linear import linear_cross_entropy
+from ..losses.linear import linear_cross_entropy
 from ..optional import require
 from ..runtime.tensors import TORCH_DTYPES
 from .measure import PeakRSS, in_fresh_processes, interleaved_ms

@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..losses.log_probs import linear_log_probs, log_probs
 from ..optional import guard
-from ..policy import linear_log_probs, log_probs
 from ..runtime.tensors import TORCH_DTYPES
 from .measure import PeakRSS, in_fresh_processes, interleaved_ms
 

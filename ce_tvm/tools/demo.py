@@ -15,9 +15,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..functional import cross_entropy_loss, cross_entropy_loss_grad
-from ..linear import linear_cross_entropy
-from ..nn import cross_entropy
+from ..losses.cross_entropy import cross_entropy
+from ..losses.linear import linear_cross_entropy
+from ..losses.seed import cross_entropy_loss, cross_entropy_loss_grad
 from ..runtime.cache import entries
 from ..runtime.registry import loaded_specs
 from ..runtime.tensors import TORCH_DTYPES

@@ -17,8 +17,8 @@ statistics for a backward that computes it. The shard layout (one
 ``all_gather`` of the widths) is exchanged on every call.
 
 These functions take local shards and a process group. What a DTensor (or an
-LM head given as a module) means is decided in ``ce_tvm.sharding``, which
-calls them.
+LM head given as a module) means is decided in ``ce_tvm.distributed.heads``; the
+DTensor readings (``ce_tvm.distributed.dtensors``) call them.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import validation as check
-from .ops import graph_kept, scale_unit_gradient, with_extras
-from .runtime import launch, pool
-from .runtime import linear_sweep as sweep
-from .runtime.collectives import (
+from ..losses import checks as check
+from ..losses.autograd import ForwardGradients
+from ..losses.outputs import with_extras
+from ..runtime import launch, pool
+from ..runtime import linear_sweep as sweep
+from ..runtime.collectives import (
     accuracy_of,
     gathered_rows,
     global_stats,
@@ -43,8 +44,8 @@ from .runtime.collectives import (
     summed_input_grad,
     target_raw_logit,
 )
-from .runtime.options import LossOptions, store_on_module
-from .runtime.tensors import accum_torch_dtype
+from ..runtime.options import LossOptions, store_on_module
+from ..runtime.tensors import accum_torch_dtype
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -68,8 +69,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[0] and options.reduction != "none":
             # The shard's gradient for a unit upstream gradient, right after the
             # all_reduces: the backward only scales it, and the logits need not be kept.
-            ctx.x_grad = launch.shard_backward(lse.new_ones(1), x, lse, y, w, weight, **layout,
-                                               options=options)
+            ctx.grads = ForwardGradients(
+                [launch.shard_backward(lse.new_ones(1), x, lse, y, w, weight, **layout,
+                                       options=options)],
+                allow_retain_graph=True, entry="ce_tvm.distributed.vocab_parallel_cross_entropy")
         else:
             ctx.save_for_backward(x, lse, y, w, weight)
             ctx.layout, ctx.options = layout, options
@@ -77,8 +80,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_zloss, grad_hits):
-        if hasattr(ctx, "x_grad"):
-            grad = scale_unit_gradient(ctx.x_grad, grad_loss.reshape(-1))
+        if hasattr(ctx, "grads"):
+            (grad,) = ctx.grads.scaled(grad_loss.reshape(-1))
         else:
             x, lse, y, w, weight = ctx.saved_tensors
             g = grad_loss.to(lse.dtype).reshape(-1).contiguous()
@@ -228,7 +231,9 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                         hits)
             return loss_rows, z_rows, hits
         if one_pass:
-            ctx.grads = _head_grads(sink, x, needs, group, sequence_parallel)
+            ctx.grads = ForwardGradients(
+                _head_grads(sink, x, needs, group, sequence_parallel), allow_retain_graph=True,
+                entry="ce_tvm.distributed.vocab_parallel_linear_cross_entropy")
         total = loss_rows.sum(dtype=acc).reshape(1)
         z = z_rows.sum(dtype=acc).reshape(1)
         if options.reduction == "mean":
@@ -239,10 +244,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_zloss, grad_hits):
         needs = ctx.needs
         if ctx.grads is not None:
-            grads = ctx.grads
-            if not graph_kept():  # the graph dies: the leaves' .grad may take the buffers
-                ctx.grads = None
-            grads = [None if g is None else scale_unit_gradient(g, grad_loss) for g in grads]
+            grads = ctx.grads.scaled(grad_loss)
         else:
             x, W, b, y, w, lse, wy = ctx.saved_tensors
             g = grad_loss.to(lse.dtype).contiguous()

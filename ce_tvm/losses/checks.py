@@ -1,12 +1,12 @@
-"""Input checks of docs/spec.md, section 11, shared by every entry point.
+"""The one input check: the tensor checks of docs/spec.md, section 11, shared by every
+entry point (the scalars are checked by ``ce_tvm.runtime.options``).
 
 Each check raises ``TypeError`` (wrong kind of object or dtype) or
 ``ValueError`` (wrong value or shape) with a message that says what was
 expected. Targets outside ``[0, C)`` that are not ``ignore_index`` are
 reported with the first bad row, as a ``TargetOutOfRangeError`` (both an
 ``IndexError``, PyTorch's type, and a ``ValueError``); the kernels clamp
-indices as well, so a target is never used to read or write out of bounds. The runtime scalars
-are checked by constructing a ``LossOptions``.
+indices as well, so a target is never used to read or write out of bounds.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from .runtime.options import LossOptions
-from .runtime.tensors import TORCH_DTYPES, accum_torch_dtype
+from ..runtime.options import LossOptions
+from ..runtime.tensors import TORCH_DTYPES, accum_torch_dtype
 
 TARGET_DTYPES = (torch.int64, torch.int32)
 KERNEL_DEVICES = ("cpu", "cuda")
@@ -79,7 +79,7 @@ def in_range(y: torch.Tensor, classes: int, ignore_index: int, name: str) -> tor
 def is_dtensor(t) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor``, without importing
     that module (no DTensor exists before it is imported); the entry points hand
-    such tensors to ``ce_tvm.sharding``. Traceable by ``torch.compile``."""
+    such tensors to ``ce_tvm.distributed.heads``. Traceable by ``torch.compile``."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 
@@ -101,23 +101,6 @@ def head_module(head: torch.nn.Module, linear_bias) -> tuple[torch.nn.Module, bo
     needs_call = bool(inner is not head or head._forward_hooks or head._forward_pre_hooks
                       or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
     return inner, needs_call
-
-
-def unhooked_head(linear_weight, linear_bias) -> tuple:
-    """``(weight, bias)`` of a head module whose call would run no hooks
-    (``head_module``): such a call only reads them; anything else unchanged."""
-    if isinstance(linear_weight, torch.nn.Module) and not head_module(linear_weight,
-                                                                      linear_bias)[1]:
-        return linear_weight.weight, getattr(linear_weight, "bias", None)
-    return linear_weight, linear_bias
-
-
-def sharded_head(input, linear_weight) -> bool:
-    """Whether an LM head's entry point must go through ``ce_tvm.sharding``: the
-    head given as a module whose own call is needed (``head_module``), or a
-    DTensor weight or input."""
-    return (isinstance(linear_weight, torch.nn.Module) or is_dtensor(linear_weight)
-            or is_dtensor(input))
 
 
 def class_last_logits(x, name: str = "logits") -> torch.Tensor:

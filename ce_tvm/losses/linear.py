@@ -13,11 +13,13 @@ Autograd, through the ``torch.library`` op ``ce_tvm::linear_cross_entropy``:
   eager mode it scales them in place, so a second backward through the same
   graph (``retain_graph=True``) is an error unless ``allow_retain_graph=True``
   (then it scales a copy: one more gradient-sized allocation); under
-  ``torch.compile`` it always scales a copy.
+  ``torch.compile`` it always scales a copy (``autograd.ForwardGradients``).
 - ``none``: the forward computes the loss only and keeps the inputs; the
   backward (``ce_tvm::linear_cross_entropy_backward``) recomputes the logits
   chunk by chunk with the per-row upstream gradient.
 - No gradient wanted (``no_grad``, nothing requires grad): the loss only.
+
+A head given as a module, or as DTensors, is routed by ``ce_tvm.distributed.heads``.
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import validation as check
-from .custom_ops import custom_op
-from .ops import accuracy_like, loss_rows, options_of, schema_scalars, with_extras
-from .runtime import linear_sweep as sweep
-from .runtime.options import LossOptions, store_on_module
-
-_OP_ARGS = 17  # inputs of ce_tvm::linear_cross_entropy, for the backward's None slots
+from ..distributed import dtensors, heads
+from ..runtime import linear_sweep as sweep
+from ..runtime.options import LossOptions, store_on_module
+from . import checks as check
+from .autograd import ForwardGradients, custom_op, op_gradients
+from .outputs import accuracy_like, grad_like, loss_rows, with_extras
 
 
 @custom_op("ce_tvm::linear_cross_entropy", mutates_args=())
@@ -45,7 +46,7 @@ def linear_cross_entropy_forward(
     """``(loss, zloss, accuracy, grad_input, grad_weight, grad_bias)`` for ``input [N, H]``.
 
     ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``; ``accuracy`` is
-    0-d when ``token_accuracy``, else empty (``ops.accuracy_like``). The gradients
+    0-d when ``token_accuracy``, else empty (``outputs.accuracy_like``). The gradients
     (for a unit upstream gradient) are computed for ``mean``/``sum`` when
     their flag is set, else they are empty tensors. ``chunk_rows`` 0: the
     default chunk size (``linear_sweep.chunk_rows``). ``allow_retain_graph``
@@ -53,8 +54,8 @@ def linear_cross_entropy_forward(
     """
     y = check.targets(target, input, ignore_index, classes=linear_weight.shape[0])
     w = check.weight(weight, input, classes=linear_weight.shape[0])
-    opts = options_of(reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
-                      temperature)
+    opts = LossOptions.from_schema(reduction, ignore_index, label_smoothing, lse_square_scale,
+                                   softcap, temperature)
     rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
     needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
     if reduction == "none" or not needs.any():
@@ -72,15 +73,10 @@ def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index
       grad_weight, grad_bias, allow_retain_graph):
     rows = loss_rows(input, reduction)
     scalar = reduction != "none"
-
-    def grad(like, wanted):
-        if scalar and wanted and like is not None:
-            return torch.empty_like(like)
-        return input.new_empty(0)
-
     return (input.new_empty(rows), input.new_empty(rows), accuracy_like(input, token_accuracy),
-            grad(input, grad_input), grad(linear_weight, grad_weight),
-            grad(linear_bias, grad_bias))
+            grad_like(input, scalar and grad_input, input),
+            grad_like(linear_weight, scalar and grad_weight, input),
+            grad_like(linear_bias, scalar and grad_bias, input))
 
 
 @custom_op("ce_tvm::linear_cross_entropy_backward", mutates_args=())
@@ -93,8 +89,8 @@ def linear_cross_entropy_backward(
     """``(grad_input, grad_weight, grad_bias)`` of the ``none`` loss for the
     per-row upstream gradient ``grad_loss [N]``, the logits recomputed chunk by
     chunk; an empty tensor for each gradient not asked for."""
-    opts = options_of("none", ignore_index, label_smoothing, lse_square_scale, softcap,
-                      temperature)
+    opts = LossOptions.from_schema("none", ignore_index, label_smoothing, lse_square_scale,
+                                   softcap, temperature)
     rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
     needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
     return sweep.grads_from_rows(grad_loss, input, linear_weight, linear_bias,
@@ -108,60 +104,38 @@ def _(grad_loss, input, linear_weight, linear_bias, target, weight, ignore_index
       label_smoothing, lse_square_scale, softcap, temperature, chunk_rows, grad_input,
       grad_weight,
       grad_bias):
-    def grad(like, wanted):
-        return torch.empty_like(like) if wanted and like is not None else input.new_empty(0)
-
-    return (grad(input, grad_input), grad(linear_weight, grad_weight),
-            grad(linear_bias, grad_bias))
+    return (grad_like(input, grad_input, input), grad_like(linear_weight, grad_weight, input),
+            grad_like(linear_bias, grad_bias, input))
 
 
 def _setup_context(ctx, inputs, output):
     (x, W, b, target, weight, reduction, ii, eps, s, cap, temperature, _, chunk_rows, *needs,
      retain) = inputs
     ctx.needs = tuple(needs)
-    ctx.in_place = not retain
     ctx.reduction = reduction
     if reduction == "none":
         ctx.save_for_backward(x, W, b, target, weight)
         ctx.options = (ii, eps, s, cap, temperature, chunk_rows)
-        ctx.grads = None
     else:
-        # Detached: a forward output kept on ctx with its grad_fn would form a
-        # reference cycle (node -> ctx -> output -> node).
-        ctx.grads = tuple(t.detach() for t in output[3:])
+        ctx.grads = ForwardGradients(output[3:], allow_retain_graph=retain,
+                                     entry="ce_tvm.linear_cross_entropy")
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero [V, H] tensors for the unused outputs
 
 
-def _scaled(grad: Tensor, grad_loss: Tensor, in_place: bool) -> Tensor:
-    """``grad * grad_loss``, in place when allowed (the forward's buffer is this
-    graph's alone), never under ``torch.compile``."""
-    if in_place and not torch.compiler.is_compiling():
-        return grad.mul_(grad_loss)
-    return grad * grad_loss
-
-
 def _backward(ctx, grad_loss, *_unused):
-    none = [None] * _OP_ARGS
     if grad_loss is None:
-        return tuple(none)
+        return op_gradients(linear_cross_entropy_forward)
     if ctx.reduction == "none":
         x, W, b, target, weight = ctx.saved_tensors
         grads = linear_cross_entropy_backward(grad_loss, x, W, b, target, weight,
                                               *ctx.options, *ctx.needs)
     else:
-        grads = ctx.grads
-        if ctx.in_place:
-            ctx.grads = None
-        if grads is None:
-            raise RuntimeError(
-                "ce_tvm.linear_cross_entropy: backward ran twice through the same graph; "
-                "with reduction 'mean'/'sum' the forward's gradients are consumed by the "
-                "first backward (pass allow_retain_graph=True to keep them)")
-        grads = [_scaled(g, grad_loss, ctx.in_place) if wanted else g
-                 for g, wanted in zip(grads, ctx.needs)]
-    none[0], none[1], none[2] = (g if wanted else None for g, wanted in zip(grads, ctx.needs))
-    return tuple(none)
+        grads = ctx.grads.scaled(grad_loss)
+    grad_input, grad_weight, grad_bias = (g if wanted else None
+                                          for g, wanted in zip(grads, ctx.needs))
+    return op_gradients(linear_cross_entropy_forward, input=grad_input,
+                        linear_weight=grad_weight, linear_bias=grad_bias)
 
 
 linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -199,8 +173,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     (``model.lm_head``, ``nn.Linear``-like; its bias comes along): the loss then
     runs inside the module's own call, so FSDP2 / FSDP / ZeRO-3 gather its
     weight and reduce its gradient. A DTensor weight needs the input as a
-    DTensor on the same mesh (tensor parallelism); ``ce_tvm.sharding`` has the
-    rule. Returns the loss (0-d for ``mean``/``sum``,
+    DTensor on the same mesh (tensor parallelism); ``ce_tvm.distributed.heads``
+    has the rule. Returns the loss (0-d for ``mean``/``sum``,
     the target's shape for ``none``), z-loss included when
     ``lse_square_scale > 0``; ``softcap``, ``temperature``, ``logit_scale``,
     ``return_zloss`` and ``return_token_accuracy`` as ``ce_tvm.cross_entropy``
@@ -212,17 +186,19 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     backward consumes gradients computed in the forward, so a second
     backward through the same graph needs ``allow_retain_graph=True``.
     """
-    linear_weight, linear_bias = check.unhooked_head(linear_weight, linear_bias)
-    if check.sharded_head(input, linear_weight):  # a module, or DTensors: ce_tvm.sharding
-        from . import sharding
+    return heads.run(input, linear_weight, linear_bias, _fused, dtensors.linear_cross_entropy,
+                     target, weight=weight, reduction=reduction, ignore_index=ignore_index,
+                     label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
+                     softcap=softcap, temperature=temperature, return_zloss=return_zloss,
+                     return_token_accuracy=return_token_accuracy, chunk_rows=chunk_rows,
+                     allow_retain_graph=allow_retain_graph, logit_scale=logit_scale)
 
-        return sharding.linear_cross_entropy(
-            linear_cross_entropy, input, linear_weight, target, linear_bias=linear_bias,
-            weight=weight, reduction=reduction, ignore_index=ignore_index,
-            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
-            temperature=temperature, return_zloss=return_zloss,
-            return_token_accuracy=return_token_accuracy, chunk_rows=chunk_rows,
-            allow_retain_graph=allow_retain_graph, logit_scale=logit_scale)
+
+def _fused(input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, target: Tensor, *,
+           weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
+           temperature, return_zloss, return_token_accuracy, chunk_rows, allow_retain_graph,
+           logit_scale):
+    """``linear_cross_entropy`` of plain tensors (``heads.run``'s local route)."""
     x, y = _flatten(input, linear_weight, target, linear_bias)
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
@@ -230,7 +206,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     rows = check.chunk_rows(chunk_rows)
     grad_on = torch.is_grad_enabled()
     loss, zloss, accuracy, *_ = linear_cross_entropy_forward(
-        x, linear_weight, linear_bias, y, weight, **schema_scalars(options),
+        x, linear_weight, linear_bias, y, weight, **options.schema_scalars(),
         token_accuracy=bool(return_token_accuracy), chunk_rows=rows,
         grad_input=grad_on and input.requires_grad,
         grad_weight=grad_on and linear_weight.requires_grad,

@@ -1,139 +1,29 @@
-"""What a sharded LM head means, decided in one place for every fused entry point.
+"""DTensors given to the losses, read one way (the rule is ``ce_tvm.distributed.heads``):
 
-An LM head's weight reaches ``linear_cross_entropy`` / ``linear_log_probs``
-sharded in two situations that look alike and mean different things:
+- a weight ``Shard(0)`` (a column-wise parallel ``lm_head``) on a 1-D mesh and the
+  input a DTensor on the same mesh, ``Replicate()`` or sharded on a row / sequence
+  dimension: the vocabulary-parallel head (sequence parallel when the rows are sharded);
+- logits given to ``cross_entropy`` sharded on the class dimension (``Shard(-1)``):
+  the vocabulary-parallel loss;
+- anything else with a DTensor (a plain input beside a sharded weight, a 2-D mesh, a
+  weight sharded on H, mismatched meshes): a ``ValueError`` that names the readings and
+  what to pass for each.
 
-- **data parallel** (FSDP2 ``fully_shard``, FSDP1, DeepSpeed ZeRO-3): outside
-  the head's forward its weight is a shard of the *same* head on every rank,
-  and every rank has *other tokens*. The loss needs the whole weight, which
-  the framework gathers inside the module's own call;
-- **tensor parallel** (a column-wise parallel ``lm_head``): each rank holds
-  *other classes* of the head and the *same tokens*; the loss is the
-  vocabulary-parallel one (``ce_tvm.distributed``).
-
-A DTensor weight alone cannot tell them apart, so the rule (``head_entry``) is:
-
-1. the head given as a module (``nn.Linear``-like): the fused call runs inside
-   the module's own call (``inside``, "forward redirection"), so FSDP / ZeRO-3
-   gather the weight and reduce its gradient under their own policy, as for
-   any layer; whatever the weight is in there, the rule is applied to it again;
-2. the weight a DTensor ``Shard(0)`` on a 1-D mesh *and* the input a DTensor on
-   the same mesh, ``Replicate()`` or sharded on a row / sequence dimension:
-   the vocabulary-parallel head (sequence parallel when the rows are sharded);
-3. anything else with a DTensor (a plain input beside a sharded weight, a 2-D
-   mesh, a weight sharded on H, mismatched meshes): a ``ValueError`` that names
-   the readings and what to pass for each. Never a guess.
-
-Logits given to ``cross_entropy`` as a DTensor are vocabulary-parallel when
-sharded on the class dimension (``Shard(-1)``), an error otherwise. These
-paths run eagerly under ``torch.compile`` (a graph break): the module hooks and
-collectives they call are not traced.
+Each function here takes a family's arguments (``heads.run``'s ``dtensor``) and calls
+``ce_tvm.distributed.vocab_parallel`` with the local shards and the mesh's group.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from torch import Tensor
 
-import torch
-from torch import Tensor, nn
-
-from . import validation as check
-from .distributed import (
+from ..losses import checks as check
+from ..runtime.collectives import shard_layout
+from .vocab_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
     vocab_parallel_linear_log_probs,
 )
-from .runtime.collectives import shard_layout
-
-# distribute_module (tensor parallel styles) registers its forward hooks from here:
-# they lay out the head's logits, which the fused call does not return.
-_LAYOUT_HOOKS_MODULE = "torch.distributed.tensor._api"
-
-
-# --- The head as a module: forward redirection --------------------------------
-
-
-def inside(module: nn.Module, fn, *args):
-    """``fn(*args)``, run as ``module(*args)``: the module's hooks see the call
-    (FSDP2 / FSDP1 / ZeRO-3 gather its parameters before and reshard after, and
-    hook the outputs for the backward), and ``fn`` reads the parameters as the
-    module's own forward would. The module's forward is restored before ``fn``
-    runs. Output-layout hooks of tensor-parallel styles (which expect logits)
-    are set aside for the call; their input hooks run."""
-    inner = getattr(module, "_fsdp_wrapped_module", module)  # FSDP1 wraps the module
-    own_forward = inner.__dict__.get("forward")
-
-    def restore():
-        if own_forward is None:
-            inner.__dict__.pop("forward", None)
-        else:
-            inner.forward = own_forward
-
-    def redirected(*call_args):
-        restore()
-        # no views out of a module call: FSDP2 hooks its outputs for the backward
-        return torch.utils._pytree.tree_map_only(Tensor, _not_a_view, fn(*call_args))
-
-    kept = {m: OrderedDict(m._forward_hooks) for m in {module, inner}}
-    for m, hooks in kept.items():
-        for key, hook in hooks.items():
-            if getattr(hook, "__module__", None) == _LAYOUT_HOOKS_MODULE:
-                del m._forward_hooks[key]
-    inner.forward = redirected
-    try:
-        return module(*args)
-    finally:
-        restore()
-        for m, hooks in kept.items():
-            m._forward_hooks.clear()
-            m._forward_hooks.update(hooks)
-
-
-def _not_a_view(t: Tensor) -> Tensor:
-    return t.clone() if t._is_view() else t
-
-
-def _through_head(entry, input, head: nn.Module, labels, linear_bias, kwargs):
-    """``entry(input, head.weight, labels, linear_bias=head.bias, **kwargs)``
-    inside the head's own call."""
-    inner, _ = check.head_module(head, linear_bias)
-
-    def fused(hidden):
-        return entry(hidden, inner.weight, labels, linear_bias=getattr(inner, "bias", None),
-                     **kwargs)
-
-    return inside(head, fused, input)
-
-
-def whole_frozen_head(weight, bias) -> tuple:
-    """``(weight, bias)`` of a head that takes no gradient (a distillation
-    teacher), whole and detached, however it is sharded: one reading, since
-    without a gradient a data-parallel shard and a vocabulary shard have the
-    same whole. A module with hooks gives them from inside its own call (FSDP /
-    ZeRO-3 gather there; copied out, as the gathered storage is freed after the
-    call); DTensors (FSDP2 outside the call, tensor-parallel styles inside it)
-    give their ``full_tensor()``. A hook-free module, plain tensors: as they are."""
-    def whole(t, copy=False):
-        if t is None:
-            return None
-        if check.is_dtensor(t):
-            return t.full_tensor().detach()
-        return t.detach().clone() if copy else t.detach()
-
-    if not isinstance(weight, nn.Module):
-        return whole(weight), whole(bias)
-    inner, needs_call = check.head_module(weight, bias)
-
-    def held(copy=False):  # read in the call: FSDP swaps the gathered parameters in there
-        return whole(inner.weight, copy), whole(getattr(inner, "bias", None), copy)
-
-    if not needs_call:
-        return held()
-    with torch.no_grad():
-        return inside(weight, lambda _: held(copy=True), torch.empty(0))
-
-
-# --- DTensors: the rule --------------------------------------------------------
 
 
 def _placement(t, name: str, supported: str):
@@ -187,7 +77,7 @@ def _ambiguous(input, weight) -> ValueError:
         f"shard and the process group")
 
 
-class _Shards:
+class Shards:
     """The vocabulary-parallel reading of a DTensor head and input: local
     tensors, the group, and where this rank's rows sit among the global ones."""
 
@@ -249,18 +139,13 @@ class _Shards:
         return t.reshape(*self.local_lead, *t.shape[1:])
 
 
-# --- The entry points' sharded forms ------------------------------------------
+# --- The families' DTensor forms -----------------------------------------------
 
 
-@torch.compiler.disable
-def linear_cross_entropy(entry, input, linear_weight, target, *, linear_bias=None,
-                         weight=None, **options):
-    """``ce_tvm.linear_cross_entropy`` (``entry``) for a head given as a module, or
-    a DTensor weight / input, by the module's rule."""
-    if isinstance(linear_weight, nn.Module):
-        return _through_head(entry, input, linear_weight, target, linear_bias,
-                             dict(weight=weight, **options))
-    shards = _Shards(input, linear_weight, linear_bias)
+def linear_cross_entropy(input, linear_weight, linear_bias, target, *, weight=None,
+                         **options):
+    """``ce_tvm.linear_cross_entropy`` of a DTensor weight and input (the module doc)."""
+    shards = Shards(input, linear_weight, linear_bias)
     options.pop("allow_retain_graph", None)  # the vocabulary-parallel backward keeps its own
     result = vocab_parallel_linear_cross_entropy(
         shards.x, shards.W, shards.global_rows(target), group=shards.group,
@@ -274,15 +159,10 @@ def linear_cross_entropy(entry, input, linear_weight, target, *, linear_bias=Non
     return (*(shards.shaped(t) for t in result[:per_row]), *result[per_row:])
 
 
-@torch.compiler.disable
-def linear_log_probs(entry, input, linear_weight, index, *, linear_bias=None, row_mask=None,
+def linear_log_probs(input, linear_weight, linear_bias, index, *, row_mask=None,
                      return_entropy=False, **options):
-    """``ce_tvm.linear_log_probs`` (``entry``) for a head given as a module, or a
-    DTensor weight / input, by the module's rule."""
-    if isinstance(linear_weight, nn.Module):
-        return _through_head(entry, input, linear_weight, index, linear_bias,
-                             dict(row_mask=row_mask, return_entropy=return_entropy, **options))
-    shards = _Shards(input, linear_weight, linear_bias)
+    """``ce_tvm.linear_log_probs`` of a DTensor weight and input (the module doc)."""
+    shards = Shards(input, linear_weight, linear_bias)
     logp, entropy = vocab_parallel_linear_log_probs(
         shards.x, shards.W, shards.global_rows(index), group=shards.group, local_bias=shards.b,
         row_mask=shards.global_rows(row_mask), sequence_parallel=shards.sequence_parallel,
@@ -291,7 +171,6 @@ def linear_log_probs(entry, input, linear_weight, index, *, linear_bias=None, ro
     return (logp, shards.shaped(entropy)) if return_entropy else logp
 
 
-@torch.compiler.disable
 def cross_entropy(input, target, weight=None, *, reduction: str = "mean", **options):
     """``ce_tvm.cross_entropy`` of DTensor logits ``[..., V]`` sharded on the class
     dimension (``Shard(-1)``, 1-D mesh): the vocabulary-parallel loss."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from . import validation as check
-from .runtime import launch
-from .runtime.tensors import accum_torch_dtype
+from ..runtime import launch
+from ..runtime.tensors import accum_torch_dtype
+from . import checks as check
 
 
 def cross_entropy_loss(input, target, weight=None, reduction="mean", ignore_index=-100,

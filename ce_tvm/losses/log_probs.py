@@ -20,12 +20,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import validation as check
-from .custom_ops import custom_op
-from .runtime import launch
-from .runtime import linear_sweep as sweep
-from .runtime.options import LossOptions
-from .runtime.tensors import accum_torch_dtype
+from ..distributed import dtensors, heads
+from ..runtime import launch
+from ..runtime import linear_sweep as sweep
+from ..runtime.options import LossOptions
+from ..runtime.tensors import accum_torch_dtype
+from . import checks as check
+from .autograd import custom_op, op_gradients
+from .outputs import grad_like
 
 
 class LogProbStats(NamedTuple):
@@ -118,16 +120,15 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_logp, grad_entropy, *_):
-    none = (None,) * 4
     if grad_logp is None and grad_entropy is None:
-        return (None, *none)
+        return op_gradients(log_probs_forward)
     x, index, entropy, row_max, log_expsum = ctx.saved_tensors
     if grad_logp is None:  # the kernel takes both
         grad_logp = torch.zeros_like(index, dtype=entropy.dtype)
     if grad_entropy is None:
         grad_entropy = torch.zeros_like(entropy)
-    return (log_probs_backward(grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy,
-                               **ctx.scalars), *none)
+    return op_gradients(log_probs_forward, x=log_probs_backward(
+        grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy, **ctx.scalars))
 
 
 log_probs_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -261,11 +262,8 @@ def linear_log_probs_backward(
 def _(grad_logp, grad_entropy, input, linear_weight, linear_bias, index, entropy, row_max,
       log_expsum, ignore_index, temperature, softcap, chunk_rows, grad_input, grad_weight,
       grad_bias):
-    def grad(like, wanted):
-        return torch.empty_like(like) if wanted and like is not None else input.new_empty(0)
-
-    return (grad(input, grad_input), grad(linear_weight, grad_weight),
-            grad(linear_bias, grad_bias))
+    return (grad_like(input, grad_input, input), grad_like(linear_weight, grad_weight, input),
+            grad_like(linear_bias, grad_bias, input))
 
 
 def _setup_linear_context(ctx, inputs, output):
@@ -278,9 +276,8 @@ def _setup_linear_context(ctx, inputs, output):
 
 def _linear_backward(ctx, grad_logp, grad_entropy, *_):
     needs = ctx.needs_input_grad[:3]
-    none = (None,) * 5
     if (grad_logp is None and grad_entropy is None) or not any(needs):
-        return (None, None, None, *none)
+        return op_gradients(linear_log_probs_forward)
     x, W, b, index, entropy, row_max, log_expsum = ctx.saved_tensors
     if grad_logp is None:  # the kernel takes both
         grad_logp = torch.zeros_like(index, dtype=entropy.dtype)
@@ -288,7 +285,9 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
         grad_entropy = torch.zeros_like(entropy)
     grads = linear_log_probs_backward(grad_logp, grad_entropy, x, W, b, index, entropy,
                                       row_max, log_expsum, *ctx.options, *needs)
-    return (*(g if wanted else None for g, wanted in zip(grads, needs)), *none)
+    grad_input, grad_weight, grad_bias = (g if wanted else None for g, wanted in zip(grads, needs))
+    return op_gradients(linear_log_probs_forward, input=grad_input, linear_weight=grad_weight,
+                        linear_bias=grad_bias)
 
 
 linear_log_probs_forward.register_autograd(_linear_backward,
@@ -316,15 +315,16 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
     ``LogProbStats``, each chunk's from the kernel call that gives its
     log-probs (not on the vocabulary-parallel path of a DTensor weight).
     """
-    linear_weight, linear_bias = check.unhooked_head(linear_weight, linear_bias)
-    if check.sharded_head(input, linear_weight):  # a module, or DTensors: ce_tvm.sharding
-        from . import sharding
+    return heads.run(input, linear_weight, linear_bias, _fused, dtensors.linear_log_probs, index,
+                     row_mask=row_mask, temperature=temperature, softcap=softcap,
+                     ignore_index=ignore_index, return_entropy=return_entropy,
+                     chunk_rows=chunk_rows, logit_scale=logit_scale, return_stats=return_stats)
 
-        return sharding.linear_log_probs(
-            linear_log_probs, input, linear_weight, index, linear_bias=linear_bias,
-            row_mask=row_mask, temperature=temperature, softcap=softcap,
-            ignore_index=ignore_index, return_entropy=return_entropy, chunk_rows=chunk_rows,
-            logit_scale=logit_scale, **({"return_stats": True} if return_stats else {}))
+
+def _fused(input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, index: Tensor, *,
+           row_mask, temperature, softcap, ignore_index, return_entropy, chunk_rows,
+           logit_scale, return_stats):
+    """``linear_log_probs`` of plain tensors (``heads.run``'s local route)."""
     options = _options(ignore_index, temperature, softcap, logit_scale)
     x = check.linear_head(input, linear_weight, linear_bias)
     idx, single = check.index_columns(index, input)
