@@ -126,8 +126,10 @@ class ForwardGradients:
 
 def _scale(g: Tensor, grad_loss: Tensor, own: bool) -> Tensor:
     """``g * grad_loss``: ``g`` itself (scaled in place) when this pass ``own``s it,
-    else a copy from the buffer pool."""
+    else a copy (from the buffer pool; a traced pass, whose tensors are fake, never
+    writes into a forward output)."""
+    if is_fake(g):
+        return torch.mul(g, grad_loss, out=torch.empty_like(g))
     if own:
         return g if _is_exactly_one(grad_loss) else g.mul_(grad_loss)
-    out = torch.empty_like(g) if is_fake(g) else pool.empty_like(g)
-    return torch.mul(g, grad_loss, out=out)
+    return torch.mul(g, grad_loss, out=pool.empty_like(g))
