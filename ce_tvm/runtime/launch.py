@@ -5,8 +5,8 @@ Outputs are allocated here (``[N, C]`` ones through ``ce_tvm.runtime.pool``) unl
 the caller passes its own buffers (``out=``), which must be contiguous,
 64-byte aligned and of the documented shape and dtype. Inputs whose data is
 not 64-byte aligned (the kernels assume it) are copied first. An empty batch
-launches nothing. The runtime scalars arrive as one
-``LossOptions``.
+launches nothing. The runtime scalars arrive as one ``LossOptions`` (the
+divergence's as one ``DivergenceOptions``; both ``ce_tvm.runtime.options``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The row-chunked sweep behind ``ce_tvm.linear_cross_entropy`` (no autograd here).
+"""The row-chunked sweeps behind the fused heads (``linear_cross_entropy``, ``linear_log_probs``,
+``linear_distillation_loss``; no autograd here).
 
 For ``x [N, H]``, ``W [V, H]``, ``b [V]`` the logits ``x @ W^T + b`` are never
 formed whole. Rows go through in chunks (``chunk_rows``); per chunk:
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import launch, pool
-from .options import LossOptions
+from .options import DivergenceOptions, LossOptions
 from .tensors import accum_torch_dtype
 
 CHUNK_ROWS_ENV = "CE_TVM_LINEAR_CHUNK_ROWS"
@@ -376,7 +377,7 @@ def recomputed_grads(x: Tensor, W: Tensor, b: Tensor | None, rows: int, needs: N
 
 
 def divergence_sweep(xs: Tensor, Ws: Tensor, bs: Tensor | None, xt: Tensor, Wt: Tensor,
-                     bt: Tensor | None, g: Tensor | None, opts: launch.DivergenceOptions,
+                     bt: Tensor | None, g: Tensor | None, opts: DivergenceOptions,
                      rows: int, needs: Needs):
     """``(divergence[N], entropy[N], sink)``: the per-row divergence and student
     entropy (accumulation dtype) of the heads ``xs @ Ws^T + bs`` (student) and

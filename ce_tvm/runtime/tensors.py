@@ -28,7 +28,7 @@ def accum_torch_dtype(t: torch.Tensor) -> torch.dtype:
 
 def kernel_target(t: torch.Tensor) -> tuple:
     """``(target name, schedule options)`` of the kernels for the device of ``t``,
-    here and now (a device ``validation.check_device`` accepted: CPU or CUDA)."""
+    here and now (a device ``losses.checks.check_device`` accepted: CPU or CUDA)."""
     if t.device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(t.device)
         return "cuda", (("arch", f"sm_{major}{minor}"),)
