@@ -25,6 +25,7 @@ LAYERS = [
     ("kernels.kinds", "kernels.fastmath", "kernels.choices"),
     ("kernels.stages",),
     ("kernels.common",),
+    ("kernels.loss_terms",),  # per-row loss terms, sums over rows, gradient coefficients
     ("kernels.forward", "kernels.shards", "kernels.backward", "kernels.training",
      "kernels.prob_targets", "kernels.log_probs", "kernels.divergence"),
     ("kernels",),
