@@ -1,10 +1,17 @@
-"""LLVM (CPU) schedule for the fused cross-entropy forward and backward.
+"""LLVM (CPU) schedules of the kernels: the forward (also of a vocabulary
+shard's statistics, of probability targets and of the log-probs), the
+backward (also of their gradients), the one-pass training kernel
+(``train``), the shard combine (``per_row``) and the divergence; the
+tuning search's ``schedule_knobs``; and the lowering pipeline
+(``TIR_PIPELINE``: TVM's, then the prefetches ``prefetch_ahead`` marks and
+compared ramps rewritten, below). The numbers they run with (vector width,
+chunk, knobs and their choices) are ``cpu_knobs``'s.
 
 Expects the blocks that ``ce_tvm.kernels`` names (see its module docstring);
 the math is never touched here, only where and how each block runs.
 
 Strategy, forward (the compute reduces each row in chunks, see
-``forward_chunk``):
+``cpu_knobs.forward_chunk``):
 
 1. Every per-chunk reduction (``ce_chunk_max``, ``_expsum``, ``_wxsum``; the
    probability targets' ``_wsum``) is split by the vector width and
@@ -16,8 +23,9 @@ Strategy, forward (the compute reduces each row in chunks, see
 3. The chunk reductions move under the chunk loop of ``ce_rowstats`` (which
    merges them): a chunk is read from memory by its first reduction and from
    L1 by the others, while the ``exp`` loop prefetches the next chunk
-   (``prefetch_ahead``). For 16-bit rows (``forward_stage``) the compute
-   copies the chunk to float32 first (``ce_chunk_logits``): converted once.
+   (``prefetch_ahead``). For 16-bit rows (``cpu_knobs.forward_stage``) the
+   compute copies the chunk to float32 first (``ce_chunk_logits``): converted
+   once.
    All per-row blocks move under the row loop, which runs in parallel over
    the cores.
 4. ``log_prob`` (seed API) is written in one more vectorised pass over the
@@ -34,8 +42,10 @@ logits) is read once and ``x_grad`` written once.
 Vector width: two native vectors (32 float32 lanes on AVX-512). A chunk is a
 multiple of it when it can be (C = 32000 -> 4000, 128256 -> 5344; C = 50257
 -> 9 chunks of 5600, the last overlapping the one before), so the reductions
-carry no tail predicate; a row shorter than ``MAX_CHUNK`` is one chunk, vectorised by the largest
-divisor of C up to 32 lanes. The element-wise loops (``log_prob``,
+carry no tail predicate. A row no longer than ``cpu_knobs.MAX_CHUNK`` is one
+chunk when C is a multiple of that step or shorter than 16 steps (vectorised
+by the largest divisor of C up to 32 lanes), else two overlapping chunks
+(``cpu_knobs.forward_chunk``). The element-wise loops (``log_prob``,
 ``x_grad``) peel a tail that is not a multiple of the width off with
 ``loop_partition`` and keep it scalar.
 
@@ -50,13 +60,10 @@ a merged (max, sum) reducer (``rfactor`` rejects unregistered reducers).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
 from ..kernels.stages import (
     CHUNK_EXP,
@@ -95,13 +102,14 @@ from ._common import (
     vectorize_gradient_by_chunk,
     vectorize_inner,
 )
+from .cpu_knobs import SCHEDULE_OF, CPUKnobs, hand_knobs, vector_lanes
 
-# Chunk of a row kept in L1 between its max and its exp-sum: at most 24 KB of
-# float32 (half the 48 KB L1d of Zen 4/5), at least 8 vectors of accumulators.
-MAX_CHUNK = 6144
-MIN_CHUNK_VECTORS = 8
-# Chunks are multiples of this many native vectors (whatever the accumulators).
-CHUNK_VECTORS = 2
+# Entry points (``schedules/__init__.py``) that ``cpu_knobs`` declares.
+from .cpu_knobs import forward_chunk as forward_chunk
+from .cpu_knobs import forward_stage as forward_stage
+from .cpu_knobs import knob_chunk as knob_chunk
+from .cpu_knobs import knob_space as knob_space
+
 # TVM's LoopPartition also splits constant-extent loops on ``likely``
 # conditions: the chunk loop of a row whose last chunk overlaps the one before
 # (C = 50257) runs its other chunks without the overlap test, the last one
@@ -117,83 +125,6 @@ PEELS_LAST_CHUNK = True
 ONE_HOT_BY_CHUNK = True
 
 
-@dataclass(frozen=True)
-class CPUKnobs:
-    """Tunable constants of the CPU schedule (the defaults are the hand schedule but
-    where ``hand_knobs`` says otherwise).
-
-    ``accumulators``: vector accumulators per row reduction, and native
-    vectors per step of the element-wise loops; 2 hides the 4-cycle FP add
-    latency behind a second chain (measured on znver4/5). ``unroll``: vector
-    steps per iteration of the forward's chunk reductions. ``row_grain``: rows
-    per parallel task. ``prefetch``: how many chunks ahead the ``exp`` loop
-    prefetches the logits (0: none; a knob of the training and log-prob
-    kernels, the forward keeps one). The chunk itself is a knob of the
-    compute (``forward_chunk``'s ``max_chunk``; ``knob_space``).
-    """
-
-    accumulators: int = 2
-    unroll: int = 1
-    row_grain: int = 1
-    prefetch: int = 1
-
-
-# Bounds on the chunk that ``knob_space`` offers: 8 to 48 KB of float32.
-MAX_CHUNK_CHOICES = (2048, 4096, MAX_CHUNK, 12288)
-
-
-# The knobs' choices per op (``chunk`` aside); ``knob_space`` puts the hand value first.
-_KNOB_CHOICES = {
-    "forward": {"accumulators": (2, 1, 4), "unroll": (1, 2, 4), "row_grain": (1, 8)},
-    "train": {"accumulators": (2, 1, 4), "prefetch": (1, 0, 2), "row_grain": (1, 8)},
-    "backward": {"accumulators": (2, 1, 4, 8), "row_grain": (1, 4, 16)},
-}
-# The log-prob kernels are a forward (its row sweep, the chunk's exp kept) and
-# a backward (one element-wise pass) for their schedules, and tuned as such.
-_KNOB_CHOICES["log_probs"] = {**_KNOB_CHOICES["forward"], "prefetch": (1, 0, 2)}
-_KNOB_CHOICES["log_probs_grad"] = _KNOB_CHOICES["backward"]
-_SCHEDULE_OF = {"forward": "forward", "train": "train", "backward": "backward",
-                "log_probs": "forward", "log_probs_grad": "backward"}
-
-
-def knob_space(op: str, classes: int, dtype: str, target: Target) -> dict:
-    """The knobs of ``op``'s schedule at this shape and their choices (``{name: choices}``),
-    the hand schedule's value first (``hand_knobs``). ``chunk`` is the chunk the
-    compute is declared with (a tuned kernel re-declares it); the backward has none."""
-    if op not in _KNOB_CHOICES:
-        raise ValueError(f"no tunable schedule for {op!r}")
-    space = {}
-    if _SCHEDULE_OF[op] != "backward":
-        hand_chunk = forward_chunk(classes, dtype, target)
-        space["chunk"] = (hand_chunk,) + tuple(sorted(
-            {forward_chunk(classes, dtype, target, m) for m in MAX_CHUNK_CHOICES} - {hand_chunk}))
-    hand = asdict(hand_knobs(op, target))
-    for name, choices in _KNOB_CHOICES[op].items():
-        space[name] = (hand[name],) + tuple(c for c in choices if c != hand[name])
-    return space
-
-
-def hand_knobs(op: str, target: Target) -> CPUKnobs:
-    """The hand schedule's knobs of ``op`` on ``target``: ``CPUKnobs()``, but for
-    the forward on x86 without AVX-512 one accumulator, unrolled twice. There a
-    ``vector_lanes`` step of 16 float32 lanes is two ymm registers (LLVM reports
-    a 512-bit width for AVX2 CPUs too), so two accumulators make four chains,
-    and the 16 registers cannot hold their temporaries beside the ``exp``'s
-    constants: LLVM spills. Measured by the tuner on a 2-core AVX2 EPYC (LLVM:
-    znver1; ``tuning_logs/llvm-znver1-2c/*/summary.json``): at all six bench
-    shapes this beat the default by 5-7% (bf16) and 11-16% (fp32); the
-    training kernel's searches kept the default."""
-    if (_SCHEDULE_OF.get(op) == "forward" and target_has_features("avx2", target)
-            and not target_has_features("avx512f", target)):
-        return CPUKnobs(accumulators=1, unroll=2)
-    return CPUKnobs()
-
-
-def knob_chunk(op: str, classes: int, dtype: str, target: Target, knobs: dict) -> int | None:
-    """The chunk the compute of ``op`` is declared with for ``knobs`` (``None``: no chunk)."""
-    return knobs.get("chunk")
-
-
 def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | None = None):
     """Schedule ``op`` with knobs drawn from ``space`` by sampling instructions (the
     tuning search's space; ``decisions`` fixes them). The ``chunk`` drawn must be
@@ -203,49 +134,8 @@ def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | 
     if chunk is not None and chunk != _chunk(sch):
         raise ValueError(f"chunk {chunk} drawn for a compute declared with chunk {_chunk(sch)}")
     schedule = {"forward": schedule_forward, "backward": schedule_backward,
-                "train": schedule_train}[_SCHEDULE_OF[op]]
+                "train": schedule_train}[SCHEDULE_OF[op]]
     return schedule(sch, target, CPUKnobs(**knobs))
-
-
-def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
-    """float32 lanes of one native vector register of ``target``."""
-    return max(1, llvm_get_vector_width(target) // (8 * elem_bytes))
-
-
-def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX_CHUNK) -> int:
-    """Chunk of the compute's row reduction, a multiple of ``CHUNK_VECTORS``
-    native vectors: the largest one dividing ``C`` and at most ``max_chunk``;
-    else (``C`` like 50257) equal chunks of at most ``max_chunk``, the last one
-    overlapping the one before (``compute._row_stats``). A row no longer than
-    ``max_chunk`` is one chunk when ``C`` is a multiple of that step or too
-    short for two chunks of ``MIN_CHUNK_VECTORS`` steps; else it is two
-    overlapping chunks: one chunk of ``C = 4099`` (prime) reduced with one
-    scalar lane, 3.7x slower for the log-probs at 64 x 4099 (the tuner's
-    pick), and less accurate (thousands of terms summed into the row max's
-    ``exp(0) = 1`` lost up to 2e-4 of the lse). ``dtype`` does not matter
-    here: the float32 accumulators size the chunk."""
-    lanes = vector_lanes(target) * CHUNK_VECTORS
-    if classes <= max_chunk and (classes % lanes == 0
-                                 or classes < 2 * lanes * MIN_CHUNK_VECTORS):
-        return classes
-    fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, max_chunk + 1, lanes) if classes % b == 0]
-    if fits:
-        return max(fits)
-    per_chunk = -(-classes // max(2, -(-classes // max_chunk)))
-    return -(-per_chunk // lanes) * lanes
-
-
-def forward_stage(classes: int, dtype: str, target: Target) -> bool:
-    """Whether the forward (and a vocabulary shard's statistics) copy each chunk
-    to float32 before its reductions (``compute.forward_func``'s ``stage``):
-    when the rows are not float32 (one conversion instead of one per pass).
-    float32 rows are reduced in place, aligned or not: staging cost aligned
-    ones ~10%, and since the overlap test left all but the last chunk
-    (``PASS_CONFIG``) it costs C = 50257 more than the straddled loads do
-    (in cache, 2 cores: 0.182 vs 0.157 ns per element per core). So are the
-    probability targets' rows, which stream the targets beside the logits
-    (staging cost them 14-20%)."""
-    return dtype != "float32"
 
 
 def forward(func, target: Target, knobs: CPUKnobs | None = None):

@@ -25,11 +25,13 @@ LAYERS = [
     ("kernels.kinds", "kernels.fastmath", "kernels.choices"),
     ("kernels.stages",),
     ("kernels.common",),
+    ("kernels.loss_terms",),  # per-row loss terms, sums over rows, gradient coefficients
     ("kernels.forward", "kernels.shards", "kernels.backward", "kernels.training",
      "kernels.prob_targets", "kernels.log_probs", "kernels.divergence"),
     ("kernels",),
     # one module per target
-    ("schedules._common", "schedules.ascend_plan"),
+    # what the target modules share; the Ascend plan; the CPU's sizes and knobs
+    ("schedules._common", "schedules.ascend_plan", "schedules.cpu_knobs"),
     ("schedules.cpu", "schedules.cuda", "schedules.ascend", "schedules"),
     # a kernel's name and files, without the compiler or torch
     ("store.paths",),  # where modules live and who may write them

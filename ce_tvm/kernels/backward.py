@@ -8,17 +8,16 @@ from tvm import te, tirx
 
 from . import fastmath
 from .common import (
-    grad_coefficients,
     int64,
     loss_logits,
     masked_target,
-    mean_totals,
     same_class,
     scalar_args,
     symbolic_rows,
     weight_total,
 )
 from .kinds import Variant, accum_dtype
+from .loss_terms import grad_coefficients, mean_totals
 from .stages import X_GRAD
 
 

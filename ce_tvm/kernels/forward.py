@@ -12,13 +12,11 @@ from .common import (
     logits_inputs,
     loss_logits,
     masked_target,
-    reduce_forward,
-    row_hits,
-    row_losses,
     row_stats,
     scalar_args,
 )
 from .kinds import Variant
+from .loss_terms import reduce_forward, row_hits, row_losses
 from .stages import LOG_PROB, LSE
 
 

@@ -12,11 +12,11 @@ from .common import (
     int64,
     logits_inputs,
     loss_logits,
-    reduce_forward,
     row_stats,
     scalar_args,
 )
 from .kinds import Variant
+from .loss_terms import reduce_forward
 from .stages import (
     GRAD_PSCALE,
     GRAD_SMOOTH,

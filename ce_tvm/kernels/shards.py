@@ -12,13 +12,12 @@ from .common import (
     logits_inputs,
     loss_logits,
     masked_target,
-    reduce_forward,
-    row_losses,
     row_stats,
     scalar_args,
     symbolic_rows,
 )
 from .kinds import Variant, accum_dtype
+from .loss_terms import reduce_forward, row_losses
 from .stages import ROW_MAX, SHARD_LOCAL, SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT
 
 

@@ -10,19 +10,16 @@ from . import fastmath
 from .choices import one_hot_by_chunk
 from .common import (
     class_weights,
-    grad_coefficients,
     int64,
     logits_inputs,
     loss_logits,
     masked_target,
-    reduce_forward,
-    row_hits,
-    row_losses,
     row_stats,
     same_class,
     scalar_args,
 )
 from .kinds import Variant
+from .loss_terms import grad_coefficients, reduce_forward, row_hits, row_losses
 from .stages import CHUNK_PSCALE, LSE, MEAN_NORMS, X_GRAD
 
 

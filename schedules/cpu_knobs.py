@@ -1,0 +1,141 @@
+"""The numbers the CPU schedule (``cpu``) runs with, decided from the target
+and the shape alone (no schedule here): the vector width (``vector_lanes``),
+the chunk a row is reduced in and whether the chunk is staged in float32
+(``forward_chunk``, ``forward_stage``: what the compute is declared with),
+and the tunable knobs (``CPUKnobs``): the hand schedule's values
+(``hand_knobs``) and the tuning search's choices (``knob_space``,
+``knob_chunk``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from tvm.target import Target
+from tvm.target.codegen import llvm_get_vector_width, target_has_features
+
+# Chunk of a row kept in L1 between its max and its exp-sum: at most 24 KB of
+# float32 (half the 48 KB L1d of Zen 4/5), at least 8 vectors of accumulators.
+MAX_CHUNK = 6144
+MIN_CHUNK_VECTORS = 8
+# Chunks are multiples of this many native vectors (whatever the accumulators).
+CHUNK_VECTORS = 2
+
+
+@dataclass(frozen=True)
+class CPUKnobs:
+    """Tunable constants of the CPU schedule (the defaults are the hand schedule but
+    where ``hand_knobs`` says otherwise).
+
+    ``accumulators``: vector accumulators per row reduction, and native
+    vectors per step of the element-wise loops; 2 hides the 4-cycle FP add
+    latency behind a second chain (measured on znver4/5). ``unroll``: vector
+    steps per iteration of the forward's chunk reductions. ``row_grain``: rows
+    per parallel task. ``prefetch``: how many chunks ahead the ``exp`` loop
+    prefetches the logits (0: none; a knob of the training and log-prob
+    kernels, the forward keeps one). The chunk itself is a knob of the
+    compute (``forward_chunk``'s ``max_chunk``; ``knob_space``).
+    """
+
+    accumulators: int = 2
+    unroll: int = 1
+    row_grain: int = 1
+    prefetch: int = 1
+
+
+# Bounds on the chunk that ``knob_space`` offers: 8 to 48 KB of float32.
+MAX_CHUNK_CHOICES = (2048, 4096, MAX_CHUNK, 12288)
+
+
+# The knobs' choices per op (``chunk`` aside); ``knob_space`` puts the hand value first.
+_KNOB_CHOICES = {
+    "forward": {"accumulators": (2, 1, 4), "unroll": (1, 2, 4), "row_grain": (1, 8)},
+    "train": {"accumulators": (2, 1, 4), "prefetch": (1, 0, 2), "row_grain": (1, 8)},
+    "backward": {"accumulators": (2, 1, 4, 8), "row_grain": (1, 4, 16)},
+}
+# The log-prob kernels are a forward (its row sweep, the chunk's exp kept) and
+# a backward (one element-wise pass) for their schedules, and tuned as such:
+# ``SCHEDULE_OF`` names the schedule of ``cpu`` each tunable op runs.
+_KNOB_CHOICES["log_probs"] = {**_KNOB_CHOICES["forward"], "prefetch": (1, 0, 2)}
+_KNOB_CHOICES["log_probs_grad"] = _KNOB_CHOICES["backward"]
+SCHEDULE_OF = {"forward": "forward", "train": "train", "backward": "backward",
+               "log_probs": "forward", "log_probs_grad": "backward"}
+
+
+def knob_space(op: str, classes: int, dtype: str, target: Target) -> dict:
+    """The knobs of ``op``'s schedule at this shape and their choices (``{name: choices}``),
+    the hand schedule's value first (``hand_knobs``). ``chunk`` is the chunk the
+    compute is declared with (a tuned kernel re-declares it); the backward has none."""
+    if op not in _KNOB_CHOICES:
+        raise ValueError(f"no tunable schedule for {op!r}")
+    space = {}
+    if SCHEDULE_OF[op] != "backward":
+        hand_chunk = forward_chunk(classes, dtype, target)
+        space["chunk"] = (hand_chunk,) + tuple(sorted(
+            {forward_chunk(classes, dtype, target, m) for m in MAX_CHUNK_CHOICES} - {hand_chunk}))
+    hand = asdict(hand_knobs(op, target))
+    for name, choices in _KNOB_CHOICES[op].items():
+        space[name] = (hand[name],) + tuple(c for c in choices if c != hand[name])
+    return space
+
+
+def hand_knobs(op: str, target: Target) -> CPUKnobs:
+    """The hand schedule's knobs of ``op`` on ``target``: ``CPUKnobs()``, but for
+    the forward on x86 without AVX-512 one accumulator, unrolled twice. There a
+    ``vector_lanes`` step of 16 float32 lanes is two ymm registers (LLVM reports
+    a 512-bit width for AVX2 CPUs too), so two accumulators make four chains,
+    and the 16 registers cannot hold their temporaries beside the ``exp``'s
+    constants: LLVM spills. Measured by the tuner on a 2-core AVX2 EPYC (LLVM:
+    znver1; ``tuning_logs/llvm-znver1-2c/*/summary.json``): at all six bench
+    shapes this beat the default by 5-7% (bf16) and 11-16% (fp32); the
+    training kernel's searches kept the default."""
+    if (SCHEDULE_OF.get(op) == "forward" and target_has_features("avx2", target)
+            and not target_has_features("avx512f", target)):
+        return CPUKnobs(accumulators=1, unroll=2)
+    return CPUKnobs()
+
+
+def knob_chunk(op: str, classes: int, dtype: str, target: Target, knobs: dict) -> int | None:
+    """The chunk the compute of ``op`` is declared with for ``knobs`` (``None``: no chunk)."""
+    return knobs.get("chunk")
+
+
+def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
+    """float32 lanes of one native vector register of ``target``."""
+    return max(1, llvm_get_vector_width(target) // (8 * elem_bytes))
+
+
+def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX_CHUNK) -> int:
+    """Chunk of the compute's row reduction, a multiple of ``CHUNK_VECTORS``
+    native vectors: the largest one dividing ``C`` and at most ``max_chunk``;
+    else (``C`` like 50257) equal chunks of at most ``max_chunk``, the last one
+    overlapping the one before (``kernels.common.ChunkLayout``). A row no longer than
+    ``max_chunk`` is one chunk when ``C`` is a multiple of that step or too
+    short for two chunks of ``MIN_CHUNK_VECTORS`` steps; else it is two
+    overlapping chunks: one chunk of ``C = 4099`` (prime) reduced with one
+    scalar lane, 3.7x slower for the log-probs at 64 x 4099 (the tuner's
+    pick), and less accurate (thousands of terms summed into the row max's
+    ``exp(0) = 1`` lost up to 2e-4 of the lse). ``dtype`` does not matter
+    here: the float32 accumulators size the chunk."""
+    lanes = vector_lanes(target) * CHUNK_VECTORS
+    if classes <= max_chunk and (classes % lanes == 0
+                                 or classes < 2 * lanes * MIN_CHUNK_VECTORS):
+        return classes
+    fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, max_chunk + 1, lanes) if classes % b == 0]
+    if fits:
+        return max(fits)
+    per_chunk = -(-classes // max(2, -(-classes // max_chunk)))
+    return -(-per_chunk // lanes) * lanes
+
+
+def forward_stage(classes: int, dtype: str, target: Target) -> bool:
+    """Whether the forward (and a vocabulary shard's statistics) copy each chunk
+    to float32 before its reductions (``kernels.forward.forward_func``'s ``stage``):
+    when the rows are not float32 (one conversion instead of one per pass).
+    float32 rows are reduced in place, aligned or not: staging cost aligned
+    ones ~10%, and since the overlap test left all but the last chunk
+    (``cpu.PASS_CONFIG``) it costs C = 50257 more than the straddled loads do
+    (in cache, 2 cores: 0.182 vs 0.157 ns per element per core). So are the
+    probability targets' rows, which stream the targets beside the logits
+    (staging cost them 14-20%)."""
+    return dtype != "float32"
