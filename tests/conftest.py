@@ -1,10 +1,6 @@
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -26,7 +22,7 @@ def _private_module_cache(tmp_path_factory):
 def compiled_cache(tmp_path_factory):
     """``(cache, output)``: a private cache that ``ce-tvm compile`` filled with every
     kernel for float32 C=11. Tests read it, never change it."""
-    from processes import CLI, run
+    from support import CLI, run
 
     cache = tmp_path_factory.mktemp("compiled") / "cache"
     return cache, run([CLI, "compile", "--dtype", "float32", "--classes", "11"],
@@ -38,7 +34,7 @@ def precompiled_modules(compiled_cache, tmp_path_factory):
     """Every kernel for float32 C=11 in a directory made by ``ce-tvm compile --out``,
     which copies them from ``compiled_cache`` (nothing is built twice); tests
     that change it work on a copy."""
-    from processes import CLI, run
+    from support import CLI, run
 
     cache, _ = compiled_cache
     out = tmp_path_factory.mktemp("precompiled") / "modules"

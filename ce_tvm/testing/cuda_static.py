@@ -55,20 +55,18 @@ Method (how element loops are found and counted):
    Shared loads per element likewise (``lds/el``: staged elements plus
    broadcasts).
 
-Usage: ``python benchmarks/cuda_static.py --op forward --dtype bfloat16 --classes 128256``
-(``--op`` forward | forward-lp | backward | train; ``--weighted``; ``--arch sm_90``).
+``benchmarks/cuda_static.py`` prints the table for chosen shapes;
+``tests/schedules/test_cuda_static.py`` holds the kernels to budgets with it.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,8 +313,8 @@ OPS = {  # tool op -> (KernelSpec op, variant keywords)
 
 
 def _spec(op: str, dtype: str, classes: int, arch: str, weighted: bool, reduction: str):
-    from ce_tvm.compiler.build import KernelSpec
-    from ce_tvm.kernels.kinds import Variant
+    from ..compiler.build import KernelSpec
+    from ..kernels.kinds import Variant
 
     spec_op, extra = OPS[op]
     return KernelSpec(spec_op, dtype, classes, Variant(reduction, weighted, **extra), "cuda",
@@ -326,7 +324,7 @@ def _spec(op: str, dtype: str, classes: int, arch: str, weighted: bool, reductio
 def cuda_source(op: str, dtype: str, classes: int, arch: str = "sm_90",
                 weighted: bool = False, reduction: str = "mean") -> str:
     """TVM's CUDA source for one shape, built as the runtime builds it."""
-    from ce_tvm.compiler.build import lower_and_compile
+    from ..compiler.build import lower_and_compile
 
     spec = _spec(op, dtype, classes, arch, weighted, reduction)
     return lower_and_compile(spec).mod.imports[0].inspect_source()
@@ -338,7 +336,7 @@ def dynamic_shared_bytes(op: str, dtype: str, classes: int, arch: str = "sm_90",
     of the scheduled kernel allocates (ptxas reports static shared memory only)."""
     from tvm import s_tir, tirx
 
-    from ce_tvm.compiler.build import scheduled_func
+    from ..compiler.build import scheduled_func
 
     func = scheduled_func(_spec(op, dtype, classes, arch, weighted, reduction))
     blocks = []
@@ -431,35 +429,3 @@ def table(rows: list) -> str:
                    f"{s.insn_per_element:8.1f} "
                    f"{s.lds_per_element:7.2f} {s.broadcast_per_element:12.2f}")
     return "\n".join(out)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=sorted(OPS), nargs="+", default=["forward"])
-    parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=sorted(DTYPE_BYTES))
-    parser.add_argument("--classes", type=int, nargs="+", default=[128256])
-    parser.add_argument("--arch", default="sm_90")
-    parser.add_argument("--reduction", default="mean", choices=("none", "sum", "mean"))
-    parser.add_argument("--weighted", action="store_true")
-    args = parser.parse_args(argv)
-    rows = []
-    for op in args.op:
-        for dtype in args.dtype:
-            for classes in args.classes:
-                label = f"{op} {args.reduction}{' w' if args.weighted else ''} {dtype} C={classes}"
-                try:
-                    kernels = analyse(op, dtype, classes, args.arch, args.weighted,
-                                      args.reduction)
-                    rows.append((label, summarise(kernels, classes)))
-                except Exception as err:  # report the shape, keep going
-                    last = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
-                    print(f"{label}: BUILD FAILED: {last[:120]}", file=sys.stderr)
-    print(table(rows))
-    print("regs/smem (static)/dsmem (dynamic: a row staged whole)/loops/per-element counts: "
-          "the row kernel (the one sweeping [N, C]); "
-          "spill: the worst kernel; loops 'none': whole kernel / ceil(C/256) (upper bound)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

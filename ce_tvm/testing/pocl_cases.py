@@ -1,6 +1,5 @@
-"""The CUDA schedule's kernels executed without a GPU: each kernel of
-``schedules/cuda.py``, built for OpenCL and run on PoCL's CPU device
-(``ce_tvm.tools.pocl``), against the float64 reference (``tests/reference.py``).
+"""The CUDA schedule's kernels on PoCL (``ce_tvm.testing.pocl``): the cases, their
+float64 expected outputs (``ce_tvm.testing.reference``) and the comparison.
 
 Every op family: the forward, the backward (from ``log_prob``, from the
 logits, and in place), the one-pass training kernel, probability targets,
@@ -10,49 +9,38 @@ temperature, and the distillation kernel (the student-teacher divergence,
 its entropy and gradient, also in place; its float64 reference is
 ``_distill_problem``'s); float32, float16 and bfloat16; C = 1000, 5003 (prime),
 32000 and 128256; rows 1, 7, 64 and 1000 (1000 at C = 1000 and 5003 only, see
-``MAX_ROWS``); ignored rows, every row ignored, class weights. The
-stress pass runs the same kernels with the fewest and the most threads per
-block ``schedules/cuda.py`` offers (and 4 rows per block where the
+``MAX_ROWS``); ignored rows, every row ignored, class weights (``matrix``). The
+stress pass (``stress``) runs the same kernels with the fewest and the most
+threads per block ``schedules/cuda.py`` offers (and 4 rows per block where the
 schedule allows it), three launches each: a race shows up as a result that
 differs between launches or from the reference.
 
-One JSON record per case (``--json FILE``): ``op`` (the kernel), ``family``,
-``dtype``, ``classes``, ``rows``, ``variant``, ``max_abs_err`` (the largest
-``|actual - reference|`` over every output), ``worst`` (the largest
-``|actual - reference| / (|reference| + max(1, max |reference|))``, per
-output), ``tol`` (``worst`` must not exceed it: the tolerances of
-``tests/checks.py``), ``passed`` (within ``tol``, NaN and infinities in the
-same places, hit flags and repeated launches bit for bit equal),
-``kernels`` (device kernels per launch of the host function), ``device``
-(as PoCL names it) and ``seconds``.
-
-Usage::
-
-    python benchmarks/gpu_schedule_on_pocl.py --json pocl.json
-    python benchmarks/gpu_schedule_on_pocl.py --families forward train --dtypes float32 \\
-        --classes 5003 --rows 7
+``run_case`` builds (once per kernel), runs and compares one case: its
+``Result`` holds ``max_abs_err`` (the largest ``|actual - reference|`` over
+every output), ``worst`` (the largest ``|actual - reference| / (|reference| +
+max(1, max |reference|))``, per output), ``tol`` (``worst`` must not exceed
+it: the tolerances of ``tests/support.py``), ``passed`` (within ``tol``, NaN
+and infinities in the same places, hit flags and repeated launches bit for
+bit equal), ``kernels`` (device kernels per launch of the host function),
+``device`` (as PoCL names it) and ``seconds``. ``benchmarks/gpu_schedule_on_pocl.py``
+runs the whole matrix and writes the results; ``tests/schedules/test_pocl.py``
+a part of it.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import reference  # noqa: E402
-from ce_tvm.kernels.kinds import Variant  # noqa: E402
-from ce_tvm.schedules.cuda import CUDAKnobs, knob_space  # noqa: E402
-from ce_tvm.store.spec import KernelSpec  # noqa: E402
-from ce_tvm.tools import pocl  # noqa: E402
+from ..kernels.kinds import Variant
+from ..schedules.cuda import CUDAKnobs, knob_space
+from ..store.spec import KernelSpec
+from . import pocl, reference
 
-# As tests/checks.py: float32 to 1e-5; half types to about one unit of their last bit.
+# As tests/support.py: float32 to 1e-5; half types to about one unit of their last bit.
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 DTYPES = tuple(TOL)
 CLASSES = (1000, 5003, 32000, 128256)
@@ -571,7 +559,7 @@ def _outputs(kernels: pocl.Kernels, prob: Problem) -> dict:
 def compare(actual: np.ndarray, expected: np.ndarray, tol: float,
             exact: bool = False) -> tuple[float, float, str]:
     """``(max |a - e|, max |a - e| / (|e| + scale), problem or "")`` with
-    ``scale = max(1, max |e|)``, as ``tests/checks.assert_close``."""
+    ``scale = max(1, max |e|)``, as ``tests/support.assert_close``."""
     if actual.shape != expected.shape:
         return float("inf"), float("inf"), f"shape {actual.shape} != {expected.shape}"
     finite = np.isfinite(expected)
@@ -589,49 +577,3 @@ def compare(actual: np.ndarray, expected: np.ndarray, tol: float,
     ratio = diff / (np.abs(e) + scale)
     worst = float(ratio.max())
     return float(diff.max()), worst, "" if worst <= tol else f"{worst:.3g} > tol {tol}"
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="write one record per case here")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
-    parser.add_argument("--classes", nargs="+", type=int, default=list(CLASSES))
-    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
-    parser.add_argument("--no-stress", action="store_true", help="skip the stress pass")
-    parser.add_argument("--arch", default=ARCH, help="the CUDA arch the kernels are "
-                        "scheduled for (which rows the log_prob forward stages whole)")
-    args = parser.parse_args(argv)
-    reason = pocl.pocl_unavailable()
-    if reason:
-        print(reason, file=sys.stderr)
-        return 2
-    device = pocl.PoCL.get()
-    print(f"device: {device.name} ({', '.join(device.changes) or 'as PoCL set it up'})")
-    cases = matrix(args.families, args.dtypes, args.classes, args.rows)
-    if not args.no_stress:
-        cases += [c for c in stress() if c.family in args.families]
-    cases = [replace(c, arch=args.arch) for c in cases]
-    results, start = [], time.perf_counter()
-    for i, case in enumerate(cases, 1):
-        try:
-            result = run_case(case, device)
-        except Exception as err:  # a build or launch failure is a failed case
-            result = Result(case.op, case.family, case.dtype, case.classes, case.rows,
-                            case.label, float("inf"), float("inf"), "", TOL[case.dtype],
-                            False, 0, device.name, 0.0, f"{type(err).__name__}: {err}"[:500])
-        results.append(result)
-        mark = "ok  " if result.passed else "FAIL"
-        print(f"[{i}/{len(cases)}] {mark} {case.family:12} {case.op:16} {case.dtype:8} "
-              f"C={case.classes:<6} N={case.rows:<4} {case.label:40} worst {result.worst:.2e} "
-              f"({result.seconds:.1f} s) {result.problem}", flush=True)
-        if args.json:  # written as it goes: a long run leaves its records behind
-            args.json.write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
-    passed = sum(r.passed for r in results)
-    print(f"{passed} passed, {len(results) - passed} failed "
-          f"({time.perf_counter() - start:.0f} s, {len(_BUILT)} kernels built)")
-    return 0 if passed == len(results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

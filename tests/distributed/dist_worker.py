@@ -16,13 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ce_tvm
-import reference
 from ce_tvm.distributed import (
     VocabParallelCrossEntropyLoss,
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
     vocab_parallel_linear_log_probs,
 )
+from ce_tvm.testing import reference
 
 C = 53  # shards of unequal width for 2 and 3 ranks
 

@@ -291,7 +291,7 @@ def check_distill(rank, world):
     logits (beta 0, 0.5, 1; temperature, softcap) and FSDP2's stock gradients of
     the student; a bare sharded teacher weight and bias are gathered (it takes no
     gradient: one reading). Returns how many checks ran."""
-    from test_distillation import logits_reference
+    from support import logits_reference
 
     model, stock = sharded_pair()
     torch.manual_seed(1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import Forked
+from support import Forked
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 # ranks_of runs each world once per pytest worker: keep the module on one

@@ -22,7 +22,7 @@ from ce_tvm.integrations import transformers as cehf
 
 VOCAB = 96
 TOL = dict(rtol=1e-5, atol=1e-6)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=8)

@@ -11,51 +11,14 @@ nearly equal numbers (its rewards are beta times policy less reference
 log-probs of about -17 each; the mean logit is near 0), where float32 rounding
 of another summation order is 1e-5 absolute."""
 
-import math
-
 import pytest
 import torch
-import transformers
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from ce_tvm.integrations import trl as cetrl
+from support import assert_same_logs, common, logged, sentence, tiny_llama, tokenizer
 
 pytestmark = pytest.mark.slow
-WORDS = [f"w{i}" for i in range(60)]
-SPECIALS = ["<pad>", "<eos>", "<bos>"]
-
-
-def tokenizer():
-    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
-                                                eos_token="<eos>", bos_token="<bos>")
-    fast.chat_template = None
-    return fast
-
-
-def tiny_llama(tok):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id)
-    return transformers.LlamaForCausalLM(config)
-
-
-def sentence(gen, n):
-    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=gen))
-
-
-def common(tmp_path):
-    # SGD: Adam's first steps move every weight by about the learning rate whatever
-    # its gradient's size, so rounding-level differences in tiny gradients would grow
-    return dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3,
-                logging_steps=1, save_strategy="no", seed=0, per_device_train_batch_size=4,
-                optim="sgd", learning_rate=1e-2)
 
 
 def grpo(tmp_path):
@@ -94,13 +57,6 @@ def dpo(tmp_path):
                       train_dataset=data, args=DPOConfig(**common(tmp_path), max_length=16))
 
 
-def logged(make, tmp_path) -> list[dict]:
-    trainer = make(tmp_path)
-    trainer.train()
-    return [{k: v for k, v in entry.items() if isinstance(v, float) and "time" not in k
-             and "per_second" not in k} for entry in trainer.state.log_history]
-
-
 @pytest.mark.parametrize("make", [grpo, sft, dpo], ids=["grpo", "sft", "dpo"])
 def test_trainer_logs_the_same_with_ce_tvm_under_its_fused_head(make, tmp_path):
     expected = logged(make, tmp_path / "trl")
@@ -110,13 +66,3 @@ def test_trainer_logs_the_same_with_ce_tvm_under_its_fused_head(make, tmp_path):
     finally:
         cetrl.remove()
     assert_same_logs(got, expected)
-
-
-def assert_same_logs(got: list[dict], expected: list[dict]) -> None:
-    """The same steps logged, each metric within 1e-3 relative or 1e-4 absolute."""
-    assert len(got) == len(expected) and any("loss" in e for e in expected), expected
-    for mine, theirs in zip(got, expected):
-        assert mine.keys() == theirs.keys()
-        for key, value in theirs.items():
-            assert math.isclose(mine[key], value, rel_tol=1e-3, abs_tol=1e-4), (
-                key, mine[key], value)

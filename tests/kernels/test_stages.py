@@ -21,7 +21,7 @@ from ce_tvm.kernels import (
 from ce_tvm.kernels.kinds import Variant
 from ce_tvm.schedules import _common
 
-SCHEDULES = Path(__file__).resolve().parents[1] / "schedules"
+SCHEDULES = Path(__file__).resolve().parents[2] / "schedules"
 
 
 def declared_funcs():

@@ -191,7 +191,7 @@ def test_drop_in_rejects(kw, error, message):
 @pytest.mark.slow  # a process: the example script
 def test_example_training_curves_agree():
     """examples/train_tiny_lm.py: ce_tvm and F.cross_entropy agree to 1e-5 for 50+ steps."""
-    script = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_lm.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_lm.py"
     done = subprocess.run([sys.executable, str(script), "--steps", "60", "--check"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -9,16 +9,14 @@ TRL 1.16's ``generalized_jsd_loss`` and ``ChunkedDivergenceFunction``; TRL's
 the errors. One vocabulary (``V``, not a multiple of the vector width's
 power-of-two tiles) so kernels compile once per variant."""
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ce_tvm
+from support import DISTILL_TOL as TOL
+from support import logits_reference
 
 V, H, HT = 1000, 24, 40  # the teacher is wider than the student: only V must align
-TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.bfloat16: dict(rtol=3e-2, atol=3e-3)}
 
 
 def reference(xs, Ws, bs, xt, Wt, bt, kept, *, beta, temperature=1.0, student_logit_scale=1.0,
@@ -32,26 +30,6 @@ def reference(xs, Ws, bs, xt, Wt, bt, kept, *, beta, temperature=1.0, student_lo
                             logits(xt, Wt, bt, teacher_logit_scale), kept, beta=beta,
                             temperature=temperature, student_softcap=student_softcap,
                             teacher_softcap=teacher_softcap)
-
-
-def logits_reference(student, teacher, kept, *, beta, temperature=1.0, student_softcap=0.0,
-                     teacher_softcap=0.0):
-    """``reference`` from the two sides' logits (float64, differentiable)."""
-    def log_probs(logits, cap):
-        if cap:
-            logits = cap * torch.tanh(logits / cap)
-        return F.log_softmax(logits / temperature, -1)
-
-    lp = log_probs(student.double(), student_softcap)
-    lq = log_probs(teacher.double(), teacher_softcap)
-    if beta == 0:
-        div = (lq.exp() * (lq - lp)).sum(-1)
-    elif beta == 1:
-        div = (lp.exp() * (lp - lq)).sum(-1)
-    else:
-        lm = torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
-        div = beta * (lq.exp() * (lq - lm)).sum(-1) + (1 - beta) * (lp.exp() * (lp - lm)).sum(-1)
-    return div * kept, -(lp.exp() * lp).sum(-1) * kept
 
 
 def heads(n, dtype, bias=True, seed=0):
@@ -226,10 +204,10 @@ def test_distillation_trainer_logs_the_same_with_ce_tvm(tmp_path):
     ``test_trl_trainers.py`` argues for (1e-3 relative or 1e-4 absolute: the
     trainer's, the tiny model's gradient being ill-conditioned)."""
     from datasets import Dataset
-    from test_trl_trainers import assert_same_logs, common, logged, sentence, tiny_llama, tokenizer
     from trl import DistillationConfig, DistillationTrainer
 
     from ce_tvm.integrations import trl as cetrl
+    from support import assert_same_logs, common, logged, sentence, tiny_llama, tokenizer
 
     def make(path):
         tok = tokenizer()
@@ -268,10 +246,10 @@ def test_gkd_trainer_logs_the_same_with_ce_tvm(tmp_path):
     ce_tvm's (``apply()``): the same logged losses, to the bounds of the
     ``DistillationTrainer`` test above."""
     from datasets import Dataset
-    from test_trl_trainers import assert_same_logs, common, logged, sentence, tiny_llama, tokenizer
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     from ce_tvm.integrations import trl as cetrl
+    from support import assert_same_logs, common, logged, sentence, tiny_llama, tokenizer
 
     def make(path):
         tok = tokenizer()

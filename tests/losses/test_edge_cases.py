@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
-import reference
-from checks import MEMORY, assert_close
+from ce_tvm.testing import reference
+from support import MEMORY, assert_close
 
 
 def test_all_rows_ignored():

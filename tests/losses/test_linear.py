@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
-import reference
 from ce_tvm.linear import linear_cross_entropy_backward, linear_cross_entropy_forward
 from ce_tvm.runtime import linear_sweep
 from ce_tvm.runtime.launch import ForwardOutputs
 from ce_tvm.runtime.options import LossOptions
-from checks import TOL, assert_close
+from ce_tvm.testing import reference
+from support import TOL, assert_close
 
 
 @dataclass

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 import ce_tvm
-import checks
-import reference
+import support
 from ce_tvm.kernels.kinds import Variant
 from ce_tvm.policy import linear_log_probs_stats_forward, log_probs_stats_forward
 from ce_tvm.store.spec import KernelSpec
+from ce_tvm.testing import reference
 
 V = 517  # odd: no vector width divides it
 WIDE = 20011  # several chunks on the CPU: the statistics merge across them
-TOL = checks.TOL[torch.float32]
+TOL = support.TOL[torch.float32]
 
 
 def _case(shape, k, dtype, seed, classes=V, scale=3.0):
@@ -63,8 +63,8 @@ def _check_once(x, index, mask=None, *, temperature=1.0, softcap=0.0, logit_scal
     assert stats.is_top1.dtype == torch.bool and stats.is_top1.shape == index.shape
     assert not any(t.requires_grad for t in stats)
     ref_lsq, ref_mean, ref_top = _reference(x, index, mask, temperature, softcap, logit_scale)
-    checks.assert_close(stats.log_sum_sq_probs, ref_lsq, tol, f"log_sum_sq_probs {what}")
-    checks.assert_close(stats.mean_logits, ref_mean, tol, f"mean_logits {what}")
+    support.assert_close(stats.log_sum_sq_probs, ref_lsq, tol, f"log_sum_sq_probs {what}")
+    support.assert_close(stats.mean_logits, ref_mean, tol, f"mean_logits {what}")
     np.testing.assert_array_equal(stats.is_top1.numpy(), ref_top, err_msg=f"is_top1 {what}")
     plain_logp, plain_entropy = ce_tvm.log_probs(x, index, return_entropy=True, **options)
     torch.testing.assert_close(logp, plain_logp, rtol=1e-6, atol=1e-6)
@@ -135,8 +135,8 @@ def test_ignored_and_masked_entries_are_not_top1_and_rows_still_have_stats():
     _, stats = ce_tvm.log_probs(x, index, row_mask=every, return_stats=True)
     assert not bool(stats.is_top1.any())
     ref_lsq, ref_mean, _ = _reference(x, index, every, 1.0, 0.0, 1.0)
-    checks.assert_close(stats.log_sum_sq_probs, ref_lsq, TOL, "all masked: log_sum_sq_probs")
-    checks.assert_close(stats.mean_logits, ref_mean, TOL, "all masked: mean_logits")
+    support.assert_close(stats.log_sum_sq_probs, ref_lsq, TOL, "all masked: log_sum_sq_probs")
+    support.assert_close(stats.mean_logits, ref_mean, TOL, "all masked: mean_logits")
 
 
 def test_a_large_common_offset_costs_no_accuracy():
@@ -161,7 +161,7 @@ def test_minus_inf_logits():
     index[:, 1] = 150
     _, stats = ce_tvm.log_probs(x, index, temperature=1.3, return_stats=True)
     ref_lsq, _, ref_top = _reference(x, index, None, 1.3, 0.0, 1.0)
-    checks.assert_close(stats.log_sum_sq_probs, ref_lsq, TOL, "log_sum_sq_probs")
+    support.assert_close(stats.log_sum_sq_probs, ref_lsq, TOL, "log_sum_sq_probs")
     assert bool((stats.mean_logits == -math.inf).all())
     np.testing.assert_array_equal(stats.is_top1.numpy(), ref_top)
 
@@ -223,10 +223,10 @@ def test_linear_log_probs_over_several_chunks(dtype):
     logp, entropy, stats = ce_tvm.linear_log_probs(h, W, index, return_entropy=True,
                                                    return_stats=True, **options)
     p = torch.softmax(z, -1)
-    tol = max(TOL * 10, checks.TOL[dtype])  # the GEMMs round too
-    checks.assert_close(stats.log_sum_sq_probs, p.pow(2).sum(-1).log().numpy(), tol,
+    tol = max(TOL * 10, support.TOL[dtype])  # the GEMMs round too
+    support.assert_close(stats.log_sum_sq_probs, p.pow(2).sum(-1).log().numpy(), tol,
                         "log_sum_sq_probs")
-    checks.assert_close(stats.mean_logits, z.mean(-1).numpy(), tol, "mean_logits")
+    support.assert_close(stats.mean_logits, z.mean(-1).numpy(), tol, "mean_logits")
     live = (index != -100) & mask[:, None]
     expected = live & (index == z.argmax(-1, keepdim=True))
     assert torch.equal(stats.is_top1, expected) and bool(expected.any())
@@ -313,7 +313,7 @@ def test_ascend_style_schedule():
         _, stats = ce_tvm.log_probs(x, index, row_mask=mask, temperature=0.8, softcap=20.0,
                                     return_stats=True)
     ref_lsq, ref_mean, ref_top = _reference(x, index, mask, 0.8, 20.0, 1.0)
-    checks.assert_close(stats.log_sum_sq_probs, ref_lsq, TOL, "log_sum_sq_probs")
-    checks.assert_close(stats.mean_logits, ref_mean, TOL, "mean_logits")
+    support.assert_close(stats.log_sum_sq_probs, ref_lsq, TOL, "log_sum_sq_probs")
+    support.assert_close(stats.mean_logits, ref_mean, TOL, "mean_logits")
     np.testing.assert_array_equal(stats.is_top1.numpy(), ref_top)
     assert bool(stats.is_top1.any())

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import ce_tvm
-import checks
-import reference
+import support
 from ce_tvm.policy import log_probs_backward, log_probs_forward
+from ce_tvm.testing import reference
 
 V = 517  # odd: no vector width divides it
 
@@ -66,11 +66,11 @@ def test_values_and_gradients_against_float64(dtype, k, softcap):
         assert logp.shape == index.shape and entropy.shape == x.shape[:-1]
         ((logp * a).sum() + (entropy * b).sum()).backward()
         ref_logp, ref_entropy, ref_grad = _expected(x, index, mask, a, b, temperature, softcap)
-        tol = checks.TOL[torch.float32]
-        checks.assert_close(logp, ref_logp, tol, f"logp T={temperature}")
-        checks.assert_close(entropy, ref_entropy, tol, f"entropy T={temperature}")
+        tol = support.TOL[torch.float32]
+        support.assert_close(logp, ref_logp, tol, f"logp T={temperature}")
+        support.assert_close(entropy, ref_entropy, tol, f"entropy T={temperature}")
         assert x.grad.dtype == dtype
-        checks.assert_close(x.grad, ref_grad, checks.TOL[dtype], f"x_grad T={temperature}")
+        support.assert_close(x.grad, ref_grad, support.TOL[dtype], f"x_grad T={temperature}")
 
 
 def test_float64_gradcheck():
@@ -134,8 +134,8 @@ def test_log_probs_never_above_zero_at_a_large_bf16_vocabulary():
     assert bool((logp <= 0).all())
     ref_logp, ref_entropy = reference.policy_outputs(
         x.double().numpy(), index.numpy(), np.ones(index.shape, bool))
-    checks.assert_close(logp, ref_logp, checks.TOL[torch.float32], "logp")
-    checks.assert_close(entropy, ref_entropy, checks.TOL[torch.float32], "entropy")
+    support.assert_close(logp, ref_logp, support.TOL[torch.float32], "logp")
+    support.assert_close(entropy, ref_entropy, support.TOL[torch.float32], "entropy")
 
 
 def test_minus_inf_logits_give_finite_entropy_and_gradient():
@@ -150,8 +150,8 @@ def test_minus_inf_logits_give_finite_entropy_and_gradient():
     assert bool(entropy.isfinite().all()) and bool(x.grad.isfinite().all())
     assert bool((x.grad[:, 100:300] == 0).all())
     ref_logp, ref_entropy, ref_grad = _expected(x, index, None, a, b, 1.3, 0.0)
-    checks.assert_close(entropy, ref_entropy, checks.TOL[torch.float32], "entropy")
-    checks.assert_close(x.grad, ref_grad, checks.TOL[torch.float32], "x_grad")
+    support.assert_close(entropy, ref_entropy, support.TOL[torch.float32], "entropy")
+    support.assert_close(x.grad, ref_grad, support.TOL[torch.float32], "x_grad")
 
 
 def test_all_rows_masked_give_zeros():
@@ -165,7 +165,7 @@ def test_all_rows_masked_give_zeros():
     (logp * a).sum().backward()
     assert bool((x.grad == 0).all())
     _, ref_entropy, _ = _expected(x, index, mask, a, b, 1.0, 0.0)
-    checks.assert_close(entropy, ref_entropy, checks.TOL[torch.float32], "entropy")
+    support.assert_close(entropy, ref_entropy, support.TOL[torch.float32], "entropy")
 
 
 def test_masked_rows_may_hold_any_index():
@@ -188,7 +188,7 @@ def test_only_one_output_needs_a_gradient():
         ((logp * a).sum() if use_logp else (entropy * b).sum()).backward()
         _, _, ref = _expected(x, index, None, a if use_logp else a * 0,
                               b * 0 if use_logp else b, 1.0, 0.0)
-        checks.assert_close(xg.grad, ref, checks.TOL[torch.float32], f"logp={use_logp}")
+        support.assert_close(xg.grad, ref, support.TOL[torch.float32], f"logp={use_logp}")
 
 
 def test_shapes_at_the_edges():
@@ -303,13 +303,13 @@ def test_linear_log_probs_against_float64(dtype, softcap):
     leaves = [t.detach().double().requires_grad_() for t in (h, W, b)]
     ref_logp, ref_entropy = _torch_reference(*leaves, index, mask, 0.8, softcap)
     ((ref_logp * a.double()).sum() + (ref_entropy * c.double()).sum()).backward()
-    tol = checks.TOL[torch.float32] * 10  # the GEMMs round in float32 too
-    checks.assert_close(logp, ref_logp.detach().numpy(), max(tol, checks.TOL[dtype]), "logp")
-    checks.assert_close(entropy, ref_entropy.detach().numpy(), max(tol, checks.TOL[dtype]),
+    tol = support.TOL[torch.float32] * 10  # the GEMMs round in float32 too
+    support.assert_close(logp, ref_logp.detach().numpy(), max(tol, support.TOL[dtype]), "logp")
+    support.assert_close(entropy, ref_entropy.detach().numpy(), max(tol, support.TOL[dtype]),
                         "entropy")
     for name, got, ref in zip(("input", "weight", "bias"), (h, W, b), leaves):
         assert got.grad.dtype == dtype
-        checks.assert_close(got.grad, ref.grad.numpy(), max(tol, checks.TOL[dtype]), name)
+        support.assert_close(got.grad, ref.grad.numpy(), max(tol, support.TOL[dtype]), name)
 
 
 def test_linear_log_probs_equals_log_probs_of_the_logits():
@@ -350,7 +350,7 @@ def test_ascend_style_schedule():
                                          return_entropy=True)
         ((logp * a).sum() + (entropy * b).sum()).backward()
     ref_logp, ref_entropy, ref_grad = _expected(x, index, None, a, b, 0.8, 20.0)
-    tol = checks.TOL[torch.float32]
-    checks.assert_close(logp, ref_logp, tol, "logp")
-    checks.assert_close(entropy, ref_entropy, tol, "entropy")
-    checks.assert_close(x.grad, ref_grad, tol, "x_grad")
+    tol = support.TOL[torch.float32]
+    support.assert_close(logp, ref_logp, tol, "logp")
+    support.assert_close(entropy, ref_entropy, tol, "entropy")
+    support.assert_close(x.grad, ref_grad, tol, "x_grad")

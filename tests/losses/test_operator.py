@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from checks import Case, check_once
+from support import Case, check_once
 
 HALF_AND_FLOAT = [torch.float32, torch.float16, torch.bfloat16]
 OPTIONS = list(itertools.product(

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
-import reference
 from ce_tvm.ops import cross_entropy_probs, cross_entropy_probs_backward
-from checks import TOL, assert_close
+from ce_tvm.testing import reference
+from support import TOL, assert_close
 
 # module_db's inputs (weights up to ~9 in size) at torch.testing's default tolerance
 # for the dtype, as PyTorch's own module tests compare them.

@@ -3,13 +3,14 @@
 Each case is drawn from ``(seed, index)`` alone, so any one replays by
 itself; a failure prints the seed, the index and every parameter:
 
-    CE_TVM_RANDOM_SEED=<seed> .venv/bin/python -m pytest \\
-        "tests/test_random_differential.py::test_random_case[<index>]"
+    CE_TVM_RANDOM_SEED=<seed> CE_TVM_RANDOM_STREAM=<stream> .venv/bin/python -m pytest \\
+        "tests/losses/test_random_differential.py::test_random_case[<index>]"
 
 ``CE_TVM_RANDOM_SEED`` (default 16) draws other cases, ``CE_TVM_RANDOM_CASES``
-(default 80) more or fewer. Cases come in groups of ``GROUP`` that share one
-kernel configuration (C, dtype, reduction, weight, entry point: what compiles
-a new module, ~0.5 s each); within a group only runtime arguments and
+(default 80) more or fewer, ``CE_TVM_RANDOM_STREAM`` (default 0; the threads'
+cases are stream 1) the other values of the same groups. Cases come in groups
+of ``GROUP`` that share one kernel configuration (C, dtype, reduction, weight,
+entry point: what compiles a new module, ~0.5 s each); within a group only runtime arguments and
 layouts change (N, smoothing, z-loss, ignore_index, ignored rows, special
 logits, strides). C comes from ``CLASS_POOL``: small widths around the
 vector width (32 float32 lanes on AVX-512, two accumulators of 16), widths
@@ -32,11 +33,12 @@ import pytest
 import torch
 
 import ce_tvm
-import reference
-from checks import TOL, assert_close
+from ce_tvm.testing import reference
+from support import TOL, assert_close
 
 SEED = int(os.environ.get("CE_TVM_RANDOM_SEED", "16"))
 CASES = int(os.environ.get("CE_TVM_RANDOM_CASES", "80"))
+STREAM = int(os.environ.get("CE_TVM_RANDOM_STREAM", "0"))
 GROUP = 5  # cases per kernel configuration
 THREAD_CASES = 12  # drawn cases run concurrently in THREADS threads
 THREADS = 4
@@ -85,13 +87,9 @@ class DrawnCase:
 
     def __str__(self):
         params = ", ".join(f"{k}={v!r}" for k, v in asdict(self).items())
-        if self.stream == 0:
-            replay = (f"CE_TVM_RANDOM_SEED={self.seed} .venv/bin/python -m pytest "
-                      f"\"tests/test_random_differential.py::test_random_case[{self.index}]\"")
-        else:
-            replay = (".venv/bin/python -c \"import sys; sys.path.insert(0, 'tests'); "
-                      "from test_random_differential import draw, run_case; "
-                      f"run_case(draw({self.seed}, {self.index}, stream={self.stream}))\"")
+        stream = f" CE_TVM_RANDOM_STREAM={self.stream}" if self.stream else ""
+        replay = (f"CE_TVM_RANDOM_SEED={self.seed}{stream} .venv/bin/python -m pytest "
+                  f"\"tests/losses/test_random_differential.py::test_random_case[{self.index}]\"")
         return f"DrawnCase({params})\nreplay: {replay}"
 
 
@@ -311,7 +309,7 @@ def run_case(case: DrawnCase) -> None:
 
 @pytest.mark.parametrize("index", range(CASES), ids=str)
 def test_random_case(index):
-    run_case(draw(SEED, index))
+    run_case(draw(SEED, index, stream=STREAM))
 
 
 def test_concurrent_calls_from_threads():

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
-import reference
 from ce_tvm import nn as ce_nn
 from ce_tvm.compiler.build import declared_func
 from ce_tvm.kernels.kinds import Variant
 from ce_tvm.store.spec import KernelSpec
-from checks import TOL, assert_close
+from ce_tvm.testing import reference
+from support import TOL, assert_close
 
 C = 37  # the softcap tests' class count: one set of plain kernels
 T = 0.7

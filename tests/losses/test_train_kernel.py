@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
-import reference
 from ce_tvm.ops import cross_entropy_train
-from checks import TOL, assert_close
+from ce_tvm.testing import reference
+from support import TOL, assert_close
 
 OPTIONS = list(itertools.product(
     ("sum", "mean"), (False, True), (False, True), (0.0, 0.1), (0.0, 1e-3), (1.0, 0.7)))

@@ -3,13 +3,16 @@ code, float64 references and records run here, so a mistake in them costs no
 device time."""
 
 import json
+import runpy
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SECTIONS = ["correctness", "training_kernel", "log_probs", "sharded_direct", "sharded_group",
             "distill", "time_ce", "time_linear", "time_log_probs", "time_distill",
             "time_training", "time_edge"]
@@ -39,10 +42,15 @@ def test_cpu_rehearsal_runs_every_section_and_records_each_row(tmp_path):
     assert ce["left_out"]["compile"] == "CUDA only in this check"
 
 
-def test_a_failing_section_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import gpu_check
+@pytest.fixture(scope="module")
+def gpu_check():
+    """The script's functions, as ``python benchmarks/gpu_check.py`` would define them
+    (run from its path, not imported: benchmarks/ is no package)."""
+    return types.SimpleNamespace(**runpy.run_path(str(BENCHMARKS / "gpu_check.py"),
+                                                  run_name="gpu_check"))
 
+
+def test_a_failing_section_is_recorded_and_the_next_runs(gpu_check, tmp_path, monkeypatch):
     def broken(plan):
         yield {"ok": True, "case": "first"}
         raise RuntimeError("boom")
@@ -59,10 +67,7 @@ def test_a_failing_section_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
     assert records[1]["error"] == "RuntimeError: boom"
 
 
-def test_a_failing_case_is_recorded_and_the_next_runs(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import gpu_check
-
+def test_a_failing_case_is_recorded_and_the_next_runs(gpu_check):
     def rows(plan, n, c, dtype):
         if dtype == torch.float16:
             raise RuntimeError("no kernel")

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The packages, lowest first: a module imports only from its own package or those below.
-PACKAGES = ("kernels", "schedules", "store", "compiler", "runtime", "", "tools", "integrations")
+PACKAGES = ("kernels", "schedules", "store", "compiler", "runtime", "testing", "", "tools",
+            "integrations")
 # Lowest first. A module may import modules of its own layer or of layers below; the
 # layers of one package are contiguous, in PACKAGES' order ("" is ce_tvm's top level).
 LAYERS = [
@@ -45,12 +46,16 @@ LAYERS = [
     ("runtime.launch",),
     ("runtime.collectives",),  # what the ranks of a vocabulary-parallel group exchange
     ("runtime.linear_sweep", "runtime"),  # the chunked linear + loss sweep; no autograd
+    # what ce_tvm is checked against: the float64 reference, the GPU schedules on PoCL,
+    # their machine code; never through the torch surface above
+    ("testing", "testing.reference", "testing.pocl", "testing.cuda_static"),
+    ("testing.pocl_cases",),
     # the torch surface; optional dependencies (an import naming the extra to install)
     ("custom_ops", "validation", "optional"),
     ("functional", "ops", "nn", "distributed", "sharding", "linear", "policy", "distill",
      "__init__"),
     # what users run beside the loss
-    ("tools.measure", "tools.bench_args", "tools.pocl"),  # pocl: the GPU schedules on PoCL
+    ("tools.measure", "tools.bench_args"),
     ("tools.bench_linear", "tools.bench_policy", "tools.tuning", "tools.bundle"),
     ("tools.bench", "tools.demo"),
     ("tools.cli", "tools"),

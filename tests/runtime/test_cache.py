@@ -8,7 +8,7 @@ import pytest
 
 from ce_tvm.compiler.build import ahead_of_time_specs
 from ce_tvm.store.paths import sha256_file
-from processes import failing_probe, probe
+from support import failing_probe, probe
 
 # one worker for the cache modules and test_bundle: they share the compiled_cache fixture
 pytestmark = pytest.mark.xdist_group("cache")

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 import ce_tvm
-import reference
 from ce_tvm.runtime.cache import ensure_cached
 from ce_tvm.store.files import build_lock
 from ce_tvm.store.paths import UnsafePermissionsError, check_permissions
 from ce_tvm.store.spec import KernelSpec
-from checks import assert_close
-from processes import CLI, PROBE, Forked, failing_probe, probe, run
+from ce_tvm.testing import reference
+from support import CLI, PROBE, Forked, assert_close, failing_probe, probe, run
 
 # one worker for the cache modules and test_bundle: they share the compiled_cache fixture
 pytestmark = pytest.mark.xdist_group("cache")

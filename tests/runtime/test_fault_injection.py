@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import Forked
+from support import Forked
 
 # its module fixture and mounts: every test of the module on one worker
 pytestmark = pytest.mark.xdist_group("faults")
@@ -234,7 +234,7 @@ def test_four_processes_start_on_an_empty_cache(tmp_path):
 def test_files_are_moved_into_place_only_by_the_helper():
     # ce_tvm.store.files.replacing is the one place that renames or copies a file into
     # a directory: anything else would bring back the cross-device rename.
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     calls = ("os.replace(", "os.rename(", "shutil.copy", "shutil.move(", "mkstemp(")
     found = [f"{path.relative_to(root)}:{n}" for folder in ("ce_tvm", "schedules")
              for path in (root / folder).rglob("*.py") if path.name != "files.py"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import ce_tvm
 from ce_tvm.runtime.registry import canonical_strides
-from checks import TOL
+from support import TOL
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 needs_gpu = [pytest.mark.gpu,

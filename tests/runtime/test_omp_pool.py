@@ -13,7 +13,7 @@ import ce_tvm
 from ce_tvm.runtime import omp_pool
 from ce_tvm.runtime import registry as runtime
 from ce_tvm.runtime.cache import module_path
-from processes import run
+from support import run
 
 # One training step and a no-grad forward on the pool CE_TVM_THREAD_POOL names.
 STEP = textwrap.dedent("""

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import ce_tvm
-import reference
 from ce_tvm.kernels.kinds import DTYPE_BYTES
 from ce_tvm.schedules import ascend_plan
-from checks import Case, assert_close, check_once
-from processes import CLI, run
+from ce_tvm.testing import reference
+from support import CLI, Case, assert_close, check_once, run
 
 CLASSES = [1, 2, 3, 7, 17, 31, 64, 127, 1000, 4096, 8191, 32000, 65536, 131071, 151936,
            262144, 524287, 1048576]  # primes, powers of two, real vocabularies
@@ -165,7 +164,7 @@ DIVERGENCE_CASES = [(1000, torch.float32, 0.0, dict(temperature=2.0)),
 def test_divergence_numerics(classes, dtype, beta, options):
     """``distillation_loss`` under the tiled schedule: the loss, the student's
     entropy and its logits' gradient against float64 (masked rows included)."""
-    from test_distillation import TOL, logits_reference
+    from support import DISTILL_TOL, logits_reference
 
     gen = torch.Generator().manual_seed(classes)
     s = (torch.randn(37, classes, generator=gen) * 3).to(dtype)
@@ -182,10 +181,10 @@ def test_divergence_numerics(classes, dtype, beta, options):
     div, ref_entropy = logits_reference(ref, t, kept, beta=beta, **options)
     ref_loss = div.sum() / kept.sum()
     ref_loss.backward()
-    torch.testing.assert_close(loss.double(), ref_loss.detach(), **TOL[dtype])
-    torch.testing.assert_close(entropy.double(), ref_entropy.detach(), **TOL[dtype])
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), **DISTILL_TOL[dtype])
+    torch.testing.assert_close(entropy.double(), ref_entropy.detach(), **DISTILL_TOL[dtype])
     scale = ref.grad.abs().max()
-    torch.testing.assert_close(ours.grad.double() / scale, ref.grad / scale, **TOL[dtype])
+    torch.testing.assert_close(ours.grad.double() / scale, ref.grad / scale, **DISTILL_TOL[dtype])
 
 
 # One tile (the row fits the UB), several tiles, and a prime C whose last tile is partial.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ce_tvm.schedules import ascend_plan
-from processes import CLI, run
+from support import CLI, run
 
 # C from 1 to 1M: 60 log-spaced values and the vocabularies in use.
 CLASSES = sorted(set(np.logspace(0, 6, 60).astype(int).tolist())

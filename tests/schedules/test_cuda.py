@@ -190,9 +190,9 @@ def test_training_kernel_matches_reference_on_gpu(dtype, classes, reduction, wei
     CUDA tensors: ``nn.TRAINING_KERNEL_DEVICES``) against the float64 reference."""
     import numpy as np
 
-    import reference
     from ce_tvm.runtime.options import LossOptions
-    from checks import TOL, assert_close
+    from ce_tvm.testing import reference
+    from support import TOL, assert_close
 
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(33, classes, generator=gen) * 3).to(dtype)
@@ -238,8 +238,8 @@ def test_log_prob_forward_writes_from_the_row_staged_whole_when_it_fits():
 def test_log_prob_forward_matches_reference_on_gpu(dtype, classes):
     """The seed API's forward (``log_prob`` written): one-chunk rows, rows staged
     whole in dynamic shared memory (32000 bf16: 64 KB), chunked rows."""
-    import reference
-    from checks import TOL, assert_close
+    from ce_tvm.testing import reference
+    from support import TOL, assert_close
 
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(33, classes, generator=gen) * 3).to(dtype)
@@ -259,7 +259,7 @@ def test_log_prob_forward_matches_reference_on_gpu(dtype, classes):
 @pytest.mark.parametrize("classes", [17, 1001, 32000, 128256])
 def test_matches_reference_on_gpu(dtype, classes):
     import ce_tvm
-    from checks import TOL, Case
+    from support import TOL, Case
 
     case = Case(64, classes, dtype, "mean", weighted=True, ignore=True, label_smoothing=0.1,
                 zloss_scale=1e-3)

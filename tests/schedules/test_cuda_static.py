@@ -1,4 +1,4 @@
-"""Static evidence for the CUDA kernels (``benchmarks/cuda_static.py``): budgets
+"""Static evidence for the CUDA kernels (``ce_tvm.testing.cuda_static``): budgets
 on their machine code, checked without a GPU (nvcc + nvdisasm/cuobjdump).
 
 Budgets, per element of the row kernel's element loops (sm_90), and why:
@@ -72,17 +72,13 @@ share their element loops).
 
 import math
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
 from ce_tvm.compiler.build import compile_spec, cuda_binary
 from ce_tvm.kernels.kinds import Variant
 from ce_tvm.store.spec import KernelSpec
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import cuda_static  # noqa: E402
+from ce_tvm.testing import cuda_static
 
 needs_tools = pytest.mark.skipif(
     shutil.which("nvcc") is None or cuda_static.disassembler() is None,

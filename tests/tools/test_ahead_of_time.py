@@ -2,7 +2,6 @@
 its ``Extras``) covers what calls with those options load."""
 
 import dataclasses
-import textwrap
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from ce_tvm.kernels.kinds import Variant
 from ce_tvm.runtime import cache, launch, registry
 from ce_tvm.store.files import sealed_problem
 from ce_tvm.store.spec import KernelSpec
-from processes import CLI, Forked, run
+from support import CLI, DISTILL_PROBE, Forked, run
 
 C = 37  # the softcap and temperature tests' class count: their kernels are built already
 
@@ -102,32 +101,6 @@ def test_export_module_keeps_copies_or_builds(tmp_path, monkeypatch):
     fresh.mkdir(mode=0o700)
     lib, built = cache.export_module(spec, fresh)
     assert built and sealed_problem(lib) is None and not (tmp_path / "empty").exists()
-
-
-# Both distillation losses in every direction, with and without the gradient
-# (``none``'s backward launches the gradient variant), on C = argv[1] classes;
-# a kernel that is not on disk is an error.
-DISTILL_PROBE = textwrap.dedent("""
-    import sys, torch
-    import ce_tvm, ce_tvm.runtime.cache as cache
-    def refuse(spec, directory):
-        raise AssertionError(f"compiled {spec.file_name()}")
-    cache.write_module = refuse
-    c = int(sys.argv[1])
-    torch.manual_seed(0)
-    for beta in (0.0, 0.5, 1.0):
-        for reduction in ("mean", "none"):
-            h, W = torch.randn(6, 8, requires_grad=True), torch.randn(c, 8, requires_grad=True)
-            loss = ce_tvm.linear_distillation_loss(h, W, torch.randn(6, 4), torch.randn(c, 4),
-                                                   beta=beta, reduction=reduction)
-            s = torch.randn(6, c, requires_grad=True)
-            loss = loss.sum() + ce_tvm.distillation_loss(s, torch.randn(6, c), beta=beta,
-                                                         reduction=reduction).sum()
-            loss.backward()
-            assert loss.isfinite() and W.grad.isfinite().all() and s.grad.isfinite().all()
-    assert "ce_tvm.compiler.build" not in sys.modules
-    print("distill probe ok")
-""")
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 import json
 import math
 
-from processes import CLI, run
+from support import CLI, run
 
 
 def test_bench_linear_smoke(tmp_path):

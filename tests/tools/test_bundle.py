@@ -17,11 +17,10 @@ import sys
 import textwrap
 
 import pytest
-from test_ahead_of_time import DISTILL_PROBE
 
 from ce_tvm.store.files import fingerprint
 from ce_tvm.store.paths import sha256_file
-from processes import CLI, run
+from support import CLI, DISTILL_PROBE, run
 
 # its bundles are built once (session fixtures), the CPU one from compiled_cache: every
 # test of the module on the cache modules' worker
@@ -43,7 +42,8 @@ BLOCK_TVM = textwrap.dedent("""
 """)
 PROBE = BLOCK_TVM + textwrap.dedent("""
     import numpy as np, torch, torch.nn.functional as F
-    import ce_tvm, reference
+    import ce_tvm
+    from ce_tvm.testing import reference
     c = int(sys.argv[1])
     torch.manual_seed(0)
     x = torch.randn(16, c) * 2; y = torch.randint(0, c, (16,)); y[3] = -100
@@ -85,8 +85,7 @@ def bundle(compiled_cache, tmp_path_factory):
 
 
 def probe(c, program=PROBE, **env):
-    tests = os.path.dirname(__file__)
-    full = {**os.environ, "PYTHONPATH": tests, **{k: str(v) for k, v in env.items()}}
+    full = {**os.environ, **{k: str(v) for k, v in env.items()}}
     return subprocess.run([sys.executable, "-c", program, str(c)], env=full,
                           capture_output=True, text=True, timeout=600)
 
@@ -250,10 +249,9 @@ def test_cuda_runtime_gets_the_bundled_binary_without_the_compiler(cuda_bundle, 
     source, _ = cuda_binary(compile_spec(spec), spec)
     (tmp_path / "kernel.cu").write_text(source)
     lib = cuda_bundle / spec.file_name()
-    full = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
     done = subprocess.run([sys.executable, "-c", CALLBACK_PROBE, str(lib),
-                           str(tmp_path / "kernel.cu")], env=full, capture_output=True,
-                          text=True, timeout=600)
+                           str(tmp_path / "kernel.cu")], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "callback ok" in done.stdout
 

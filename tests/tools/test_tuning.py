@@ -16,7 +16,7 @@ from tvm import tirx
 from tvm.target import Target
 
 import ce_tvm
-import checks
+import support
 from ce_tvm import nn as ce_nn
 from ce_tvm.compiler.build import declared_func, schedule_module
 from ce_tvm.kernels.kinds import Variant
@@ -26,7 +26,7 @@ from ce_tvm.runtime.launch import _spec
 from ce_tvm.store import records
 from ce_tvm.store.spec import KernelSpec, tuned_spec
 from ce_tvm.tools import cli, tuning
-from processes import CLI, run
+from support import CLI, run
 
 # its module fixtures are built once: every test of the module on one worker
 pytestmark = pytest.mark.xdist_group("tuning")
@@ -226,8 +226,8 @@ def test_every_knob_value_replays_and_matches_torch(ops, tmp_path, monkeypatch):
             ref = F.cross_entropy(xr, y, label_smoothing=0.1)
             loss.backward()
             ref.backward()
-            checks.assert_close(loss, ref.detach().numpy(), checks.TOL[torch.float32], "loss")
-            checks.assert_close(x.grad, xr.grad.numpy(), checks.TOL[torch.float32], "grad")
+            support.assert_close(loss, ref.detach().numpy(), support.TOL[torch.float32], "loss")
+            support.assert_close(x.grad, xr.grad.numpy(), support.TOL[torch.float32], "grad")
         loaded = runtime.loaded_specs()
         for op, spec in specs.items():
             tuned = tuned_spec(spec, 13)
@@ -391,7 +391,7 @@ def test_log_prob_records_replay_and_match_the_reference(tmp_path, monkeypatch):
     symbolic-N kernels, which give the reference's values and gradient."""
     import numpy as np
 
-    import reference
+    from ce_tvm.testing import reference
 
     c = 4099
     specs = {op: KernelSpec(op, "float32", c, Variant(columns=2)) for op in
@@ -418,10 +418,10 @@ def test_log_prob_records_replay_and_match_the_reference(tmp_path, monkeypatch):
             ref_logp, ref_entropy = reference.policy_outputs(xn, index.numpy(), live, 0.7)
             ref_grad = reference.policy_grad(xn, index.numpy(), live, a.double().numpy(),
                                              b.double().numpy(), 0.7)
-            tol = checks.TOL[torch.float32]
-            checks.assert_close(logp, ref_logp, tol, f"logp {knobs}")
-            checks.assert_close(entropy, ref_entropy, tol, f"entropy {knobs}")
-            checks.assert_close(x.grad, ref_grad, tol, f"x_grad {knobs}")
+            tol = support.TOL[torch.float32]
+            support.assert_close(logp, ref_logp, tol, f"logp {knobs}")
+            support.assert_close(entropy, ref_entropy, tol, f"entropy {knobs}")
+            support.assert_close(x.grad, ref_grad, tol, f"x_grad {knobs}")
         loaded = runtime.loaded_specs()
         for op, spec in specs.items():
             tuned = tuned_spec(spec, 13)
