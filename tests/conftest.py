@@ -45,20 +45,12 @@ def precompiled_modules(compiled_cache, tmp_path_factory):
     return out
 
 
-# Modules whose tests run whole processes (the command line, probes, ranks, a
-# wheel, bundles) or nvcc: all slow, so the fast lane (-m "not slow") is the
-# in-process checks of the kernels against the references.
-PROCESS_MODULES = {"test_bundle", "test_cache", "test_cache_trust", "test_fault_injection",
-                   "test_packaging", "test_distributed", "test_transformers", "test_tuning",
-                   "test_tuning_cuda", "test_cuda", "test_cuda_static", "test_ascend_search",
-                   "test_bench_linear", "test_omp_pool", "test_docs",
-                   "test_demo"}
-
-
 def pytest_collection_modifyitems(config, items):
-    """Process-level modules are slow; slow tests last, so ``-x`` stops on a cheap
-    failure first."""
-    for item in items:
-        if item.module.__name__ in PROCESS_MODULES:
-            item.add_marker(pytest.mark.slow)
+    """Slow tests last, so ``-x`` stops on a cheap failure first.
+
+    ``slow`` (the fast lane is ``-m "not slow"``) marks, in its module or on the
+    test, every test that starts a process (``subprocess``, ``support.Forked``,
+    the command line through ``support.run``, ranks, torchrun), calls nvcc or
+    takes over 10 s, compilation included, with a warm kernel cache: the fast lane
+    is the in-process checks of the kernels against the references."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

@@ -18,7 +18,8 @@ from support import Forked
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 # ranks_of runs each world once per pytest worker: keep the module on one
-pytestmark = pytest.mark.xdist_group("distributed")
+# slow: processes: 2 to 4 ranks
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed")]
 # The checks of dist_worker.CHECKS each world runs, in this order.
 MODES = {2: ("cases", "odd_strides", "relayout", "linear_head", "linear_log_probs", "dtensor",
              "logit_scale"),

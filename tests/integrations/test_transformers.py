@@ -20,6 +20,8 @@ import transformers
 
 from ce_tvm.integrations import transformers as cehf
 
+pytestmark = pytest.mark.slow  # whole (tiny) models trained; the example in a process
+
 VOCAB = 96
 TOL = dict(rtol=1e-5, atol=1e-6)
 ROOT = Path(__file__).resolve().parents[2]

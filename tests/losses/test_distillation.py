@@ -280,6 +280,7 @@ def test_gkd_trainer_logs_the_same_with_ce_tvm(tmp_path):
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.slow  # nvcc
 @pytest.mark.parametrize("kind,grad,caps", [("jsd", True, True), ("rkl", False, False),
                                             ("fkl", True, False)])
 def test_cuda_kernel_builds_with_nvcc(kind, grad, caps):

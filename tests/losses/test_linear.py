@@ -386,6 +386,7 @@ def test_reference_of_this_file_is_cross_entropy_of_linear():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.slow  # nvcc
 @pytest.mark.parametrize("weighted", [False, True])
 def test_cuda_kernels_of_the_sweep_compile_with_nvcc(weighted):
     """The variants the sweep launches: forward ``none`` without ``log_prob``,

@@ -18,6 +18,7 @@ SECTIONS = ["correctness", "training_kernel", "log_probs", "sharded_direct", "sh
             "time_training", "time_edge"]
 
 
+@pytest.mark.slow  # a process: every section, compiled and timed (a 600 s limit)
 def test_cpu_rehearsal_runs_every_section_and_records_each_row(tmp_path):
     out = tmp_path / "check.jsonl"
     done = subprocess.run(

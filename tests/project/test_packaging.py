@@ -6,6 +6,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a wheel built and installed, a fresh interpreter
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -11,7 +11,8 @@ from ce_tvm.store.paths import sha256_file
 from support import failing_probe, probe
 
 # one worker for the cache modules and test_bundle: they share the compiled_cache fixture
-pytestmark = pytest.mark.xdist_group("cache")
+# slow: processes: the cache is only visible across them
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cache")]
 
 
 def libs(directory: Path):

@@ -20,7 +20,8 @@ from ce_tvm.testing import reference
 from support import CLI, PROBE, Forked, assert_close, failing_probe, probe, run
 
 # one worker for the cache modules and test_bundle: they share the compiled_cache fixture
-pytestmark = pytest.mark.xdist_group("cache")
+# slow: processes: probes, the cache command line
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cache")]
 
 
 def test_writable_cache_directory_is_refused(tmp_path):

@@ -21,7 +21,8 @@ import pytest
 from support import Forked
 
 # its module fixture and mounts: every test of the module on one worker
-pytestmark = pytest.mark.xdist_group("faults")
+# slow: processes: each fault in a fresh one
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("faults")]
 
 C = 13
 

@@ -15,6 +15,8 @@ from ce_tvm.runtime import registry as runtime
 from ce_tvm.runtime.cache import module_path
 from support import run
 
+pytestmark = pytest.mark.slow  # processes: the thread pools of fresh interpreters
+
 # One training step and a no-grad forward on the pool CE_TVM_THREAD_POOL names.
 STEP = textwrap.dedent("""
     import sys, torch, ce_tvm

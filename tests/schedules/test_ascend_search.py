@@ -10,6 +10,8 @@ import pytest
 from ce_tvm.schedules import ascend_plan
 from support import CLI, run
 
+pytestmark = pytest.mark.slow  # plans searched for C up to 1M; the command line
+
 # C from 1 to 1M: 60 log-spaced values and the vocabularies in use.
 CLASSES = sorted(set(np.logspace(0, 6, 60).astype(int).tolist())
                  | {1_000_000, 32000, 50257, 128256, 151936})

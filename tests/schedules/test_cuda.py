@@ -11,6 +11,8 @@ from ce_tvm.kernels.kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES, Varian
 from ce_tvm.runtime import launch
 from ce_tvm.store.spec import KernelSpec
 
+pytestmark = pytest.mark.slow  # nvcc builds (the GPU runs skip without one)
+
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def needs_gpu(test):
     """Marked ``gpu`` (``benchmarks/gpu_check.sh`` runs ``-m gpu``), skipped without a device."""

@@ -127,6 +127,7 @@ def test_machine_code_within_budget(op, dtype, classes):
 
 
 @needs_tools
+@pytest.mark.slow  # nvcc
 @pytest.mark.parametrize("op", ["forward", "backward", "train"])
 def test_exp_is_exp2f_which_keeps_nan(op):
     """The CUDA kernels' ``exp`` is ``exp2f`` (``fastmath`` scaling ``"exp2"``),
@@ -139,6 +140,7 @@ def test_exp_is_exp2f_which_keeps_nan(op):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.slow  # nvcc
 @pytest.mark.parametrize("classes", [1001, 32000])
 @pytest.mark.parametrize("variant", [Variant(columns=1, stats=True),
                                      Variant(columns=5, softcap=True, stats=True)],
@@ -172,6 +174,7 @@ def test_divergence_machine_code_within_budget(op, dtype):
 
 
 @needs_tools
+@pytest.mark.slow  # nvcc
 def test_unweighted_multi_chunk_forward_builds():
     """An int32 chunk axis once mixed int32 and int64 threadIdx.x in one kernel (TVM's
     UnifyThreadBinding then failed to build it); the chunk axes are int64 again."""

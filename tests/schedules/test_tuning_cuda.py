@@ -13,6 +13,8 @@ from ce_tvm.kernels.kinds import Variant
 from ce_tvm.store.spec import KernelSpec
 from ce_tvm.tools import tuning
 
+pytestmark = pytest.mark.slow  # nvcc
+
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 VARIANTS = {"forward": Variant("mean", False, False),
             "backward": Variant("mean", False, grad_source="logits")}

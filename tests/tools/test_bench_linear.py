@@ -3,7 +3,11 @@
 import json
 import math
 
+import pytest
+
 from support import CLI, run
+
+pytestmark = pytest.mark.slow  # a process: the command line
 
 
 def test_bench_linear_smoke(tmp_path):

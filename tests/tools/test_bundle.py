@@ -24,7 +24,8 @@ from support import CLI, DISTILL_PROBE, run
 
 # its bundles are built once (session fixtures), the CPU one from compiled_cache: every
 # test of the module on the cache modules' worker
-pytestmark = pytest.mark.xdist_group("cache")
+# slow: processes: the command line builds bundles, fresh interpreters run them
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cache")]
 
 C = 11  # the bundle takes its kernels from conftest's compiled_cache (nothing is built twice)
 BLOCK_TVM = textwrap.dedent("""

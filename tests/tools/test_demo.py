@@ -1,6 +1,10 @@
 """``ce-tvm demo`` (the README's main job) on a small batch: every section reported."""
 
+import pytest
+
 from ce_tvm.tools.demo import run_demo
+
+pytestmark = pytest.mark.slow  # over 10 s: the demo's training steps and timings
 
 
 def test_demo_reports_the_step_the_head_the_pair_and_the_kernels(capsys):

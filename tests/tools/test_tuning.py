@@ -29,7 +29,8 @@ from ce_tvm.tools import cli, tuning
 from support import CLI, run
 
 # its module fixtures are built once: every test of the module on one worker
-pytestmark = pytest.mark.xdist_group("tuning")
+# slow: the tuner's searches and builds; the command line
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tuning")]
 
 C, TUNED_ROWS = 300, 64
 FORWARD = KernelSpec("forward", "float32", C, Variant("mean", False, False))
