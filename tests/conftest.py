@@ -51,6 +51,6 @@ def pytest_collection_modifyitems(config, items):
     ``slow`` (the fast lane is ``-m "not slow"``) marks, in its module or on the
     test, every test that starts a process (``subprocess``, ``support.Forked``,
     the command line through ``support.run``, ranks, torchrun), calls nvcc or
-    takes over 10 s, compilation included, with a warm kernel cache: the fast lane
-    is the in-process checks of the kernels against the references."""
+    takes over 10 s with a warm kernel cache: the fast lane is the in-process
+    checks of the kernels against the references."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

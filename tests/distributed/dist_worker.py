@@ -2,7 +2,7 @@
 MASTER_ADDR, MASTER_PORT); the modes (``CHECKS``, comma-separated) are the
 first argument, run in that order. Every
 rank checks its outputs and gradient shards against the float64 reference of
-SPEC.md (``tests/reference.py``) on the full logits or head, or, for the
+SPEC.md (``ce_tvm.testing.reference``) on the full logits or head, or, for the
 DTensor paths, against the single-process ``ce_tvm`` calls they stand for."""
 
 import datetime

@@ -37,7 +37,7 @@ def launch_ranks(world: int, modes: str, fresh_env: dict | None = None,
                  worker: Path = WORKER) -> list[tuple]:
     """Run ``worker modes`` (comma-separated; ``dist_worker.py`` by default) on ``world`` ranks:
     ``(returncode, stdout, stderr)`` per rank. The ranks are forked
-    (``processes.Forked``), or, with ``fresh_env``, new interpreters with it
+    (``support.Forked``), or, with ``fresh_env``, new interpreters with it
     added to their environment (glibc reads ``MALLOC_*`` when a process starts)."""
     port = free_port()
     ranks = [{"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
@@ -162,7 +162,7 @@ def test_dtensor_placements_take_the_vocabulary_parallel_paths():
     check_world(2, "dtensor", 15)
 
 
-# --- Data-parallel sharding (FSDP2, FSDP x TP): tests/fsdp_worker.py ----------------
+# --- Data-parallel sharding (FSDP2, FSDP x TP): fsdp_worker.py --------------------------
 FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
 FSDP_MODES = {2: ("fsdp2", "fsdp1", "transformers", "distill"), 4: ("fsdp2", "fsdp_tp")}
 

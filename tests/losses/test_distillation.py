@@ -82,7 +82,10 @@ def test_linear_values_and_student_gradients_fp32(beta, temperature, side):
     _check_once(torch.float32, beta, temperature, side)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+# slow: the bfloat16 JSD kernel (beta 0.5) takes 2-4 min to build beside the other tests
+# (about a minute alone: docs/distillation.md); a kept cache serves it until its compute
+# changes
+@pytest.mark.parametrize("beta", [0.0, pytest.param(0.5, marks=pytest.mark.slow), 1.0])
 def test_linear_values_and_student_gradients_bf16(beta):
     _check_once(torch.bfloat16, beta, 2.0, "student")
 

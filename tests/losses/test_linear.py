@@ -1,6 +1,6 @@
 """ce_tvm.linear_cross_entropy against the float64 reference of cross_entropy(linear(...)).
 
-The reference forms the whole logits in float64 NumPy (``reference.py``) and
+The reference forms the whole logits in float64 NumPy (``ce_tvm.testing.reference``) and
 takes the gradients of ``input``, ``linear_weight`` and ``linear_bias`` by
 the chain rule from ``reference.backward``'s logits gradient.
 """

@@ -1,7 +1,7 @@
 """Probability targets (SPEC section 5) in ``ce_tvm.cross_entropy`` / ``CrossEntropyLoss``.
 
 PyTorch's own inputs for ``nn.CrossEntropyLoss`` (``module_db``, every one,
-class-index ones included), the float64 reference of ``reference.py``,
+class-index ones included), the float64 reference of ``ce_tvm.testing.reference``,
 ``gradcheck``, ``opcheck`` and ``torch.compile``.
 """
 

@@ -68,7 +68,7 @@ KILL_WHILE_WRITING = textwrap.dedent("""
 
 
 def start(cache: Path, **env) -> Forked:
-    """The probe forked (``processes.Forked``: no state of ce_tvm's crosses cases,
+    """The probe forked (``support.Forked``: no state of ce_tvm's crosses cases,
     and a case costs its own work, not 5-7 s of imports), on ``cache``."""
     return Forked(PROBE, CE_TVM_CACHE=cache, **env)
 

@@ -157,10 +157,15 @@ DIVERGENCE_CASES = [(1000, torch.float32, 0.0, dict(temperature=2.0)),
                     (20011, torch.float32, 0.5, dict(temperature=2.0)),
                     (32000, torch.bfloat16, 0.5, dict(student_softcap=20.0)),
                     (32000, torch.bfloat16, 0.0, {})]
+# slow: the bfloat16 JSD kernel takes 2-4 min to build beside the other tests (about a
+# minute alone: docs/distillation.md); a kept cache serves it until its compute changes
+SLOW_DIVERGENCE = {(32000, torch.bfloat16, 0.5)}
 
 
-@pytest.mark.parametrize("classes,dtype,beta,options", DIVERGENCE_CASES,
-                         ids=[f"C{c}-{str(d)[6:]}-beta{b}" for c, d, b, _ in DIVERGENCE_CASES])
+@pytest.mark.parametrize("classes,dtype,beta,options", [
+    pytest.param(c, d, b, o, id=f"C{c}-{str(d)[6:]}-beta{b}",
+                 marks=[pytest.mark.slow] if (c, d, b) in SLOW_DIVERGENCE else [])
+    for c, d, b, o in DIVERGENCE_CASES])
 def test_divergence_numerics(classes, dtype, beta, options):
     """``distillation_loss`` under the tiled schedule: the loss, the student's
     entropy and its logits' gradient against float64 (masked rows included)."""
