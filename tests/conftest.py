@@ -1,10 +1,6 @@
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -26,7 +22,7 @@ def _private_module_cache(tmp_path_factory):
 def compiled_cache(tmp_path_factory):
     """``(cache, output)``: a private cache that ``ce-tvm compile`` filled with every
     kernel for float32 C=11. Tests read it, never change it."""
-    from processes import CLI, run
+    from support import CLI, run
 
     cache = tmp_path_factory.mktemp("compiled") / "cache"
     return cache, run([CLI, "compile", "--dtype", "float32", "--classes", "11"],
@@ -38,7 +34,7 @@ def precompiled_modules(compiled_cache, tmp_path_factory):
     """Every kernel for float32 C=11 in a directory made by ``ce-tvm compile --out``,
     which copies them from ``compiled_cache`` (nothing is built twice); tests
     that change it work on a copy."""
-    from processes import CLI, run
+    from support import CLI, run
 
     cache, _ = compiled_cache
     out = tmp_path_factory.mktemp("precompiled") / "modules"
@@ -49,20 +45,12 @@ def precompiled_modules(compiled_cache, tmp_path_factory):
     return out
 
 
-# Modules whose tests run whole processes (the command line, probes, ranks, a
-# wheel, bundles) or nvcc: all slow, so the fast lane (-m "not slow") is the
-# in-process checks of the kernels against the references.
-PROCESS_MODULES = {"test_bundle", "test_cache", "test_cache_trust", "test_fault_injection",
-                   "test_packaging", "test_distributed", "test_transformers", "test_tuning",
-                   "test_tuning_cuda", "test_cuda", "test_cuda_static", "test_ascend_search",
-                   "test_bench_linear", "test_omp_pool", "test_docs",
-                   "test_demo"}
-
-
 def pytest_collection_modifyitems(config, items):
-    """Process-level modules are slow; slow tests last, so ``-x`` stops on a cheap
-    failure first."""
-    for item in items:
-        if item.module.__name__ in PROCESS_MODULES:
-            item.add_marker(pytest.mark.slow)
+    """Slow tests last, so ``-x`` stops on a cheap failure first.
+
+    ``slow`` (the fast lane is ``-m "not slow"``) marks, in its module or on the
+    test, every test that starts a process (``subprocess``, ``support.Forked``,
+    the command line through ``support.run``, ranks, torchrun), calls nvcc or
+    takes over 10 s with a warm kernel cache: the fast lane is the in-process
+    checks of the kernels against the references."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

@@ -1,0 +1,293 @@
+"""Stage names: declared once by the compute, used by the schedules, never re-typed."""
+
+import ast
+import itertools
+from pathlib import Path
+
+import pytest
+from tvm import s_tir, tirx
+
+from ce_tvm.kernels import (
+    backward,
+    divergence,
+    forward,
+    kinds,
+    log_probs,
+    prob_targets,
+    shards,
+    stages,
+    training,
+)
+from ce_tvm.kernels.kinds import Variant
+from ce_tvm.schedules import _common
+
+SCHEDULES = Path(__file__).resolve().parents[2] / "schedules"
+
+
+def declared_funcs():
+    """Every declaration of the compute in every variant, with a chunked row."""
+    for reduction, weighted, log_prob in itertools.product(
+            kinds.REDUCTIONS, (False, True), (False, True)):
+        yield forward.forward_func(10, "float32", Variant(reduction, weighted, log_prob), 4)
+    for reduction, weighted, source in itertools.product(
+            kinds.REDUCTIONS, (False, True), ("log_prob", "logits", "shard")):
+        yield backward.backward_func(10, "float32", Variant(reduction, weighted,
+                                                           grad_source=source))
+    for reduction, weighted in itertools.product(("sum", "mean"), (False, True)):
+        yield training.train_func(10, "float32", Variant(reduction, weighted, False), 4)
+    for weighted in (False, True):
+        yield shards.shard_stats_func(10, "float32", Variant(weighted=weighted), 4)
+    for reduction in kinds.REDUCTIONS:
+        yield shards.shard_combine_func(10, "float32", Variant(reduction))
+    # softcap and token accuracy (their stages: the target logit, the count of
+    # columns ahead of it, the per-row hit)
+    capped = dict(softcap=True, accuracy=True)
+    yield forward.forward_func(10, "float32", Variant("mean", True, False, **capped), 4)
+    yield training.train_func(10, "float32", Variant("sum", False, False, **capped), 4)
+    yield backward.backward_func(10, "float32", Variant("none", True, grad_source="logits",
+                                                       softcap=True))
+    yield shards.shard_stats_func(10, "float32", Variant(weighted=True, softcap=True), 4)
+    for reduction, weighted in itertools.product(kinds.REDUCTIONS, (False, True)):
+        yield prob_targets.prob_forward_func(10, "float32", Variant(reduction, weighted, False), 4)
+        yield prob_targets.prob_backward_func(10, "float32", Variant(reduction, weighted, False))
+        yield prob_targets.prob_target_grad_func(10, "float32", Variant(reduction, weighted, False))
+    # the temperature (a shard's scaled row max), the log-prob kernels
+    yield shards.shard_stats_func(10, "float32", Variant(weighted=True, tempered=True), 4)
+    for softcap in (False, True):
+        yield log_probs.log_probs_func(10, "float32", Variant(columns=2, softcap=softcap), 4)
+        yield log_probs.log_probs_func(10, "float32", Variant(columns=2, softcap=softcap,
+                                                              stats=True), 4)
+        yield log_probs.log_probs_grad_func(10, "float32", Variant(columns=2, softcap=softcap))
+    # the student-teacher divergence, each direction, with and without its gradient
+    for kind, reduction in itertools.product(kinds.DIVERGENCES, ("none", "sum")):
+        yield divergence.divergence_func(10, "float32", Variant(reduction, divergence=kind))
+
+
+def block_names(func) -> set:
+    sch = s_tir.Schedule(func)
+    return {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
+
+
+def test_exported_stages_are_exactly_the_blocks_of_the_compute():
+    emitted = set().union(*(block_names(f) for f in declared_funcs()))
+    assert sorted(emitted) == sorted(stages.STAGES)
+    assert len(set(stages.STAGES)) == len(stages.STAGES)
+
+
+def _stage_constants_used(path: Path) -> set:
+    """Values of the compute's stage constants a schedule module names."""
+    source = ast.parse(path.read_text())
+    names = {node.id for node in ast.walk(source) if isinstance(node, ast.Name)}
+    names |= {alias.asname or alias.name for node in ast.walk(source)
+              if isinstance(node, ast.ImportFrom) for alias in node.names}
+    used = set()
+    for name in names:
+        value = getattr(stages, name, getattr(_common, name, None))
+        if isinstance(value, str) and value in stages.STAGES:
+            used.add(value)
+        elif isinstance(value, tuple) and set(value) & set(stages.STAGES):  # a stage group
+            used.update(value)
+    return used
+
+
+@pytest.mark.parametrize("module", ["_common", "cpu", "cuda", "ascend"])
+def test_every_stage_a_schedule_uses_exists_in_some_variant(module):
+    used = _stage_constants_used(SCHEDULES / f"{module}.py")
+    assert used, f"{module} names no stage"
+    emitted = set().union(*(block_names(f) for f in declared_funcs()))
+    assert used <= emitted, sorted(used - emitted)
+
+
+@pytest.mark.parametrize("module", ["_common", "cpu", "cuda", "ascend"])
+def test_schedules_never_retype_a_stage_name(module):
+    tree = ast.parse((SCHEDULES / f"{module}.py").read_text())
+    literals = {node.value for node in ast.walk(tree)
+                if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert not literals & set(stages.STAGES), sorted(literals & set(stages.STAGES))
+
+
+def test_a_name_that_is_not_a_stage_is_an_error():
+    sch = s_tir.Schedule(forward.forward_func(10, "float32", Variant("mean", True, True)))
+    assert [sch.get(b).name_hint for b in _common.present_blocks(sch, _common.ROW_TOTALS)] == [
+        "ce_total_ce", "ce_total_z", "ce_total_weight", "ce_total_count"]
+    with pytest.raises(ValueError, match="ce_rowmax"):
+        _common.present_blocks(sch, ["ce_rowmax"])
+
+
+def test_a_stage_the_variant_lacks_is_skipped_and_a_required_one_is_not():
+    sch = s_tir.Schedule(forward.forward_func(10, "float32", Variant("none", False, False)))
+    assert _common.present_blocks(sch, _common.ROW_TOTALS + (stages.LOG_PROB,)) == []
+    assert _common.chunk_reductions(sch) == list(_common.ROW_REDUCTIONS)
+    shard = s_tir.Schedule(shards.shard_combine_func(10, "float32", Variant("sum")))
+    with pytest.raises(s_tir.ScheduleError):  # a forward phase on a kernel without row stats
+        _common.place_row_stages(shard, lanes=1)
+
+
+@pytest.mark.parametrize("declare", [
+    lambda v: forward.forward_func(10, "float32", v, 4),
+    lambda v: training.train_func(10, "float32", v, 4),
+    lambda v: backward.backward_func(10, "float32", v)], ids=["forward", "train", "backward"])
+def test_class_weight_sum_is_one_stage_over_the_classes(declare):
+    """``sum_c w[c]`` does not depend on the row: one ``ce_wsum`` over the
+    classes, no per-row chunk sum (``ce_chunk_wsum``)."""
+    names = block_names(declare(Variant("mean", True, False)))
+    assert stages.WSUM in names and stages.CHUNK_WSUM not in names
+    assert stages.WSUM not in block_names(declare(Variant("mean", False, False)))
+
+
+def test_probability_target_mass_keeps_its_per_row_sum():
+    variant = Variant("mean", True, False)
+    names = block_names(prob_targets.prob_forward_func(10, "float32", variant, 4))
+    assert stages.CHUNK_WSUM in names and stages.WSUM not in names
+
+
+@pytest.mark.parametrize("op", ["forward", "train", "backward"])
+def test_cpu_reduces_the_class_weight_sum_once_before_the_parallel_rows(op):
+    """The CPU schedule leaves ``ce_wsum`` at the root, ahead of the row loop
+    that runs in parallel, and vectorised (its lanes summed at the end)."""
+    from ce_tvm.compiler.build import KernelSpec, scheduled_func
+
+    variant = Variant("mean", True, grad_source="logits") if op == "backward" else Variant(
+        "mean", True, False)
+    func = scheduled_func(KernelSpec(op, "float32", 1024, variant, "llvm"))
+    script = func.script()
+    first_parallel = script.index("T.parallel(")
+    assert script.index('T.sblock("ce_wsum_rf_update")') < first_parallel
+    assert script.index('T.sblock("ce_wsum")') < first_parallel
+    sch = s_tir.Schedule(func)
+    loops = sch.get_loops(sch.get_sblock("ce_wsum_rf_update"))
+    assert sch.get(loops[-1]).kind == tirx.ForKind.VECTORIZED
+
+
+@pytest.mark.parametrize("dtype,classes,staged", [
+    ("float32", 1024, False),  # float32 rows are reduced in place
+    ("float32", 1001, False),  # aligned or not
+    ("bfloat16", 1024, True),  # 16-bit rows: converted to float32 once
+])
+def test_cpu_forward_stages_the_chunk_when_rows_are_16_bit(dtype, classes, staged):
+    """The CPU asks for ``ce_chunk_logits`` (``forward_stage``) where it pays;
+    every chunk reduction (the max included) then reads it instead of ``x``."""
+    from ce_tvm.compiler.build import KernelSpec, scheduled_func
+
+    func = scheduled_func(KernelSpec("forward", dtype, classes, Variant("mean", False, False),
+                                     "llvm"))
+    sch = s_tir.Schedule(func)
+    for name in ("ce_chunk_max_rf_update", "ce_chunk_expsum_rf_update",
+                 "ce_chunk_wxsum_rf_update"):
+        reads = {r.source.name for r in sch.get(sch.get_sblock(name)).reads}
+        assert (stages.CHUNK_LOGITS in reads) == staged and ("x" in reads) != staged, reads
+
+
+@pytest.mark.parametrize("op,staged", [("shard_stats", True), ("prob_forward", False)])
+def test_cpu_stages_a_shards_chunk_but_not_a_probability_targets(op, staged):
+    """A vocabulary shard's statistics are staged like the forward; probability
+    targets, which stream the targets beside the logits, are not (it costs them)."""
+    from ce_tvm.compiler.build import KernelSpec, scheduled_func
+
+    sch = s_tir.Schedule(scheduled_func(KernelSpec(op, "bfloat16", 1024,
+                                                   Variant("mean", False, False), "llvm")))
+    reads = {r.source.name for r in sch.get(sch.get_sblock("ce_chunk_max_rf_update")).reads}
+    assert (stages.CHUNK_LOGITS in reads) == staged, reads
+
+
+
+def _lowered(spec, after: str):
+    """The module of ``spec``'s CPU build right after the pass named ``after``."""
+    import tvm
+
+    from ce_tvm.compiler.build import scheduled_func
+    from ce_tvm.schedules import cpu
+
+    seen = []
+
+    @tvm.instrument.pass_instrument
+    class Capture:
+        def run_after_pass(self, mod, info):
+            if info.name == after:
+                seen.append(mod["main"])
+
+    with tvm.transform.PassContext(opt_level=3, instruments=[Capture()], config=cpu.PASS_CONFIG):
+        tvm.compile(scheduled_func(spec), target=spec.tvm_target(),
+                    tir_pipeline=cpu.TIR_PIPELINE)
+    assert seen, f"the build ran no pass {after}"
+    return seen[-1]
+
+
+def _prefetched_buffers(func, write: bool = False) -> list[str]:
+    """Names of the buffers ``func`` prefetches, for reading or (``write``) writing."""
+    import tvm
+
+    from ce_tvm.schedules import cpu
+
+    return [call.args[0].args[0].source.name for call in cpu._collect(func.body, tvm.ir.expr.Call)
+            if call.op.name == "tirx.prefetch" and int(call.args[1]) == int(write)]
+
+
+@pytest.mark.parametrize("op,dtype", [("forward", "float32"), ("forward", "bfloat16"),
+                                      ("train", "float32")])
+def test_cpu_exp_loop_prefetches_the_next_chunk_of_the_logits(op, dtype):
+    """The loop that computes ``exp`` on a chunk prefetches the logits of the
+    next one (``prefetch_ahead``), also when it reads a staged copy (bf16)."""
+    from ce_tvm.compiler.build import KernelSpec
+
+    spec = KernelSpec(op, dtype, 12800, Variant("mean", False, False), "llvm")
+    fetched = _prefetched_buffers(_lowered(spec, "prefetch_marked_loops"))
+    assert fetched and set(fetched) == {stages.LOGITS}, fetched
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_training_exp_loop_fetches_the_gradient_lines_for_writing(dtype):
+    """The training kernel's ``exp`` loop also prefetches, for writing, the lines
+    of the gradient it stores after the row's sweep: as many lines as it fetches
+    of the logits (the gradient has their dtype), and nothing else for writing;
+    the forward fetches nothing for writing."""
+    from ce_tvm.compiler.build import KernelSpec
+
+    for op in ("train", "forward"):
+        spec = KernelSpec(op, dtype, 12800, Variant("mean", False, False), "llvm")
+        func = _lowered(spec, "prefetch_marked_loops")
+        written = _prefetched_buffers(func, write=True)
+        if op == "forward":
+            assert written == []
+        else:
+            assert written and set(written) == {stages.X_GRAD}
+            read = _prefetched_buffers(func)
+            assert len(written) == len(read), (written, read)
+
+
+def test_cpu_overlap_test_runs_on_the_last_chunk_only():
+    """C = 12289 is cut into 3 chunks, the last overlapping the one before:
+    TVM's LoopPartition peels it (``PASS_CONFIG``), so no ``likely`` overlap test
+    is left in the loops (the first chunks run without it)."""
+    from ce_tvm.compiler.build import KernelSpec, scheduled_func
+
+    spec = KernelSpec("forward", "float32", 12289, Variant("mean", False, False), "llvm")
+    assert "likely" in scheduled_func(spec).script()
+    assert "likely" not in _lowered(spec, "s_tir.LoopPartition").script()
+
+
+@pytest.mark.parametrize("op", ["train", "backward"])
+def test_cpu_one_hot_compares_a_broadcast_plus_a_constant_ramp(op):
+    """The gradient's one-hot test compares column indices with the target: the
+    CPU pipeline writes the int32 ramp of columns as a broadcast base plus a
+    constant ramp (two instructions, not LLVM's shuffles), and only there."""
+    import tvm
+
+    from ce_tvm.compiler.build import KernelSpec
+    from ce_tvm.schedules import cpu
+
+    variant = Variant("mean", False, False) if op == "train" else Variant(
+        "mean", False, grad_source="logits")
+    spec = KernelSpec(op, "bfloat16", 12800, variant, "llvm")
+    before = _lowered(spec, "prefetch_marked_loops")
+    after = _lowered(spec, "compared_ramps_as_offsets")
+
+    def compared_ramps(func):
+        return [side for kind in cpu._COMPARISONS for cmp in cpu._collect(func.body, kind)
+                for side in (cmp.a, cmp.b) if isinstance(side, tirx.Ramp)
+                and not (isinstance(side.base, tirx.IntImm) and side.base.value == 0)]
+
+    assert compared_ramps(before) and not compared_ramps(after)
+    indexed = [ld for ld in cpu._collect(after.body, tvm.ir.expr.TensorLoad)
+               if isinstance(ld.indices[-1], tirx.Ramp)]
+    assert indexed  # vector loads keep their ramp index

@@ -1,0 +1,80 @@
+"""benchmarks/gpu_check.py rehearsed on the CPU (``--device cpu``): its sections'
+code, float64 references and records run here, so a mistake in them costs no
+device time."""
+
+import json
+import runpy
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SECTIONS = ["correctness", "training_kernel", "log_probs", "sharded_direct", "sharded_group",
+            "distill", "time_ce", "time_linear", "time_log_probs", "time_distill",
+            "time_training", "time_edge"]
+
+
+@pytest.mark.slow  # a process: every section, compiled and timed (a 600 s limit)
+def test_cpu_rehearsal_runs_every_section_and_records_each_row(tmp_path):
+    out = tmp_path / "check.jsonl"
+    done = subprocess.run(
+        [sys.executable, BENCHMARKS / "gpu_check.py", "--device", "cpu", "--classes", "64",
+         "--dtypes", "bfloat16", "--sections", ",".join(SECTIONS), "--json", out],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    verdicts = [r for r in records if r.get("done")]
+    assert [v["section"] for v in verdicts] == SECTIONS
+    assert all(v["ok"] and "error" not in v for v in verdicts)
+    rows = [r for r in records if not r.get("done")]
+    checks = [r for r in rows if not r["section"].startswith("time_")]
+    assert {r["section"] for r in checks} == set(SECTIONS[:6])
+    assert all(r["ok"] and r["errors"] for r in checks)
+    timings = [r for r in rows if r["section"].startswith("time_")]
+    assert {r["section"] for r in timings} == set(SECTIONS[6:])
+    for row in timings:  # each timed against its floor in the same reps
+        assert row["ms"] and row["ratio"][row["over"]] == 1.0
+    ce = next(r for r in timings if r["section"] == "time_ce")
+    assert {"ce_tvm", "eager", "copy"} <= set(ce["ms"])
+    assert ce["left_out"]["compile"] == "CUDA only in this check"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    """The script's functions, as ``python benchmarks/gpu_check.py`` would define them
+    (run from its path, not imported: benchmarks/ is no package)."""
+    return types.SimpleNamespace(**runpy.run_path(str(BENCHMARKS / "gpu_check.py"),
+                                                  run_name="gpu_check"))
+
+
+def test_a_failing_section_is_recorded_and_the_next_runs(gpu_check, tmp_path, monkeypatch):
+    def broken(plan):
+        yield {"ok": True, "case": "first"}
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(gpu_check.SECTIONS, "broken", broken)
+    path = tmp_path / "check.jsonl"
+    plan = gpu_check.Plan(torch.device("cpu"), classes=64, dtypes=(torch.float32,))
+    assert not gpu_check.run_section(plan, "broken", str(path))
+    assert gpu_check.run_section(plan, "correctness", str(path))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["section"], r.get("done", False), r["ok"]) for r in records] == [
+        ("broken", False, True), ("broken", True, False),
+        *[("correctness", False, True)] * 5, ("correctness", True, True)]
+    assert records[1]["error"] == "RuntimeError: boom"
+
+
+def test_a_failing_case_is_recorded_and_the_next_runs(gpu_check):
+    def rows(plan, n, c, dtype):
+        if dtype == torch.float16:
+            raise RuntimeError("no kernel")
+        yield {"ok": True, "case": str(dtype)}
+
+    plan = gpu_check.Plan(torch.device("cpu"))
+    got = list(gpu_check._each(plan, [(4, 8, torch.float16), (4, 8, torch.float32)], rows))
+    assert [(r["ok"], r.get("error")) for r in got] == [(False, "RuntimeError: no kernel"),
+                                                       (True, None)]
