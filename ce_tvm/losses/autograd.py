@@ -110,6 +110,11 @@ class ForwardGradients:
         self._allow_retain_graph = allow_retain_graph
         self._entry = entry
 
+    @property
+    def held(self) -> tuple | None:
+        """The kept gradients (for a unit upstream gradient), ``None`` once consumed."""
+        return self._grads
+
     def scaled(self, grad_loss: Tensor) -> tuple:
         grads = self._grads
         if grads is None:

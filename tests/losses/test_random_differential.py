@@ -14,7 +14,7 @@ entry point: what compiles a new module, ~0.5 s each); within a group only runti
 layouts change (N, smoothing, z-loss, ignore_index, ignored rows, special
 logits, strides). C comes from ``CLASS_POOL``: small widths around the
 vector width (32 float32 lanes on AVX-512, two accumulators of 16), widths
-around ``schedules.cpu.MAX_CHUNK`` (6144) and its multiples, primes, and
+around ``schedules.cpu_knobs.MAX_CHUNK`` (6144) and its multiples, primes, and
 vocabularies up to ~70000. Every loss, ``log_prob``, ``lse`` and gradient
 is compared with ``reference`` after rounding it to the output dtype (an
 overflow to Inf in float16 is then expected, not a mismatch).
