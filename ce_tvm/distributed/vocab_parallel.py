@@ -34,6 +34,7 @@ from ..losses.autograd import ForwardGradients
 from ..losses.outputs import with_extras
 from ..runtime import launch, pool
 from ..runtime import linear_sweep as sweep
+from ..runtime import options as options_dtype
 from ..runtime.collectives import (
     accuracy_of,
     gathered_rows,
@@ -63,7 +64,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.mark_non_differentiable(hits)
         weight_sum = float(wsum) if w is not None else float(classes)
         loss, zloss = launch.shard_combine(lse, logit, weight, wxsum, y, weight_sum=weight_sum,
-                                           classes=classes, dtype=x.dtype, options=options)
+                                           classes=classes,
+                                           dtype=launch.loss_torch_dtype(options, x),
+                                           options=options)
         layout = dict(offset=offset, weight_sum=weight_sum, global_classes=classes)
         ctx.mark_non_differentiable(zloss)
         if ctx.needs_input_grad[0] and options.reduction != "none":
@@ -96,7 +99,8 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
                                  group=None, return_zloss: bool = False, *,
                                  softcap: float = 0.0, temperature: float = 1.0,
                                  logit_scale: float = 1.0,
-                                 return_token_accuracy: bool = False):
+                                 return_token_accuracy: bool = False,
+                                 loss_dtype: torch.dtype | None = None):
     """Cross entropy of vocabulary-sharded logits ``[N, C_r]`` (see the module doc).
 
     ``weight`` is this rank's shard ``[C_r]`` of the class weights;
@@ -105,7 +109,9 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
     ``mean``/``sum``), the same on every rank; with ``return_zloss`` also the
     z-loss part, without gradient; with ``return_token_accuracy`` last the
     token accuracy over the full rows (one more ``all_reduce`` of ``[N]``).
+    ``loss_dtype`` as ``ce_tvm.cross_entropy`` takes it.
     """
+    options_dtype.loss_dtype(loss_dtype)
     x = check.logits(logits_shard, "logits_shard")
     check.check_device(x)
     if not isinstance(target, Tensor) or target.dtype not in check.TARGET_DTYPES:
@@ -113,7 +119,8 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                           softcap=softcap, temperature=temperature,
-                          logit_scale=logit_scale)
+                          logit_scale=logit_scale,
+                          wide_loss=options_dtype.wide_loss(loss_dtype, x.dtype))
     loss, zloss, accuracy = _VocabParallelCrossEntropy.apply(x, target, weight, options, group,
                                                              bool(return_token_accuracy))
     if options.reduction != "none":
@@ -128,9 +135,11 @@ class VocabParallelCrossEntropyLoss(nn.Module):
     def __init__(self, weight: Tensor | None = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, group=None, *, softcap: float = 0.0,
-                 temperature: float = 1.0, logit_scale: float = 1.0):
+                 temperature: float = 1.0, logit_scale: float = 1.0,
+                 loss_dtype: torch.dtype | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
+        self.loss_dtype = options_dtype.loss_dtype(loss_dtype)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                               softcap=softcap, temperature=temperature,
@@ -143,7 +152,8 @@ class VocabParallelCrossEntropyLoss(nn.Module):
             logits_shard, target, self.weight, ignore_index=self.ignore_index,
             reduction=self.reduction, label_smoothing=self.label_smoothing,
             lse_square_scale=self.lse_square_scale, group=self.group, softcap=self.softcap,
-            temperature=self.temperature, logit_scale=self.logit_scale)
+            temperature=self.temperature, logit_scale=self.logit_scale,
+            loss_dtype=self.loss_dtype)
 
 
 # --- The LM head sharded over the vocabulary (docs/spec.md, section 12) -------
@@ -190,7 +200,8 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         rows = sweep.chunk_rows(n, W.shape[0], x.dtype, rows)
         buffer = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
         per_row = replace(options, reduction="none")
-        loss_rows, z_rows = x.new_empty(n), x.new_empty(n)
+        loss_dtype = launch.loss_torch_dtype(options, x)
+        loss_rows, z_rows = x.new_empty(n, dtype=loss_dtype), x.new_empty(n, dtype=loss_dtype)
         lse_all, wy_all = x.new_empty(n, dtype=acc), x.new_empty(n, dtype=acc)
         beats = x.new_zeros(n, dtype=torch.float32)
         one_pass = options.reduction != "none" and needs.any()
@@ -208,7 +219,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 beats[sl] = shard_beats(logits, y[sl], offset, target, group)
             loss_rows[sl], z_rows[sl] = launch.shard_combine(
                 lse, logit, weight, wxsum, y[sl], weight_sum=weight_sum, classes=classes,
-                dtype=x.dtype, options=per_row)
+                dtype=loss_dtype, options=per_row)
             lse_all[sl], wy_all[sl] = lse, weight
             if one_pass:
                 m = sl.stop - sl.start
@@ -238,7 +249,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         z = z_rows.sum(dtype=acc).reshape(1)
         if options.reduction == "mean":
             total, z = (total - z) / denom + z / count, z / count
-        return total.to(x.dtype), z.to(x.dtype), hits
+        return total.to(loss_dtype), z.to(loss_dtype), hits
 
     @staticmethod
     def backward(ctx, grad_loss, grad_zloss, grad_hits):
@@ -268,7 +279,8 @@ def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, tar
                                         logit_scale: float = 1.0, return_zloss: bool = False,
                                         return_token_accuracy: bool = False,
                                         sequence_parallel: bool = False,
-                                        chunk_rows: int | None = None):
+                                        chunk_rows: int | None = None,
+                                        loss_dtype: torch.dtype | None = None):
     """``ce_tvm.linear_cross_entropy`` with the LM head's weight sharded over the
     vocabulary (docs/spec.md, section 12): rank ``r`` passes its rows ``local_weight [V_r,
     H]`` (and ``local_bias``, ``weight``: its shards of the bias and the class
@@ -282,13 +294,17 @@ def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, tar
     gradient are then this rank's block. Scalars are global; the weight's and
     bias' gradients are this rank's shards of the full ones. ``return_zloss``
     and ``return_token_accuracy`` add the z-loss part and the token accuracy
-    (global) to the result, as ``ce_tvm.linear_cross_entropy`` does.
+    (global) to the result, as ``ce_tvm.linear_cross_entropy`` does, and
+    ``loss_dtype`` too.
     """
+    options_dtype.loss_dtype(loss_dtype)
+    input, local_weight, local_bias = check.head_dtypes(input, local_weight, local_bias)
+    x = check.linear_head(input, local_weight, local_bias)
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                           softcap=softcap, temperature=temperature,
-                          logit_scale=logit_scale)
-    x = check.linear_head(input, local_weight, local_bias)
+                          logit_scale=logit_scale,
+                          wide_loss=options_dtype.wide_loss(loss_dtype, x.dtype))
     if not isinstance(target, Tensor) or target.dtype not in check.TARGET_DTYPES:
         raise TypeError("target must be an int64 or int32 tensor of global class ids")
     rows = check.chunk_rows(chunk_rows)
@@ -311,9 +327,10 @@ class VocabParallelLinearCrossEntropyLoss(nn.Module):
                  lse_square_scale: float = 0.0, group=None, *, softcap: float = 0.0,
                  temperature: float = 1.0,
                  logit_scale: float = 1.0, sequence_parallel: bool = False,
-                 chunk_rows: int | None = None):
+                 chunk_rows: int | None = None, loss_dtype: torch.dtype | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
+        self.loss_dtype = options_dtype.loss_dtype(loss_dtype)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                               softcap=softcap, temperature=temperature,
@@ -329,7 +346,8 @@ class VocabParallelLinearCrossEntropyLoss(nn.Module):
             weight=self.weight, reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
             softcap=self.softcap, temperature=self.temperature, logit_scale=self.logit_scale,
-            sequence_parallel=self.sequence_parallel, chunk_rows=self.chunk_rows)
+            sequence_parallel=self.sequence_parallel, chunk_rows=self.chunk_rows,
+            loss_dtype=self.loss_dtype)
 
 
 # Log-probs and entropy of the sharded head (docs/spec.md, sections 9 and 12). Per chunk
@@ -442,6 +460,7 @@ def vocab_parallel_linear_log_probs(input: Tensor, local_weight: Tensor, index: 
                          "compute the statistics without it")
     options = LossOptions(ignore_index=ignore_index, temperature=temperature, softcap=softcap,
                           logit_scale=logit_scale)
+    input, local_weight, local_bias = check.head_dtypes(input, local_weight, local_bias)
     x = check.linear_head(input, local_weight, local_bias)
     world = dist.get_world_size(group) if sequence_parallel else 1
     rows_of = input.new_empty(()).expand(input.shape[0] * world, *input.shape[1:])  # no memory

@@ -54,7 +54,8 @@ def forward_func(classes: int, dtype: str, variant: Variant,
         target_logit=lambda n: logit(n, index(n)),
         target_weight=lambda n: w[index(n)] if w is not None else tirx.const(1.0, acc),
         wxsum=lambda n: wxsum[n], wsum=st.weight_sum, reduction=variant.reduction)
-    outs = reduce_forward(rows, n_rows, dtype, variant.reduction).outputs
+    outs = reduce_forward(rows, n_rows, dtype, variant.reduction,
+                          variant.wide_loss).outputs
     args = [x, y] + ([w] if w is not None else []) + list(scalars) + outs + [lse]
     if variant.log_prob:
         log_prob = te.compute(

@@ -53,7 +53,11 @@ class Variant:
     (``DIVERGENCES``: forward KL, reverse KL, generalized JSD; "" for the
     others); there ``softcap`` caps the student's logits, ``teacher_softcap``
     the teacher's, and ``reduction`` ``"none"`` writes no gradient
-    (docs/spec.md, section 15).
+    (docs/spec.md, section 15). ``wide_loss``: the loss kernels (forward,
+    training, probability targets, the shards' combine) write ``loss`` and
+    ``zloss`` in the accumulation dtype instead of the storage dtype (the
+    ``loss_dtype=torch.float32`` of docs/spec.md, section 7); off, the kernels are
+    exactly those without the field (names, keys and tuning records unchanged).
     """
 
     reduction: str = "mean"
@@ -67,6 +71,7 @@ class Variant:
     stats: bool = False
     divergence: str = ""
     teacher_softcap: bool = False
+    wide_loss: bool = False
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
@@ -86,5 +91,6 @@ class Variant:
              *([f"k{self.columns}"] if self.columns else []), *(["st"] if self.stats else []),
              *([self.divergence] if self.divergence else []),
              *(["tsc"] if self.teacher_softcap else []),
+             *(["wl"] if self.wide_loss else []),
              self.grad_source]
         )

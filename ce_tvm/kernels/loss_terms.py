@@ -97,9 +97,13 @@ class Totals:
     count: te.Tensor | None = None
 
 
-def reduce_forward(rows, n_rows, dtype, reduction) -> Totals:
-    """``loss`` and ``zloss`` outputs from the per-row terms (docs/spec.md, section 2, table)."""
+def reduce_forward(rows, n_rows, dtype, reduction, wide: bool = False) -> Totals:
+    """``loss`` and ``zloss`` outputs from the per-row terms (docs/spec.md, section 2,
+    table), written in the storage ``dtype``, or with ``wide`` (``Variant.wide_loss``)
+    in the per-row terms' accumulation dtype, never rounded to the storage dtype."""
     ce, z = rows["ce"], rows["z"]
+    if wide:
+        dtype = ce.dtype
     if reduction == "none":
         loss = te.compute((n_rows,), lambda n: (ce[n] + z[n]).astype(dtype), name=LOSS)
         zloss = te.compute((n_rows,), lambda n: z[n].astype(dtype), name=ZLOSS)

@@ -90,7 +90,8 @@ def prob_forward_func(classes: int, dtype: str, variant: Variant,
     }
     if variant.reduction == "mean":
         rows["weight"] = rows["count"] = every
-    outs = reduce_forward(rows, n_rows, dtype, variant.reduction).outputs
+    outs = reduce_forward(rows, n_rows, dtype, variant.reduction,
+                          variant.wide_loss).outputs
     args = [x, q] + ([w] if w is not None else []) + [eps, s, *rest] + outs + [lse, mass]
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 

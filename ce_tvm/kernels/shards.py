@@ -82,6 +82,7 @@ def shard_combine_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimF
         target_logit=lambda n: vec["target_logit"][n],
         target_weight=lambda n: vec["target_weight"][n],
         wxsum=lambda n: vec["wxsum"][n], wsum=lambda n: wsum, reduction=variant.reduction)
-    outs = reduce_forward(rows, n_rows, dtype, variant.reduction).outputs
+    outs = reduce_forward(rows, n_rows, dtype, variant.reduction,
+                          variant.wide_loss).outputs
     args = list(vec.values()) + [y, wsum, ii, eps, s] + outs
     return te.create_prim_func(args).with_attr("global_symbol", "main")

@@ -64,7 +64,8 @@ def train_func(classes: int, dtype: str, variant: Variant,
         n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
         target_logit=lambda n: logit(n, index(n)), target_weight=target_weight,
         wxsum=lambda n: st.wxsum[n], wsum=st.weight_sum, reduction=variant.reduction)
-    totals = reduce_forward(rows, n_rows, dtype, variant.reduction)
+    totals = reduce_forward(rows, n_rows, dtype, variant.reduction,
+                          variant.wide_loss)
     outs = totals.outputs
     if variant.reduction == "mean":
         denom, count = totals.weight, totals.count

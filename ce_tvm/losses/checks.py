@@ -160,6 +160,33 @@ def row_mask(mask, rows: torch.Tensor) -> torch.Tensor | None:
     return (mask != 0).reshape(-1)
 
 
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def head_dtypes(input, linear_weight, linear_bias):
+    """``(input, linear_weight, linear_bias)`` in one dtype, the one rule of every
+    family that takes a head (docs/spec.md, section 8): under ``torch.autocast`` for
+    ``input``'s device, autocast's (each float32/16-bit one cast to the autocast
+    dtype, as ``F.linear`` does); then, if the dtypes still differ, all in the
+    widest (``torch.promote_types``). The casts are differentiable: each
+    tensor's gradient comes back in its own dtype. Anything but floating
+    tensors (and ``None`` for the bias) is returned as given, for
+    ``linear_head`` to refuse."""
+    present = [t for t in (input, linear_weight, linear_bias) if t is not None]
+    if not all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point and not is_dtensor(t)
+               for t in present) or not isinstance(linear_weight, torch.Tensor):
+        return input, linear_weight, linear_bias
+    device = input.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        present = [t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE else t for t in present]
+    wide = present[0].dtype
+    for t in present[1:]:
+        wide = torch.promote_types(wide, t.dtype)
+    present = [t.to(wide) for t in present]  # no-op where the dtype already is
+    return present[0], present[1], present[2] if linear_bias is not None else None
+
+
 def linear_head(input, linear_weight, linear_bias) -> torch.Tensor:
     """``input [*, H]`` as ``[N, H]``, after checking it with the head's
     ``linear_weight [V, H]`` and ``linear_bias [V]`` (or ``None``): kinds, ranks,
@@ -192,8 +219,11 @@ def linear_head(input, linear_weight, linear_bias) -> torch.Tensor:
     for name, t in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
         if t is None:
             continue
-        if t.dtype != input.dtype:
-            raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.dtype != input.dtype:  # the callers pass the head through head_dtypes first
+            raise TypeError(f"{name} must have input's dtype {input.dtype} (head_dtypes), "
+                            f"got {t.dtype}")
         if t.device != input.device:
             raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
     check_device(input)

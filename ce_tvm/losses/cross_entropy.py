@@ -34,11 +34,12 @@ from torch.nn import _reduction
 
 from ..distributed import dtensors, heads
 from ..runtime import launch
+from ..runtime import options as options_dtype
 from ..runtime.options import LossOptions, store_on_module
 from ..runtime.tensors import accum_torch_dtype
 from . import checks as check
 from .autograd import ForwardGradients, custom_op, op_gradients
-from .outputs import accuracy_like, loss_rows, with_extras
+from .outputs import accuracy_like, loss_like, with_extras
 
 # Training with sum/mean computes the gradient in the forward sweep
 # (``cross_entropy_train``); ``CE_TVM_TRAINING=recompute`` (or setting
@@ -51,13 +52,14 @@ TRAINING_KERNEL_DEVICES = ("cpu",)
 @custom_op("ce_tvm::cross_entropy_forward", mutates_args=())
 def cross_entropy_forward(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
                           ignore_index: int, label_smoothing: float, lse_square_scale: float,
-                          softcap: float, temperature: float, token_accuracy: bool
-                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                          softcap: float, temperature: float, token_accuracy: bool,
+                          wide_loss: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, zloss, lse, accuracy)``; ``loss``/``zloss`` are ``[N]`` for
-    ``none``, else ``[1]``; ``accuracy`` (``launch.token_accuracy``) is 0-d
+    ``none``, else ``[1]``, in ``x``'s dtype (float32 for 16-bit ``x`` with
+    ``wide_loss``); ``accuracy`` (``launch.token_accuracy``) is 0-d
     when ``token_accuracy``, else empty."""
     options = LossOptions.from_schema(reduction, ignore_index, label_smoothing,
-                                      lse_square_scale, softcap, temperature)
+                                      lse_square_scale, softcap, temperature, wide_loss)
     y = check.targets(target, x, options.ignore_index)
     out = launch.forward(x.contiguous(), y, check.weight(weight, x), options, log_prob=False,
                          accuracy=token_accuracy)
@@ -73,9 +75,8 @@ def _accuracy(out: launch.ForwardOutputs, y: Tensor, options: LossOptions, x: Te
 
 @cross_entropy_forward.register_fake
 def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
-      temperature, token_accuracy):
-    rows = loss_rows(x, reduction)
-    return (x.new_empty(rows), x.new_empty(rows),
+      temperature, token_accuracy, wide_loss=False):
+    return (loss_like(x, reduction, wide_loss), loss_like(x, reduction, wide_loss),
             x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)),
             accuracy_like(x, token_accuracy))
 
@@ -102,7 +103,7 @@ def _(grad_loss, x, lse, target, weight, reduction, ignore_index, label_smoothin
 
 def _setup_context(ctx, inputs, output):
     (x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
-     temperature, _) = inputs
+     temperature, *_) = inputs
     ctx.save_for_backward(x, output[2], target, weight)
     ctx.scalars = dict(reduction=reduction, ignore_index=ignore_index,  # checked by the forward
                        label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
@@ -125,13 +126,14 @@ cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
 @custom_op("ce_tvm::cross_entropy_train", mutates_args=())
 def cross_entropy_train(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
                         ignore_index: int, label_smoothing: float, lse_square_scale: float,
-                        softcap: float, temperature: float, token_accuracy: bool
+                        softcap: float, temperature: float, token_accuracy: bool,
+                        wide_loss: bool = False
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, zloss, lse, accuracy, x_grad)``: ``loss``/``zloss`` ``[1]``;
-    ``accuracy`` as in ``cross_entropy_forward``; ``x_grad`` is d(loss)/d(x)
+    """``(loss, zloss, lse, accuracy, x_grad)``: ``loss``/``zloss`` ``[1]`` (dtype as
+    in ``cross_entropy_forward``); ``accuracy`` as there; ``x_grad`` is d(loss)/d(x)
     for a unit upstream gradient (``sum``/``mean`` only)."""
     options = LossOptions.from_schema(reduction, ignore_index, label_smoothing,
-                                      lse_square_scale, softcap, temperature)
+                                      lse_square_scale, softcap, temperature, wide_loss)
     y = check.targets(target, x, options.ignore_index)
     out, x_grad = launch.train(x.contiguous(), y, check.weight(weight, x), options,
                                accuracy=token_accuracy)
@@ -141,8 +143,8 @@ def cross_entropy_train(x: Tensor, target: Tensor, weight: Tensor | None, reduct
 
 @cross_entropy_train.register_fake
 def _(x, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
-      temperature, token_accuracy):
-    return (x.new_empty(1), x.new_empty(1),
+      temperature, token_accuracy, wide_loss=False):
+    return (loss_like(x, "sum", wide_loss), loss_like(x, "sum", wide_loss),
             x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)),
             accuracy_like(x, token_accuracy),
             torch.empty_like(x, memory_format=torch.contiguous_format))
@@ -176,21 +178,24 @@ cross_entropy_train.register_autograd(_train_backward, setup_context=_setup_trai
 @custom_op("ce_tvm::cross_entropy_probs", mutates_args=())
 def cross_entropy_probs(x: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
                         label_smoothing: float, lse_square_scale: float,
-                        softcap: float, temperature: float
+                        softcap: float, temperature: float, wide_loss: bool = False
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, zloss, lse, target_mass)`` for probability targets of ``x``'s shape
-    and dtype; ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``."""
+    and dtype; ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]`` (dtype as in
+    ``cross_entropy_forward``)."""
     options = LossOptions.from_schema(reduction, -100, label_smoothing, lse_square_scale,
-                                      softcap, temperature)
+                                      softcap, temperature, wide_loss)
     q = check.probabilities(target, x)
     out, mass = launch.prob_forward(x.contiguous(), q, check.weight(weight, x), options)
     return out.loss, out.zloss, out.lse, mass
 
 
 @cross_entropy_probs.register_fake
-def _(x, target, weight, reduction, label_smoothing, lse_square_scale, softcap, temperature):
-    rows, acc = loss_rows(x, reduction), accum_torch_dtype(x)
-    return (x.new_empty(rows), x.new_empty(rows), x.new_empty(x.shape[0], dtype=acc),
+def _(x, target, weight, reduction, label_smoothing, lse_square_scale, softcap, temperature,
+      wide_loss=False):
+    acc = accum_torch_dtype(x)
+    return (loss_like(x, reduction, wide_loss), loss_like(x, reduction, wide_loss),
+            x.new_empty(x.shape[0], dtype=acc),
             x.new_empty(x.shape[0], dtype=acc))
 
 
@@ -224,7 +229,8 @@ def _(grad_loss, x, target, lse, target_mass, weight, reduction, label_smoothing
 
 
 def _setup_probs_context(ctx, inputs, output):
-    x, target, weight, reduction, label_smoothing, lse_square_scale, softcap, temperature = inputs
+    x, target, weight, reduction, label_smoothing, lse_square_scale, softcap, temperature, *_ = \
+        inputs
     ctx.save_for_backward(x, target, output[2], output[3], weight)
     ctx.scalars = dict(reduction=reduction, label_smoothing=label_smoothing,  # checked already
                        lse_square_scale=lse_square_scale, softcap=softcap,
@@ -293,7 +299,7 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
                   label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0,
                   return_zloss: bool = False, softcap: float = 0.0,
                   return_token_accuracy: bool = False, temperature: float = 1.0,
-                  logit_scale: float = 1.0):
+                  logit_scale: float = 1.0, loss_dtype: torch.dtype | None = None):
     """``torch.nn.functional.cross_entropy``, plus z-loss, logit softcapping,
     a temperature and token accuracy (docs/spec.md, sections 4 to 7).
 
@@ -315,20 +321,27 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     targets) the result is a tuple whose last element is the fraction of rows
     not ignored whose first maximal logit is the target (a 0-d float32 tensor
     without gradient, NaN when every row is ignored), computed in the same
-    sweep as the loss.
+    sweep as the loss. ``loss_dtype``: ``None`` (the input's dtype, PyTorch's rule)
+    or ``torch.float32``: the loss and z-loss of 16-bit logits returned in float32,
+    reduced from the kernels' float32 sums without rounding to 16 bits (float64
+    logits stay float64).
     """
+    options_dtype.loss_dtype(loss_dtype)
     if check.is_dtensor(input):  # logits sharded on the class dimension
         return heads.eagerly(
             dtensors.cross_entropy, input, target, weight, ignore_index=ignore_index,
             reduction=_reduction_of(size_average, reduce, reduction),
             label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
             temperature=temperature, return_zloss=return_zloss,
-            return_token_accuracy=return_token_accuracy, logit_scale=logit_scale)
+            return_token_accuracy=return_token_accuracy, logit_scale=logit_scale,
+            loss_dtype=loss_dtype)
     x, y, unflatten = _flatten(input, target)
+    dtype = torch.promote_types(x.dtype, y.dtype) if y.dtype.is_floating_point else x.dtype
     options = LossOptions(reduction=_reduction_of(size_average, reduce, reduction),
                           ignore_index=ignore_index, label_smoothing=label_smoothing,
                           zloss_scale=lse_square_scale, softcap=softcap,
-                          temperature=temperature, logit_scale=logit_scale)
+                          temperature=temperature, logit_scale=logit_scale,
+                          wide_loss=options_dtype.wide_loss(loss_dtype, dtype))
     if y.dtype.is_floating_point:
         if return_token_accuracy:
             raise ValueError("return_token_accuracy needs class-index targets, "
@@ -374,7 +387,8 @@ def _probability_loss(x: Tensor, q: Tensor, weight, options: LossOptions):
                                label_smoothing=options.label_smoothing,
                                lse_square_scale=options.zloss_scale,
                                softcap=options.kernel_softcap,
-                               temperature=options.kernel_temperature)[:2]
+                               temperature=options.kernel_temperature,
+                               wide_loss=options.wide_loss)[:2]
 
 
 class CrossEntropyLoss(nn.Module):
@@ -387,9 +401,10 @@ class CrossEntropyLoss(nn.Module):
                  label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0,
                  return_zloss: bool = False, softcap: float = 0.0,
                  return_token_accuracy: bool = False, temperature: float = 1.0,
-                 logit_scale: float = 1.0):
+                 logit_scale: float = 1.0, loss_dtype: torch.dtype | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
+        self.loss_dtype = options_dtype.loss_dtype(loss_dtype)
         options = LossOptions(reduction=_reduction_of(size_average, reduce, reduction),
                               ignore_index=ignore_index, label_smoothing=label_smoothing,
                               zloss_scale=lse_square_scale, softcap=softcap,
@@ -404,10 +419,12 @@ class CrossEntropyLoss(nn.Module):
                              lse_square_scale=self.lse_square_scale,
                              return_zloss=self.return_zloss, softcap=self.softcap,
                              return_token_accuracy=self.return_token_accuracy,
-                             temperature=self.temperature, logit_scale=self.logit_scale)
+                             temperature=self.temperature, logit_scale=self.logit_scale,
+                             loss_dtype=self.loss_dtype)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, "
                 f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, "
-                f"temperature={self.temperature}, logit_scale={self.logit_scale}")
+                f"temperature={self.temperature}, logit_scale={self.logit_scale}, "
+                f"loss_dtype={self.loss_dtype}")

@@ -277,6 +277,7 @@ def _fused(student_input: Tensor, Ws: Tensor, bs: Tensor | None, teacher_input: 
     (``heads.run``'s local route); ``scalars``: ``DivergenceOptions``' fields."""
     _local("student's input", student_input)
     _local("teacher's input", teacher_input)
+    student_input, Ws, bs = check.head_dtypes(student_input, Ws, bs)
     _check_vocab(Ws.shape[0], Wt.shape[0])
     lead = tuple(student_input.shape[:-1])
     if tuple(teacher_input.shape[:-1]) != lead:

@@ -29,10 +29,11 @@ from torch import Tensor, nn
 
 from ..distributed import dtensors, heads
 from ..runtime import linear_sweep as sweep
-from ..runtime.options import LossOptions, store_on_module
+from ..runtime.options import LossOptions, store_on_module, wide_loss
+from ..runtime.options import loss_dtype as check_loss_dtype
 from . import checks as check
 from .autograd import ForwardGradients, custom_op, op_gradients
-from .outputs import accuracy_like, grad_like, loss_rows, with_extras
+from .outputs import accuracy_like, grad_like, loss_like, with_extras
 
 
 @custom_op("ce_tvm::linear_cross_entropy", mutates_args=())
@@ -41,11 +42,13 @@ def linear_cross_entropy_forward(
         weight: Tensor | None, reduction: str, ignore_index: int, label_smoothing: float,
         lse_square_scale: float, softcap: float, temperature: float, token_accuracy: bool,
         chunk_rows: int,
-        grad_input: bool, grad_weight: bool, grad_bias: bool, allow_retain_graph: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        grad_input: bool, grad_weight: bool, grad_bias: bool, allow_retain_graph: bool,
+        wide_loss: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, zloss, accuracy, grad_input, grad_weight, grad_bias)`` for ``input [N, H]``.
 
-    ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``; ``accuracy`` is
+    ``loss``/``zloss`` are ``[N]`` for ``none``, else ``[1]``, in ``input``'s dtype
+    (float32 for 16-bit ``input`` with ``wide_loss``: the chunks' per-row losses
+    are then kept and summed in float32, never rounded to 16 bits); ``accuracy`` is
     0-d when ``token_accuracy``, else empty (``outputs.accuracy_like``). The gradients
     (for a unit upstream gradient) are computed for ``mean``/``sum`` when
     their flag is set, else they are empty tensors. ``chunk_rows`` 0: the
@@ -55,7 +58,7 @@ def linear_cross_entropy_forward(
     y = check.targets(target, input, ignore_index, classes=linear_weight.shape[0])
     w = check.weight(weight, input, classes=linear_weight.shape[0])
     opts = LossOptions.from_schema(reduction, ignore_index, label_smoothing, lse_square_scale,
-                                   softcap, temperature)
+                                   softcap, temperature, wide_loss)
     rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
     needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
     if reduction == "none" or not needs.any():
@@ -70,10 +73,10 @@ def linear_cross_entropy_forward(
 def _(input, linear_weight, linear_bias, target, weight, reduction, ignore_index,
       label_smoothing, lse_square_scale, softcap, temperature, token_accuracy, chunk_rows,
       grad_input,
-      grad_weight, grad_bias, allow_retain_graph):
-    rows = loss_rows(input, reduction)
+      grad_weight, grad_bias, allow_retain_graph, wide_loss=False):
     scalar = reduction != "none"
-    return (input.new_empty(rows), input.new_empty(rows), accuracy_like(input, token_accuracy),
+    return (loss_like(input, reduction, wide_loss), loss_like(input, reduction, wide_loss),
+            accuracy_like(input, token_accuracy),
             grad_like(input, scalar and grad_input, input),
             grad_like(linear_weight, scalar and grad_weight, input),
             grad_like(linear_bias, scalar and grad_bias, input))
@@ -110,7 +113,7 @@ def _(grad_loss, input, linear_weight, linear_bias, target, weight, ignore_index
 
 def _setup_context(ctx, inputs, output):
     (x, W, b, target, weight, reduction, ii, eps, s, cap, temperature, _, chunk_rows, *needs,
-     retain) = inputs
+     retain) = inputs[:17]  # wide_loss (last) changes no gradient
     ctx.needs = tuple(needs)
     ctx.reduction = reduction
     if reduction == "none":
@@ -163,7 +166,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          softcap: float = 0.0, temperature: float = 1.0,
                          return_zloss: bool = False,
                          return_token_accuracy: bool = False, chunk_rows: int | None = None,
-                         allow_retain_graph: bool = False, logit_scale: float = 1.0):
+                         allow_retain_graph: bool = False, logit_scale: float = 1.0,
+                         loss_dtype: torch.dtype | None = None):
     """``cross_entropy(input @ linear_weight.T + linear_bias, target, ...)`` without
     the logits ever existing whole.
 
@@ -185,24 +189,32 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     of logits (``linear_sweep.chunk_rows``). For ``mean``/``sum`` the
     backward consumes gradients computed in the forward, so a second
     backward through the same graph needs ``allow_retain_graph=True``.
+    ``loss_dtype`` as ``ce_tvm.cross_entropy`` takes it (``torch.float32``: the
+    per-row losses are kept in float32 too). Input and head of different
+    dtypes: ``checks.head_dtypes`` (autocast's rule under ``torch.autocast``,
+    else the widest dtype).
     """
+    check_loss_dtype(loss_dtype)
     return heads.run(input, linear_weight, linear_bias, _fused, dtensors.linear_cross_entropy,
                      target, weight=weight, reduction=reduction, ignore_index=ignore_index,
                      label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
                      softcap=softcap, temperature=temperature, return_zloss=return_zloss,
                      return_token_accuracy=return_token_accuracy, chunk_rows=chunk_rows,
-                     allow_retain_graph=allow_retain_graph, logit_scale=logit_scale)
+                     allow_retain_graph=allow_retain_graph, logit_scale=logit_scale,
+                     loss_dtype=loss_dtype)
 
 
 def _fused(input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, target: Tensor, *,
            weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
            temperature, return_zloss, return_token_accuracy, chunk_rows, allow_retain_graph,
-           logit_scale):
+           logit_scale, loss_dtype):
     """``linear_cross_entropy`` of plain tensors (``heads.run``'s local route)."""
+    input, linear_weight, linear_bias = check.head_dtypes(input, linear_weight, linear_bias)
     x, y = _flatten(input, linear_weight, target, linear_bias)
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                          softcap=softcap, temperature=temperature, logit_scale=logit_scale)
+                          softcap=softcap, temperature=temperature, logit_scale=logit_scale,
+                          wide_loss=wide_loss(loss_dtype, x.dtype))
     rows = check.chunk_rows(chunk_rows)
     grad_on = torch.is_grad_enabled()
     loss, zloss, accuracy, *_ = linear_cross_entropy_forward(
@@ -233,9 +245,11 @@ class LinearCrossEntropyLoss(nn.Module):
                  lse_square_scale: float = 0.0, return_zloss: bool = False,
                  chunk_rows: int | None = None, allow_retain_graph: bool = False, *,
                  softcap: float = 0.0, return_token_accuracy: bool = False,
-                 temperature: float = 1.0, logit_scale: float = 1.0):
+                 temperature: float = 1.0, logit_scale: float = 1.0,
+                 loss_dtype: torch.dtype | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
+        self.loss_dtype = check_loss_dtype(loss_dtype)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                               softcap=softcap, temperature=temperature, logit_scale=logit_scale)
@@ -254,11 +268,11 @@ class LinearCrossEntropyLoss(nn.Module):
             softcap=self.softcap, temperature=self.temperature, logit_scale=self.logit_scale,
             return_zloss=self.return_zloss,
             return_token_accuracy=self.return_token_accuracy, chunk_rows=self.chunk_rows,
-            allow_retain_graph=self.allow_retain_graph)
+            allow_retain_graph=self.allow_retain_graph, loss_dtype=self.loss_dtype)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, "
                 f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, "
                 f"temperature={self.temperature}, logit_scale={self.logit_scale}, "
-                f"chunk_rows={self.chunk_rows}")
+                f"chunk_rows={self.chunk_rows}, loss_dtype={self.loss_dtype}")

@@ -326,6 +326,7 @@ def _fused(input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, ind
            logit_scale, return_stats):
     """``linear_log_probs`` of plain tensors (``heads.run``'s local route)."""
     options = _options(ignore_index, temperature, softcap, logit_scale)
+    input, linear_weight, linear_bias = check.head_dtypes(input, linear_weight, linear_bias)
     x = check.linear_head(input, linear_weight, linear_bias)
     idx, single = check.index_columns(index, input)
     rows = check.chunk_rows(chunk_rows)

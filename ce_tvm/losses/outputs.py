@@ -29,3 +29,11 @@ def grad_like(like: Tensor | None, wanted: bool, x: Tensor) -> Tensor:
     """A gradient output: ``like``'s shape when ``wanted`` (and ``like`` given),
     else an empty tensor of ``x``'s dtype (a gradient not asked for)."""
     return torch.empty_like(like) if wanted and like is not None else x.new_empty(0)
+
+
+def loss_like(x: Tensor, reduction: str, wide_loss: bool) -> Tensor:
+    """A ``loss``/``zloss`` output: ``loss_rows`` long, in ``x``'s dtype, or with
+    ``wide_loss`` in its accumulation dtype (float32 for 16-bit ``x``; as
+    ``launch.loss_torch_dtype``)."""
+    wide = wide_loss and x.dtype in (torch.float16, torch.bfloat16)
+    return x.new_empty(loss_rows(x, reduction), dtype=torch.float32 if wide else x.dtype)

@@ -34,7 +34,8 @@ from .tensors import (
 
 @dataclass
 class ForwardOutputs:
-    """``loss``/``zloss``: ``[N]`` or ``[1]`` in the input dtype; ``lse``: ``[N]``
+    """``loss``/``zloss``: ``[N]`` or ``[1]`` in the input dtype (the accumulation
+    dtype with ``LossOptions.wide_loss``: ``loss_dtype``); ``lse``: ``[N]``
     in the accumulation dtype; ``log_prob``: ``[N, C]`` or ``None``; ``hit``:
     ``[N]`` in the accumulation dtype, 1 where the row counts and its target
     is its first maximal logit (token accuracy), or ``None``."""
@@ -107,6 +108,17 @@ def _variant(options: LossOptions, **fields) -> Variant:
                    **fields)
 
 
+def _wide(options: LossOptions, x) -> bool:
+    """Whether the loss kernels for ``x`` are the ``wide_loss`` variants: asked for,
+    and ``x``'s dtype narrower than the accumulation dtype (else they are the same)."""
+    return options.wide_loss and accum_torch_dtype(x) != x.dtype
+
+
+def loss_torch_dtype(options: LossOptions, x) -> torch.dtype:
+    """The dtype the loss kernels write ``loss``/``zloss`` in for ``x``."""
+    return accum_torch_dtype(x) if _wide(options, x) else x.dtype
+
+
 def _prob_scalars(options: LossOptions) -> tuple:
     """The probability-target kernels' scalar arguments: those of ``_scalars``
     but the ignore index."""
@@ -163,8 +175,8 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = F
     if out is None:
         rows = n if options.reduction == "none" else 1
         out = ForwardOutputs(
-            loss=x.new_empty(rows),
-            zloss=x.new_empty(rows),
+            loss=x.new_empty(rows, dtype=loss_torch_dtype(options, x)),
+            zloss=x.new_empty(rows, dtype=loss_torch_dtype(options, x)),
             lse=x.new_empty(n, dtype=accum_torch_dtype(x)),
             log_prob=pool.empty_like(x) if log_prob else None,
             hit=x.new_empty(n, dtype=accum_torch_dtype(x)) if accuracy else None,
@@ -173,7 +185,8 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = F
     if _rows_to_run(x) == 0:
         _empty_reduction(out, options.reduction)
         return out
-    variant = _variant(options, weighted=w is not None, log_prob=log_prob, accuracy=accuracy)
+    variant = _variant(options, weighted=w is not None, log_prob=log_prob, accuracy=accuracy,
+                       wide_loss=_wide(options, x))
     _run(_spec("forward", x, variant), n, x, y, *_weight(w), *_scalars(options), out.loss,
          out.zloss, out.lse, *([out.log_prob] if log_prob else []),
          *([out.hit] if accuracy else []))
@@ -189,7 +202,9 @@ def train(x, y, w, options: LossOptions, *,
     x, y, w = aligned(x), aligned(y), aligned(w)
     n = x.shape[0]
     acc = accum_torch_dtype(x)
-    out = ForwardOutputs(loss=x.new_empty(1), zloss=x.new_empty(1),
+    loss_dtype = loss_torch_dtype(options, x)
+    out = ForwardOutputs(loss=x.new_empty(1, dtype=loss_dtype),
+                         zloss=x.new_empty(1, dtype=loss_dtype),
                          lse=x.new_empty(n, dtype=acc), log_prob=None,
                          hit=x.new_empty(n, dtype=acc) if accuracy else None)
     x_grad = pool.empty_like(x)
@@ -197,7 +212,8 @@ def train(x, y, w, options: LossOptions, *,
         _empty_reduction(out, options.reduction)
         return out, x_grad
     norms = [x.new_empty(2, dtype=acc)] if options.reduction == "mean" else []
-    variant = _variant(options, weighted=w is not None, log_prob=False, accuracy=accuracy)
+    variant = _variant(options, weighted=w is not None, log_prob=False, accuracy=accuracy,
+                       wide_loss=_wide(options, x))
     _run(_spec("train", x, variant), n, x, y, *_weight(w), *_scalars(options), *norms, x_grad,
          out.lse, out.loss, out.zloss, *([out.hit] if accuracy else []))
     return out, x_grad
@@ -279,13 +295,16 @@ def prob_forward(x, q, w, options: LossOptions) -> tuple[ForwardOutputs, torch.T
     x, q, w = aligned(x), aligned(q), aligned(w)
     n = x.shape[0]
     rows = n if options.reduction == "none" else 1
-    out = ForwardOutputs(loss=x.new_empty(rows), zloss=x.new_empty(rows),
+    loss_dtype = loss_torch_dtype(options, x)
+    out = ForwardOutputs(loss=x.new_empty(rows, dtype=loss_dtype),
+                         zloss=x.new_empty(rows, dtype=loss_dtype),
                          lse=x.new_empty(n, dtype=accum_torch_dtype(x)), log_prob=None)
     mass = x.new_empty(n, dtype=accum_torch_dtype(x))
     if _rows_to_run(x) == 0:
         _empty_reduction(out, options.reduction)
         return out, mass
-    spec = _spec("prob_forward", x, _variant(options, weighted=w is not None, log_prob=False))
+    spec = _spec("prob_forward", x, _variant(options, weighted=w is not None, log_prob=False,
+                                             wide_loss=_wide(options, x)))
     _run(spec, n, x, q, *_weight(w), *_prob_scalars(options), out.loss, out.zloss, out.lse, mass)
     return out, mass
 

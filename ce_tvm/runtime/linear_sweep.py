@@ -108,15 +108,20 @@ class _ChunkBuffers:
     per-row outputs, reused by every chunk, and the per-row ``loss``/``zloss``
     (and, for token accuracy, ``hit``) of the whole sweep (``[N]``). The
     kernels write the chunk's own outputs (they start their buffers, so they
-    are aligned as the kernels require)."""
+    are aligned as the kernels require). The per-row losses are in the dtype
+    the kernels write them in (``launch.loss_torch_dtype``: float32 for 16-bit
+    logits with ``opts.wide_loss``), so a float32 loss is never rounded to 16 bits."""
 
-    def __init__(self, rows: int, x: Tensor, classes: int, accuracy: bool = False):
-        acc = accum_torch_dtype(x)
+    def __init__(self, rows: int, x: Tensor, classes: int, opts: LossOptions,
+                 accuracy: bool = False):
+        acc, dtype = accum_torch_dtype(x), launch.loss_torch_dtype(opts, x)
         self.logits = pool.POOL.empty((rows, classes), x.dtype, x.device)
-        self.chunk = launch.ForwardOutputs(x.new_empty(rows), x.new_empty(rows),
+        self.chunk = launch.ForwardOutputs(x.new_empty(rows, dtype=dtype),
+                                           x.new_empty(rows, dtype=dtype),
                                            x.new_empty(rows, dtype=acc), None,
                                            x.new_empty(rows, dtype=acc) if accuracy else None)
-        self.loss, self.zloss = x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
+        self.loss = x.new_empty(x.shape[0], dtype=dtype)
+        self.zloss = x.new_empty(x.shape[0], dtype=dtype)
         self.hit = x.new_empty(x.shape[0], dtype=acc) if accuracy else None
 
     def project(self, x_rows: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
@@ -250,7 +255,8 @@ class GradSink:
 def _reduce(bufs: _ChunkBuffers, D: Tensor | None, M: Tensor | None,
             opts: LossOptions) -> tuple[Tensor, Tensor]:
     """``(loss, zloss)`` of docs/spec.md, section 2, from the per-row values, summed in the
-    accumulation dtype and cast once; ``[N]`` for ``none``, else ``[1]``."""
+    accumulation dtype and cast once to the rows' dtype (the accumulation dtype itself
+    with ``wide_loss``: no rounding at all); ``[N]`` for ``none``, else ``[1]``."""
     if opts.reduction == "none":
         return bufs.loss, bufs.zloss
     acc = accum_torch_dtype(bufs.loss)
@@ -266,7 +272,7 @@ def loss_only(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor | Non
               accuracy: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss, zloss, accuracy)`` without any gradient (``accuracy`` empty
     unless asked for)."""
-    bufs = _ChunkBuffers(rows, x, W.shape[0], accuracy)
+    bufs = _ChunkBuffers(rows, x, W.shape[0], opts, accuracy)
     for sl in chunks(x.shape[0], rows):
         chunk_loss(bufs.project(x[sl], W, b), y[sl], w, opts, bufs.outputs(sl.stop - sl.start))
         bufs.keep(sl)
@@ -286,7 +292,7 @@ def loss_and_grads(x: Tensor, W: Tensor, b: Tensor | None, y: Tensor, w: Tensor 
     else:
         D = M = None
         grad_ce = grad_z = torch.ones(1, dtype=acc, device=x.device)
-    bufs = _ChunkBuffers(rows, x, W.shape[0], accuracy)
+    bufs = _ChunkBuffers(rows, x, W.shape[0], opts, accuracy)
     grads = _sweep_grads(bufs, x, W, b, y, w, opts, needs, grad_ce, grad_z, per_row=False)
     return (*_reduce(bufs, D, M, opts), bufs.accuracy(y, opts), *grads)
 
@@ -296,7 +302,7 @@ def grads_from_rows(grad_loss: Tensor, x: Tensor, W: Tensor, b: Tensor | None, y
     """``(grad_x, grad_W, grad_b)`` for ``none`` with upstream gradient
     ``grad_loss [N]``, recomputing each chunk's logits."""
     g = grad_loss.to(accum_torch_dtype(x)).reshape(-1).contiguous()
-    bufs = _ChunkBuffers(rows, x, W.shape[0])  # the losses are recomputed, and unused
+    bufs = _ChunkBuffers(rows, x, W.shape[0], opts)  # the losses are recomputed, and unused
     return _sweep_grads(bufs, x, W, b, y, w, opts, needs, g, g, per_row=True)
 
 

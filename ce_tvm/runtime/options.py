@@ -26,7 +26,9 @@ class LossOptions:
     ``>= 0``; the ``t`` of ``t * tanh(x / t)``; 0 is off), ``temperature``
     (finite, ``> 0``) and ``logit_scale`` (finite, ``> 0``; a model family's
     multiplier): every part of the loss is computed on ``z = cap(s x) / T``
-    (docs/spec.md, section 4).
+    (docs/spec.md, section 4). ``wide_loss``: the loss and z-loss are written in
+    the accumulation dtype (float32 for 16-bit logits; ``loss_dtype=torch.float32``,
+    read by ``wide_loss``), not rounded to the logits' dtype.
 
     Constructing one checks every field, in that order, and raises
     ``TypeError``/``ValueError`` saying what was expected; ``zloss_name`` is the
@@ -40,6 +42,7 @@ class LossOptions:
     softcap: float = 0.0
     temperature: float = 1.0
     logit_scale: float = 1.0
+    wide_loss: bool = False
     zloss_name: InitVar[str] = "lse_square_scale"
 
     def __post_init__(self, zloss_name: str):
@@ -73,19 +76,20 @@ class LossOptions:
 
     @classmethod
     def from_schema(cls, reduction, ignore_index, label_smoothing, lse_square_scale, softcap,
-                    temperature) -> LossOptions:
+                    temperature, wide_loss: bool = False) -> LossOptions:
         """The ops' schema scalars (primitive, the logit scale already folded into
         the softcap and the temperature: ``schema_scalars``) as one ``LossOptions``."""
         return cls(reduction=reduction, ignore_index=ignore_index,
                    label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                   softcap=softcap, temperature=temperature)
+                   softcap=softcap, temperature=temperature, wide_loss=bool(wide_loss))
 
     def schema_scalars(self) -> dict:
         """The options by the names of the ops' schema, the logit scale folded into
         the softcap and the temperature (``from_schema`` reads them back)."""
         return dict(reduction=self.reduction, ignore_index=self.ignore_index,
                     label_smoothing=self.label_smoothing, lse_square_scale=self.zloss_scale,
-                    softcap=self.kernel_softcap, temperature=self.kernel_temperature)
+                    softcap=self.kernel_softcap, temperature=self.kernel_temperature,
+                    wide_loss=self.wide_loss)
 
     # The distribution is softmax(cap_t(s x) / T), and cap_t(s x) = s cap_{t/s}(x): the
     # kernels take the scale folded into the softcap and the temperature, so a scale
@@ -112,6 +116,30 @@ def real(v, name: str) -> float:
     if v != v:
         raise ValueError(f"{name} must not be NaN")
     return v
+
+
+def loss_dtype(value):
+    """``loss_dtype`` checked: ``None`` (the input's dtype, PyTorch's rule) or
+    ``torch.float32``; another ``torch.dtype`` is a ``ValueError``, anything else a
+    ``TypeError`` (docs/spec.md, section 11)."""
+    import torch
+
+    if value is None or value is torch.float32:
+        return value
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"loss_dtype must be None or a torch.dtype (torch.float32), "
+                        f"got {type(value).__name__}")
+    raise ValueError(f"loss_dtype must be None (the input's dtype) or torch.float32, "
+                     f"got {value}")
+
+
+def wide_loss(value, dtype) -> bool:
+    """Whether ``loss_dtype`` ``value`` (checked by ``loss_dtype``) asks the kernels for
+    a float32 loss from logits of ``dtype``: only for 16-bit logits (float32 ones give
+    float32 already; float64 ones stay float64)."""
+    import torch
+
+    return loss_dtype(value) is torch.float32 and dtype in (torch.float16, torch.bfloat16)
 
 
 def store_on_module(module, options: LossOptions) -> None:
