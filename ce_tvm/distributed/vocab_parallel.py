@@ -34,7 +34,6 @@ from ..losses.autograd import ForwardGradients
 from ..losses.outputs import with_extras
 from ..runtime import launch, pool
 from ..runtime import linear_sweep as sweep
-from ..runtime import options as options_dtype
 from ..runtime.collectives import (
     accuracy_of,
     gathered_rows,
@@ -111,7 +110,7 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
     token accuracy over the full rows (one more ``all_reduce`` of ``[N]``).
     ``loss_dtype`` as ``ce_tvm.cross_entropy`` takes it.
     """
-    options_dtype.loss_dtype(loss_dtype)
+    check.loss_dtype(loss_dtype)
     x = check.logits(logits_shard, "logits_shard")
     check.check_device(x)
     if not isinstance(target, Tensor) or target.dtype not in check.TARGET_DTYPES:
@@ -120,7 +119,7 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, target: Tensor, weight: T
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                           softcap=softcap, temperature=temperature,
                           logit_scale=logit_scale,
-                          wide_loss=options_dtype.wide_loss(loss_dtype, x.dtype))
+                          wide_loss=check.wide_loss(loss_dtype, x.dtype))
     loss, zloss, accuracy = _VocabParallelCrossEntropy.apply(x, target, weight, options, group,
                                                              bool(return_token_accuracy))
     if options.reduction != "none":
@@ -139,7 +138,7 @@ class VocabParallelCrossEntropyLoss(nn.Module):
                  loss_dtype: torch.dtype | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
-        self.loss_dtype = options_dtype.loss_dtype(loss_dtype)
+        self.loss_dtype = check.loss_dtype(loss_dtype)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                               softcap=softcap, temperature=temperature,
@@ -297,14 +296,14 @@ def vocab_parallel_linear_cross_entropy(input: Tensor, local_weight: Tensor, tar
     (global) to the result, as ``ce_tvm.linear_cross_entropy`` does, and
     ``loss_dtype`` too.
     """
-    options_dtype.loss_dtype(loss_dtype)
+    check.loss_dtype(loss_dtype)
     input, local_weight, local_bias = check.head_dtypes(input, local_weight, local_bias)
     x = check.linear_head(input, local_weight, local_bias)
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                           softcap=softcap, temperature=temperature,
                           logit_scale=logit_scale,
-                          wide_loss=options_dtype.wide_loss(loss_dtype, x.dtype))
+                          wide_loss=check.wide_loss(loss_dtype, x.dtype))
     if not isinstance(target, Tensor) or target.dtype not in check.TARGET_DTYPES:
         raise TypeError("target must be an int64 or int32 tensor of global class ids")
     rows = check.chunk_rows(chunk_rows)
@@ -330,7 +329,7 @@ class VocabParallelLinearCrossEntropyLoss(nn.Module):
                  chunk_rows: int | None = None, loss_dtype: torch.dtype | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
-        self.loss_dtype = options_dtype.loss_dtype(loss_dtype)
+        self.loss_dtype = check.loss_dtype(loss_dtype)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                               softcap=softcap, temperature=temperature,

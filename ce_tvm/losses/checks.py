@@ -160,6 +160,26 @@ def row_mask(mask, rows: torch.Tensor) -> torch.Tensor | None:
     return (mask != 0).reshape(-1)
 
 
+def loss_dtype(value):
+    """``loss_dtype`` checked: ``None`` (the input's dtype, PyTorch's rule) or
+    ``torch.float32``; another ``torch.dtype`` is a ``ValueError``, anything else a
+    ``TypeError`` (docs/spec.md, section 11; ``runtime.options`` holds no torch)."""
+    if value is None or value is torch.float32:
+        return value
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"loss_dtype must be None or a torch.dtype (torch.float32), "
+                        f"got {type(value).__name__}")
+    raise ValueError(f"loss_dtype must be None (the input's dtype) or torch.float32, "
+                     f"got {value}")
+
+
+def wide_loss(value, dtype) -> bool:
+    """Whether ``loss_dtype`` ``value`` (checked by ``loss_dtype``) asks the kernels for
+    a float32 loss from logits of ``dtype``: only for 16-bit logits (float32 ones give
+    float32 already; float64 ones stay float64)."""
+    return loss_dtype(value) is torch.float32 and dtype in (torch.float16, torch.bfloat16)
+
+
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 

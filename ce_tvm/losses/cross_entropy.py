@@ -34,7 +34,6 @@ from torch.nn import _reduction
 
 from ..distributed import dtensors, heads
 from ..runtime import launch
-from ..runtime import options as options_dtype
 from ..runtime.options import LossOptions, store_on_module
 from ..runtime.tensors import accum_torch_dtype
 from . import checks as check
@@ -326,7 +325,7 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     reduced from the kernels' float32 sums without rounding to 16 bits (float64
     logits stay float64).
     """
-    options_dtype.loss_dtype(loss_dtype)
+    check.loss_dtype(loss_dtype)
     if check.is_dtensor(input):  # logits sharded on the class dimension
         return heads.eagerly(
             dtensors.cross_entropy, input, target, weight, ignore_index=ignore_index,
@@ -341,7 +340,7 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
                           ignore_index=ignore_index, label_smoothing=label_smoothing,
                           zloss_scale=lse_square_scale, softcap=softcap,
                           temperature=temperature, logit_scale=logit_scale,
-                          wide_loss=options_dtype.wide_loss(loss_dtype, dtype))
+                          wide_loss=check.wide_loss(loss_dtype, dtype))
     if y.dtype.is_floating_point:
         if return_token_accuracy:
             raise ValueError("return_token_accuracy needs class-index targets, "
@@ -404,7 +403,7 @@ class CrossEntropyLoss(nn.Module):
                  logit_scale: float = 1.0, loss_dtype: torch.dtype | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
-        self.loss_dtype = options_dtype.loss_dtype(loss_dtype)
+        self.loss_dtype = check.loss_dtype(loss_dtype)
         options = LossOptions(reduction=_reduction_of(size_average, reduce, reduction),
                               ignore_index=ignore_index, label_smoothing=label_smoothing,
                               zloss_scale=lse_square_scale, softcap=softcap,

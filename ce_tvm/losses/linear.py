@@ -29,8 +29,7 @@ from torch import Tensor, nn
 
 from ..distributed import dtensors, heads
 from ..runtime import linear_sweep as sweep
-from ..runtime.options import LossOptions, store_on_module, wide_loss
-from ..runtime.options import loss_dtype as check_loss_dtype
+from ..runtime.options import LossOptions, store_on_module
 from . import checks as check
 from .autograd import ForwardGradients, custom_op, op_gradients
 from .outputs import accuracy_like, grad_like, loss_like, with_extras
@@ -194,7 +193,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     dtypes: ``checks.head_dtypes`` (autocast's rule under ``torch.autocast``,
     else the widest dtype).
     """
-    check_loss_dtype(loss_dtype)
+    check.loss_dtype(loss_dtype)
     return heads.run(input, linear_weight, linear_bias, _fused, dtensors.linear_cross_entropy,
                      target, weight=weight, reduction=reduction, ignore_index=ignore_index,
                      label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
@@ -214,7 +213,7 @@ def _fused(input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, tar
     options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                           label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                           softcap=softcap, temperature=temperature, logit_scale=logit_scale,
-                          wide_loss=wide_loss(loss_dtype, x.dtype))
+                          wide_loss=check.wide_loss(loss_dtype, x.dtype))
     rows = check.chunk_rows(chunk_rows)
     grad_on = torch.is_grad_enabled()
     loss, zloss, accuracy, *_ = linear_cross_entropy_forward(
@@ -249,7 +248,7 @@ class LinearCrossEntropyLoss(nn.Module):
                  loss_dtype: torch.dtype | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
-        self.loss_dtype = check_loss_dtype(loss_dtype)
+        self.loss_dtype = check.loss_dtype(loss_dtype)
         options = LossOptions(reduction=reduction, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
                               softcap=softcap, temperature=temperature, logit_scale=logit_scale)

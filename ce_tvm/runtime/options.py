@@ -28,7 +28,7 @@ class LossOptions:
     multiplier): every part of the loss is computed on ``z = cap(s x) / T``
     (docs/spec.md, section 4). ``wide_loss``: the loss and z-loss are written in
     the accumulation dtype (float32 for 16-bit logits; ``loss_dtype=torch.float32``,
-    read by ``wide_loss``), not rounded to the logits' dtype.
+    read by ``losses.checks.wide_loss``), not rounded to the logits' dtype.
 
     Constructing one checks every field, in that order, and raises
     ``TypeError``/``ValueError`` saying what was expected; ``zloss_name`` is the
@@ -116,30 +116,6 @@ def real(v, name: str) -> float:
     if v != v:
         raise ValueError(f"{name} must not be NaN")
     return v
-
-
-def loss_dtype(value):
-    """``loss_dtype`` checked: ``None`` (the input's dtype, PyTorch's rule) or
-    ``torch.float32``; another ``torch.dtype`` is a ``ValueError``, anything else a
-    ``TypeError`` (docs/spec.md, section 11)."""
-    import torch
-
-    if value is None or value is torch.float32:
-        return value
-    if not isinstance(value, torch.dtype):
-        raise TypeError(f"loss_dtype must be None or a torch.dtype (torch.float32), "
-                        f"got {type(value).__name__}")
-    raise ValueError(f"loss_dtype must be None (the input's dtype) or torch.float32, "
-                     f"got {value}")
-
-
-def wide_loss(value, dtype) -> bool:
-    """Whether ``loss_dtype`` ``value`` (checked by ``loss_dtype``) asks the kernels for
-    a float32 loss from logits of ``dtype``: only for 16-bit logits (float32 ones give
-    float32 already; float64 ones stay float64)."""
-    import torch
-
-    return loss_dtype(value) is torch.float32 and dtype in (torch.float16, torch.bfloat16)
 
 
 def store_on_module(module, options: LossOptions) -> None:

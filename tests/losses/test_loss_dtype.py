@@ -4,6 +4,10 @@ a head's mixed dtypes (``checks.head_dtypes``, section 8)."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -251,3 +255,77 @@ def test_mixed_head_of_log_probs_and_distillation():
     want = ce_tvm.linear_distillation_loss(x, W.float(), x.detach(), teacher)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert _grads(got, (W,))[0].dtype == torch.bfloat16
+
+
+# --- The wide-loss kernels under the other schedules ---------------------------
+
+
+@pytest.mark.parametrize("op", ["forward", "train", "prob_forward"])
+def test_wide_loss_kernels_build_for_cuda(op):
+    """The CUDA schedule lays out the float32 ``loss``/``zloss`` stages unchanged (and
+    nvcc compiles them, where it is on ``PATH``)."""
+    from ce_tvm.compiler.build import compile_spec, cuda_binary
+    from ce_tvm.kernels.kinds import Variant
+    from ce_tvm.store.spec import KernelSpec
+
+    variant = Variant("mean", weighted=op != "prob_forward", log_prob=False, wide_loss=True)
+    spec = KernelSpec(op, "bfloat16", 1001, variant, "cuda", (("arch", "sm_90"),))
+    built = cuda_binary(compile_spec(spec), spec)
+    assert built is None or built[1][:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_float32_loss_under_the_ascend_schedule(reduction):
+    torch.manual_seed(8)
+    x, y = (torch.randn(N, 2003) * 3).bfloat16(), _targets(classes=2003)
+    with ce_tvm.schedule("ascend", profile="910b"):
+        loss = ce_tvm.cross_entropy(x.clone().requires_grad_(), y, reduction=reduction,
+                                    label_smoothing=0.1, lse_square_scale=1e-3,
+                                    loss_dtype=torch.float32)
+    want = reference.forward(x.double().numpy(), y.numpy(), reduction=reduction,
+                             label_smoothing=0.1, zloss_scale=1e-3)[0]
+    _close(loss, np.asarray(want).reshape(loss.shape))
+
+
+VOCAB_PARALLEL = """
+import sys, torch, torch.distributed as dist, ce_tvm
+from ce_tvm.distributed import (vocab_parallel_cross_entropy as vp,
+                                vocab_parallel_linear_cross_entropy as vp_linear)
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
+                        world_size=1)
+torch.manual_seed(0)
+x, y = (torch.randn(40, 301) * 3).bfloat16(), torch.randint(0, 301, (40,))
+h, W = torch.randn(40, 8), torch.randn(301, 8).bfloat16()
+for red in ("mean", "sum", "none"):
+    kw = dict(reduction=red, label_smoothing=0.1, lse_square_scale=1e-3,
+              loss_dtype=torch.float32)
+    got, want = vp(x, y, **kw), ce_tvm.cross_entropy(x, y, **kw)
+    assert got.dtype == torch.float32, got.dtype
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # a float32 input beside a bf16 head: both in float32 (the one head rule)
+    got = vp_linear(h, W, y, **kw)
+    want = ce_tvm.linear_cross_entropy(h, W.float(), y, **kw)
+    assert got.dtype == torch.float32, got.dtype
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    got = vp_linear(h.bfloat16(), W, y, **kw)
+    want = ce_tvm.linear_cross_entropy(h.bfloat16(), W, y, **kw)
+    assert got.dtype == torch.float32, got.dtype
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+try:
+    vp(x, y, loss_dtype=torch.float16)
+except ValueError as err:
+    assert "loss_dtype" in str(err)
+else:
+    raise AssertionError("no ValueError")
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_vocab_parallel_float32_loss_and_mixed_head():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-c", VOCAB_PARALLEL, str(port)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
