@@ -25,8 +25,8 @@ A DTensor weight alone cannot tell them apart, so ``run`` routes a call by this 
    mesh; a ``ValueError`` naming the readings for anything else; never a guess);
 3. plain tensors: the family's local fused loss.
 
-The sharded routes run eagerly under ``torch.compile`` (a graph break): the module hooks
-and collectives they call are not traced.
+The sharded routes run eagerly under ``torch.compile`` (``eager.eagerly``, a graph break):
+the module hooks and collectives they call are not traced.
 """
 
 from __future__ import annotations
@@ -55,24 +55,20 @@ def run(input, head, bias, local, dtensor, *args, **kwargs):
     """``local(input, weight, bias, *args, **kwargs)`` or ``dtensor(...)`` (the same
     arguments) for the head ``head`` (a weight, or the head module with ``bias``
     ``None``), routed by the rule of the module doc. ``local`` and ``dtensor`` are the
-    calling family's module-level functions (traceable where the route is plain)."""
+    calling family's module-level functions (traceable where the route is plain; the
+    sharded routes run ``eagerly``)."""
     if isinstance(head, nn.Module):
         inner, needs_call = check.head_module(head, bias)
         if needs_call:
-            return _inside_head(head, inner, input, local, dtensor, args, kwargs)
+            from .eager import eagerly
+            return eagerly(_inside_head, head, inner, input, local, dtensor, args, kwargs)
         head, bias = inner.weight, getattr(inner, "bias", None)
     if check.is_dtensor(head) or check.is_dtensor(input):
+        from .eager import eagerly
         return eagerly(dtensor, input, head, bias, *args, **kwargs)
     return local(input, head, bias, *args, **kwargs)
 
 
-@torch.compiler.disable
-def eagerly(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, run eagerly under ``torch.compile`` (a graph break)."""
-    return fn(*args, **kwargs)
-
-
-@torch.compiler.disable
 def _inside_head(head: nn.Module, inner: nn.Module, input, local, dtensor, args, kwargs):
     """``run`` with the weight and bias the module's own call holds, inside that call."""
     def routed(hidden):

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import _reduction
 
-from ..distributed import dtensors, heads
+from ..distributed import dtensors
 from ..runtime import launch
 from ..runtime.options import LossOptions, store_on_module
 from ..runtime.tensors import accum_torch_dtype
@@ -327,7 +327,9 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     """
     check.loss_dtype(loss_dtype)
     if check.is_dtensor(input):  # logits sharded on the class dimension
-        return heads.eagerly(
+        from ..distributed.eager import eagerly  # imports torch._dynamo: only here
+
+        return eagerly(
             dtensors.cross_entropy, input, target, weight, ignore_index=ignore_index,
             reduction=_reduction_of(size_average, reduce, reduction),
             label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,

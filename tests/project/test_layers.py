@@ -59,7 +59,7 @@ LAYERS = [
     # __init__ imports nothing: here, where importing a floor-mate runs it)
     ("losses", "losses.checks", "losses.autograd", "losses.outputs"),
     # multi-device: the vocabulary-parallel losses and the one rule for sharded heads
-    ("distributed.vocab_parallel", "distributed.heads", "distributed"),
+    ("distributed.vocab_parallel", "distributed.heads", "distributed.eager", "distributed"),
     ("distributed.dtensors",),  # what DTensors mean, for each family
     # the losses users call, one module per family (ops and public API)
     ("losses.cross_entropy", "losses.seed", "losses.linear", "losses.log_probs",
@@ -89,7 +89,7 @@ RUNTIME_PATH = ("kernels", "kernels.kinds", "store", "store.paths", "store.files
                 "losses.checks", "losses.autograd", "losses.outputs", "losses.cross_entropy",
                 "losses.seed", "losses.linear", "losses.log_probs", "losses.distillation",
                 "losses.topk_distillation", "distributed", "distributed.vocab_parallel",
-                "distributed.heads", "distributed.dtensors", "__init__")
+                "distributed.heads", "distributed.eager", "distributed.dtensors", "__init__")
 
 SUBPACKAGES = {"schedules": ROOT / "schedules",
                **{p: ROOT / "ce_tvm" / p for p in PACKAGES if p and p != "schedules"}}
