@@ -29,13 +29,19 @@ outputs)`` without the ``[N, V]`` logits.
   per-element divergence; ``reduction="none"``, per element, stays TRL's).
 - ``remove()``: TRL's own functions again.
 
-Under DeepSpeed ZeRO-3 each call goes to TRL's own function: its backward
-re-gathers the partitioned weight to recompute, which ce_tvm's does not yet.
+Under DeepSpeed ZeRO-3 the head's weight is partitioned (``numel 0``) outside
+its module's call and TRL gathers it for the fused call only
+(``maybe_gather_lm_head_ctx``), which the backward must enter again: there the
+calls compute as TRL's own functions do (``_Regathered``): the forward without
+a graph inside the gather, the backward gathers the head again with TRL's own
+context and recomputes the call with ce_tvm's autograd (one more forward sweep
+than without ZeRO-3, as TRL's own backward recomputes its tiles).
 A TRL version outside ``TESTED`` is an error, not a silent patch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -72,6 +78,47 @@ def _zero3() -> bool:
     return is_deepspeed_zero3_enabled()
 
 
+class _Regathered(torch.autograd.Function):
+    """``compute(*inputs)`` (a tuple of outputs, tensors or ``None``; the first
+    ``differentiable`` carry gradients) with ZeRO-3's partitioned heads among
+    ``inputs``: run inside ``gather(*inputs)`` (a context that gathers them) without
+    a graph; the backward enters ``gather`` again and recomputes ``compute`` with
+    autograd on the gathered tensors, as TRL's own backward does."""
+
+    @staticmethod
+    def forward(ctx, compute, gather, differentiable, *inputs):
+        ctx.set_materialize_grads(False)
+        ctx.compute, ctx.gather = compute, gather
+        ctx.save_for_backward(*inputs)
+        with gather(*inputs):
+            outputs = tuple(compute(*inputs))
+        ctx.mark_non_differentiable(*(t for t in outputs[differentiable:] if t is not None))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        with ctx.gather(*inputs), torch.enable_grad():
+            leaves = [t.detach().requires_grad_() if t is not None and need else t
+                      for t, need in zip(inputs, needs)]
+            outputs = ctx.compute(*leaves)
+            pairs = [(o, g) for o, g in zip(outputs, grads)
+                     if o is not None and g is not None and o.requires_grad]
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            found = (torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                         allow_unused=True)
+                     if pairs and wanted else [None] * len(wanted))
+        found = iter(found)
+        return (None, None, None,
+                *(next(found) if t is not None and t.requires_grad else None for t in leaves))
+
+
+def _zero3_head(*params):
+    """TRL's own gather of ZeRO-3 head parameters (a null context when gathered)."""
+    return trl_utils.maybe_gather_lm_head_ctx(*params)
+
+
 class ChunkedLogProb:
     """TRL's ``ChunkedLogProbFunction`` interface, computed by ``linear_log_probs``."""
 
@@ -83,24 +130,29 @@ class ChunkedLogProb:
         rows ``hidden [N, H] @ weight.T + bias`` at ``targets [N]`` (``None``
         for an output not in ``outputs``); ``chunk_size`` (TRL's vocabulary
         tile) has no use here: ce_tvm goes through rows, not columns."""
-        if _zero3():
-            return _TRLS_OWN.apply(hidden, weight, bias, targets, temperature, chunk_size,
-                                   final_logit_softcapping, logit_scale, outputs)
         dtype = (torch.get_autocast_dtype(hidden.device.type)
                  if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype)
         cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
         wanted = [name for name in STATISTICS if name in outputs]
-        with torch.autocast(hidden.device.type, enabled=False):
-            result = linear_log_probs(
-                cast(hidden), cast(weight), targets, linear_bias=cast(bias),
-                temperature=float(temperature), softcap=float(final_logit_softcapping or 0.0),
-                logit_scale=float(logit_scale), return_entropy="entropy" in outputs,
-                return_stats=bool(wanted))
-        result = list(result) if isinstance(result, tuple) else [result]
-        stats = result.pop() if wanted else None
-        entropy = result[1] if "entropy" in outputs else None
-        return (result[0], entropy,
-                *(getattr(stats, name) if name in wanted else None for name in STATISTICS))
+
+        def compute(hidden, weight, bias, targets):
+            with torch.autocast(hidden.device.type, enabled=False):
+                result = linear_log_probs(
+                    cast(hidden), cast(weight), targets, linear_bias=cast(bias),
+                    temperature=float(temperature),
+                    softcap=float(final_logit_softcapping or 0.0),
+                    logit_scale=float(logit_scale), return_entropy="entropy" in outputs,
+                    return_stats=bool(wanted))
+            result = list(result) if isinstance(result, tuple) else [result]
+            stats = result.pop() if wanted else None
+            entropy = result[1] if "entropy" in outputs else None
+            return (result[0], entropy,
+                    *(getattr(stats, name) if name in wanted else None for name in STATISTICS))
+
+        if _zero3():
+            return _Regathered.apply(compute, lambda h, w, b, t: _zero3_head(w, b), 2,
+                                     hidden, weight, bias, targets)
+        return compute(hidden, weight, bias, targets)
 
 
 class ChunkedDivergence:
@@ -115,27 +167,37 @@ class ChunkedDivergence:
         """``(divergence[N], entropy[N])`` (float32) of the rows of both heads;
         the divergence's gradient reaches the student's hidden states, weight
         and bias, the entropy has none."""
-        if _zero3():
-            return _TRLS_DIVERGENCE.apply(
-                student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                teacher_bias, beta, temperature, student_logit_scale,
-                student_final_logit_softcapping, teacher_logit_scale,
-                teacher_final_logit_softcapping)
         device = student_hidden.device.type
         dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                  else student_hidden.dtype)
         cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
-        with torch.autocast(device, enabled=False):
-            loss, entropy = linear_distillation_loss(
-                cast(student_hidden), cast(student_weight), cast(teacher_hidden),
-                cast(teacher_weight), student_bias=cast(student_bias),
-                teacher_bias=cast(teacher_bias), beta=float(beta),
-                temperature=float(temperature), student_logit_scale=float(student_logit_scale),
-                teacher_logit_scale=float(teacher_logit_scale),
-                student_softcap=float(student_final_logit_softcapping or 0.0),
-                teacher_softcap=float(teacher_final_logit_softcapping or 0.0),
-                reduction="none", return_entropy=True)
-        return loss.float(), entropy.float()
+
+        def compute(student_hidden, student_weight, student_bias, teacher_hidden,
+                    teacher_weight, teacher_bias):
+            with torch.autocast(device, enabled=False):
+                loss, entropy = linear_distillation_loss(
+                    cast(student_hidden), cast(student_weight), cast(teacher_hidden),
+                    cast(teacher_weight), student_bias=cast(student_bias),
+                    teacher_bias=cast(teacher_bias), beta=float(beta),
+                    temperature=float(temperature),
+                    student_logit_scale=float(student_logit_scale),
+                    teacher_logit_scale=float(teacher_logit_scale),
+                    student_softcap=float(student_final_logit_softcapping or 0.0),
+                    teacher_softcap=float(teacher_final_logit_softcapping or 0.0),
+                    reduction="none", return_entropy=True)
+            return loss.float(), entropy.float()
+
+        if _zero3():
+            def gather(sh, sw, sb, th, tw, tb):  # as TRL's own: each head on its own
+                stack = contextlib.ExitStack()
+                stack.enter_context(_zero3_head(sw, sb))
+                stack.enter_context(_zero3_head(tw, tb))
+                return stack
+
+            return _Regathered.apply(compute, gather, 1, student_hidden, student_weight,
+                                     student_bias, teacher_hidden, teacher_weight, teacher_bias)
+        return compute(student_hidden, student_weight, student_bias, teacher_hidden,
+                       teacher_weight, teacher_bias)
 
 
 @functools.cache

@@ -220,9 +220,7 @@ def linear_head(input, linear_weight, linear_bias) -> torch.Tensor:
         raise ValueError("input must be [*, H] with at least one dimension, got a 0-d tensor")
     if linear_weight.dim() != 2:
         raise ValueError(f"linear_weight must be 2-D [V, H], got shape "
-                         f"{tuple(linear_weight.shape)}" + (
-                             " (FSDP's flat shard outside the forward? pass the head module, "
-                             "model.lm_head)" if linear_weight.dim() == 1 else ""))
+                         f"{tuple(linear_weight.shape)}" + _flat_shard_hint(linear_weight))
     hidden, classes = input.shape[-1], linear_weight.shape[0]
     if linear_weight.shape[1] != hidden:
         raise ValueError(f"linear_weight must be [V, H] with H = {hidden} (input's last "
@@ -248,6 +246,24 @@ def linear_head(input, linear_weight, linear_bias) -> torch.Tensor:
             raise ValueError(f"{name} is on {t.device} but input is on {input.device}")
     check_device(input)
     return input.reshape(-1, hidden)
+
+
+def is_zero3_parameter(t) -> bool:
+    """Whether ``t`` is a DeepSpeed ZeRO-3 parameter (its ``ds_id`` and ``ds_status``);
+    DeepSpeed is never imported here: without it in ``sys.modules`` nothing is one."""
+    return ("deepspeed" in sys.modules and hasattr(t, "ds_id")
+            and hasattr(t, "ds_status"))
+
+
+def _flat_shard_hint(linear_weight) -> str:
+    """What a 1-D head weight most likely is, and the fix (the error of ``linear_head``)."""
+    if linear_weight.dim() != 1:
+        return ""
+    if is_zero3_parameter(linear_weight):
+        return (f" (a DeepSpeed ZeRO-3 parameter, {linear_weight.ds_status}, outside its "
+                f"module's forward: ZeRO-3 gathers it only inside that call; pass the head "
+                f"module, model.lm_head)")
+    return " (FSDP's flat shard outside the forward? pass the head module, model.lm_head)"
 
 
 def chunk_rows(value) -> int:

@@ -1,5 +1,7 @@
 """Every bad input of SPEC section 3 raises a clear TypeError / ValueError."""
 
+import sys
+
 import pytest
 import torch
 
@@ -148,3 +150,23 @@ def test_class_last_logits_name_the_class_dimension():
     torch.testing.assert_close(ce_tvm.cross_entropy(logits.transpose(1, -1), target),
                                torch.nn.functional.cross_entropy(logits.reshape(-1, 5),
                                                                  target.reshape(-1)))
+
+
+def test_a_bare_1d_head_weight_names_the_sharding_that_made_it(monkeypatch):
+    """A 1-D weight: FSDP's flat shard by default; a DeepSpeed ZeRO-3 parameter
+    (``ds_id``, ``ds_status``, with deepspeed imported) is named as one. The real
+    ZeRO-3 parameter: tests/distributed/test_zero3.py."""
+    hidden, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
+    flat = torch.nn.Parameter(torch.empty(0))
+    with pytest.raises(ValueError, match=r"FSDP's flat shard.*model\.lm_head"):
+        ce_tvm.linear_cross_entropy(hidden, flat, target)
+    flat.ds_id, flat.ds_status = 3, "ZeroParamStatus.NOT_AVAILABLE"
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    with pytest.raises(ValueError, match="FSDP's flat shard"):  # no deepspeed: not ZeRO-3's
+        ce_tvm.linear_cross_entropy(hidden, flat, target)
+    monkeypatch.setitem(sys.modules, "deepspeed", object())
+    with pytest.raises(ValueError, match=r"DeepSpeed ZeRO-3 parameter, ZeroParamStatus\."
+                                         r"NOT_AVAILABLE, outside its module's forward.*"
+                                         r"model\.lm_head") as raised:
+        ce_tvm.linear_cross_entropy(hidden, flat, target)
+    assert "FSDP" not in str(raised.value)
