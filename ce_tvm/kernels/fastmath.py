@@ -11,7 +11,7 @@ every target and can sit inside a reduction:
 Relative error is below 2e-7 for float32 results of ``exp(x)``,
 ``-10 <= x <= 0`` (where a loss's probabilities lie), and below 4e-7, about 3
 ulp, over the whole float32 range (the rounding of ``ln(2)`` grows with
-``k``); 4e-6 for results stored in 16 bits (``tests/test_fastmath.py``).
+``k``); 4e-6 for results stored in 16 bits (``tests/kernels/test_fastmath.py``).
 Unlike ``topi.fast_exp`` NaN propagates (on x86 the clamp ``maxps(low, x)``
 keeps it and every later step is arithmetic on it; where ``max`` drops NaN,
 as CUDA's ``fmaxf`` does, the schedule asks for an explicit NaN
@@ -163,7 +163,7 @@ def tanh(x):
     ``fminf`` drops NaN), by Selects, which name ``r`` three times: every
     name of ``x`` is a copy of its expression in the tree TVM lowers
     (21 copies against 59; a capped kernel's compile time follows).
-    Exactly odd; relative error below 1e-6 (``tests/test_fastmath.py``).
+    Exactly odd; relative error below 1e-6 (``tests/kernels/test_fastmath.py``).
     """
     if str(x.ty) != "float32":
         return te.tanh(x)
