@@ -44,7 +44,7 @@ from ..runtime.collectives import (
     summed_input_grad,
     target_raw_logit,
 )
-from ..runtime.options import LossOptions, store_on_module
+from ..runtime.options import LossOptions
 from ..runtime.tensors import accum_torch_dtype
 
 
@@ -137,13 +137,10 @@ class VocabParallelCrossEntropyLoss(nn.Module):
                  temperature: float = 1.0, logit_scale: float = 1.0,
                  loss_dtype: torch.dtype | None = None):
         super().__init__()
-        self.register_buffer("weight", weight)
-        self.loss_dtype = check.loss_dtype(loss_dtype)
-        options = LossOptions(reduction=reduction, ignore_index=ignore_index,
-                              label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                              softcap=softcap, temperature=temperature,
-                          logit_scale=logit_scale)
-        store_on_module(self, options)
+        check.loss_module(self, weight, loss_dtype, reduction=reduction,
+                          ignore_index=ignore_index, label_smoothing=label_smoothing,
+                          lse_square_scale=lse_square_scale, softcap=softcap,
+                          temperature=temperature, logit_scale=logit_scale)
         self.group = group
 
     def forward(self, logits_shard: Tensor, target: Tensor) -> Tensor:
@@ -328,13 +325,10 @@ class VocabParallelLinearCrossEntropyLoss(nn.Module):
                  logit_scale: float = 1.0, sequence_parallel: bool = False,
                  chunk_rows: int | None = None, loss_dtype: torch.dtype | None = None):
         super().__init__()
-        self.register_buffer("weight", weight)
-        self.loss_dtype = check.loss_dtype(loss_dtype)
-        options = LossOptions(reduction=reduction, ignore_index=ignore_index,
-                              label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                              softcap=softcap, temperature=temperature,
-                          logit_scale=logit_scale)
-        store_on_module(self, options)
+        check.loss_module(self, weight, loss_dtype, reduction=reduction,
+                          ignore_index=ignore_index, label_smoothing=label_smoothing,
+                          lse_square_scale=lse_square_scale, softcap=softcap,
+                          temperature=temperature, logit_scale=logit_scale)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.chunk_rows = check.chunk_rows(chunk_rows) or None
 

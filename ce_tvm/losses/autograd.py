@@ -67,6 +67,14 @@ def op_gradients(op, **grads) -> tuple:
     return tuple(grads.get(name) for name in names)
 
 
+def head_gradients(op, grads: Sequence[Tensor | None], needs: Sequence[bool],
+                   names: tuple = ("input", "linear_weight", "linear_bias")) -> tuple:
+    """``op_gradients`` of a fused head's op: the gradients of its input, weight and
+    bias (``grads``, under ``names``), each where ``needs`` asks for it."""
+    return op_gradients(op, **{name: g if wanted else None
+                               for name, g, wanted in zip(names, grads, needs)})
+
+
 def graph_kept() -> bool:
     """Whether the running backward keeps the graph (``retain_graph``);
     ``True`` when that cannot be known (under ``torch.compile``)."""

@@ -360,3 +360,21 @@ def operator_args(x, name, target, weight_, **options):
     check_device(x)
     opts = LossOptions(**options, zloss_name="lse_square_scale_for_zloss")
     return x, targets(target, x, opts.ignore_index), weight(weight_, x), opts
+
+
+def loss_module(module: torch.nn.Module, weight, dtype, *, reduction, ignore_index,
+                label_smoothing, lse_square_scale, softcap, temperature, logit_scale) -> None:
+    """Check a loss module's options at construction and keep them on it under its
+    constructor's names, as torch's loss modules do: the class ``weight`` as a buffer,
+    ``dtype`` as ``loss_dtype``, and the ``LossOptions`` fields (``lse_square_scale`` for
+    ``zloss_scale``)."""
+    module.register_buffer("weight", weight)
+    module.loss_dtype = loss_dtype(dtype)
+    options = LossOptions(reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
+                          softcap=softcap, temperature=temperature, logit_scale=logit_scale)
+    module.ignore_index, module.reduction = options.ignore_index, options.reduction
+    module.label_smoothing, module.lse_square_scale = options.label_smoothing, options.zloss_scale
+    module.softcap, module.temperature = options.softcap, options.temperature
+    module.logit_scale = options.logit_scale
+

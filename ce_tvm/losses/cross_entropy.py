@@ -34,7 +34,7 @@ from torch.nn import _reduction
 
 from ..distributed import dtensors
 from ..runtime import launch
-from ..runtime.options import LossOptions, store_on_module
+from ..runtime.options import LossOptions
 from ..runtime.tensors import accum_torch_dtype
 from . import checks as check
 from .autograd import ForwardGradients, custom_op, op_gradients
@@ -404,13 +404,11 @@ class CrossEntropyLoss(nn.Module):
                  return_token_accuracy: bool = False, temperature: float = 1.0,
                  logit_scale: float = 1.0, loss_dtype: torch.dtype | None = None):
         super().__init__()
-        self.register_buffer("weight", weight)
-        self.loss_dtype = check.loss_dtype(loss_dtype)
-        options = LossOptions(reduction=_reduction_of(size_average, reduce, reduction),
-                              ignore_index=ignore_index, label_smoothing=label_smoothing,
-                              zloss_scale=lse_square_scale, softcap=softcap,
-                              temperature=temperature, logit_scale=logit_scale)
-        store_on_module(self, options)
+        check.loss_module(self, weight, loss_dtype,
+                          reduction=_reduction_of(size_average, reduce, reduction),
+                          ignore_index=ignore_index, label_smoothing=label_smoothing,
+                          lse_square_scale=lse_square_scale, softcap=softcap,
+                          temperature=temperature, logit_scale=logit_scale)
         self.return_zloss = return_zloss
         self.return_token_accuracy = return_token_accuracy
 

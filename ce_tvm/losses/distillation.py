@@ -25,7 +25,7 @@ from ..runtime.linear_sweep import Needs
 from ..runtime.options import DivergenceOptions
 from ..runtime.tensors import accum_torch_dtype
 from . import checks as check
-from .autograd import ForwardGradients, custom_op, op_gradients
+from .autograd import ForwardGradients, custom_op, head_gradients, op_gradients
 from .outputs import grad_like
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -182,10 +182,8 @@ def _linear_backward(ctx, grad_loss, *_):
                                              Wt, bt, *ctx.options, *ctx.needs)
     else:
         grads = ctx.grads.scaled(grad_loss)
-    grad_input, grad_weight, grad_bias = (g if wanted else None
-                                          for g, wanted in zip(grads, ctx.needs))
-    return op_gradients(linear_distillation_forward, student_input=grad_input,
-                        student_weight=grad_weight, student_bias=grad_bias)
+    return head_gradients(linear_distillation_forward, grads, ctx.needs,
+                          ("student_input", "student_weight", "student_bias"))
 
 
 linear_distillation_forward.register_autograd(_linear_backward,

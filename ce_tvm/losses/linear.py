@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from ..distributed import dtensors, heads
 from ..runtime import linear_sweep as sweep
-from ..runtime.options import LossOptions, store_on_module
+from ..runtime.options import LossOptions
 from . import checks as check
-from .autograd import ForwardGradients, custom_op, op_gradients
+from .autograd import ForwardGradients, custom_op, head_gradients, op_gradients
 from .outputs import accuracy_like, grad_like, loss_like, with_extras
 
 
@@ -134,10 +134,7 @@ def _backward(ctx, grad_loss, *_unused):
                                               *ctx.options, *ctx.needs)
     else:
         grads = ctx.grads.scaled(grad_loss)
-    grad_input, grad_weight, grad_bias = (g if wanted else None
-                                          for g, wanted in zip(grads, ctx.needs))
-    return op_gradients(linear_cross_entropy_forward, input=grad_input,
-                        linear_weight=grad_weight, linear_bias=grad_bias)
+    return head_gradients(linear_cross_entropy_forward, grads, ctx.needs)
 
 
 linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -247,12 +244,10 @@ class LinearCrossEntropyLoss(nn.Module):
                  temperature: float = 1.0, logit_scale: float = 1.0,
                  loss_dtype: torch.dtype | None = None):
         super().__init__()
-        self.register_buffer("weight", weight)
-        self.loss_dtype = check.loss_dtype(loss_dtype)
-        options = LossOptions(reduction=reduction, ignore_index=ignore_index,
-                              label_smoothing=label_smoothing, zloss_scale=lse_square_scale,
-                              softcap=softcap, temperature=temperature, logit_scale=logit_scale)
-        store_on_module(self, options)
+        check.loss_module(self, weight, loss_dtype, reduction=reduction,
+                          ignore_index=ignore_index, label_smoothing=label_smoothing,
+                          lse_square_scale=lse_square_scale, softcap=softcap,
+                          temperature=temperature, logit_scale=logit_scale)
         self.return_zloss = return_zloss
         self.return_token_accuracy = return_token_accuracy
         self.chunk_rows = chunk_rows

@@ -26,7 +26,7 @@ from ..runtime import linear_sweep as sweep
 from ..runtime.options import LossOptions
 from ..runtime.tensors import accum_torch_dtype
 from . import checks as check
-from .autograd import custom_op, op_gradients
+from .autograd import custom_op, head_gradients, op_gradients
 from .outputs import grad_like
 
 
@@ -285,9 +285,7 @@ def _linear_backward(ctx, grad_logp, grad_entropy, *_):
         grad_entropy = torch.zeros_like(entropy)
     grads = linear_log_probs_backward(grad_logp, grad_entropy, x, W, b, index, entropy,
                                       row_max, log_expsum, *ctx.options, *needs)
-    grad_input, grad_weight, grad_bias = (g if wanted else None for g, wanted in zip(grads, needs))
-    return op_gradients(linear_log_probs_forward, input=grad_input, linear_weight=grad_weight,
-                        linear_bias=grad_bias)
+    return head_gradients(linear_log_probs_forward, grads, needs)
 
 
 linear_log_probs_forward.register_autograd(_linear_backward,

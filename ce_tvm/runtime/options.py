@@ -118,15 +118,6 @@ def real(v, name: str) -> float:
     return v
 
 
-def store_on_module(module, options: LossOptions) -> None:
-    """Keep ``options`` on a loss module under its constructor's names
-    (``lse_square_scale`` for ``zloss_scale``), as torch's loss modules do."""
-    module.ignore_index, module.reduction = options.ignore_index, options.reduction
-    module.label_smoothing, module.lse_square_scale = options.label_smoothing, options.zloss_scale
-    module.softcap, module.temperature = options.softcap, options.temperature
-    module.logit_scale = options.logit_scale
-
-
 DIVERGENCE_KINDS = {0.0: "fkl", 1.0: "rkl"}  # TRL's beta at its ends; the JSD in between
 
 
