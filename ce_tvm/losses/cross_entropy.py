@@ -21,7 +21,7 @@ Probability targets (docs/spec.md, section 5) have their own pair,
 The ops are opaque to ``torch.compile`` (no graph break) and do no host
 synchronisation beyond the target range check, which needs the target values.
 DTensor logits sharded on the class dimension go to the vocabulary-parallel loss
-(``ce_tvm.distributed.heads``).
+(``ce_tvm.distributed.dtensors``), eagerly.
 """
 
 from __future__ import annotations
