@@ -39,7 +39,7 @@ def _message(package: str, extra: str, what: str, alternative: str, error: Impor
         version = f" {importlib.metadata.version(package)}"
     except importlib.metadata.PackageNotFoundError:
         version = ""
-    return (f"{what} needs {package} in the version the extra {extra!r} pins "
+    return (f"{what} needs {package} in a version the extra {extra!r} allows "
             f"({package}{version} is installed: {error}): {install}")
 
 
