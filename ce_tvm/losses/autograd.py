@@ -18,6 +18,7 @@ backward's gradients out in the op's schema order.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -60,11 +61,17 @@ def _excluded_once_traceable(impl):
 def op_gradients(op, **grads) -> tuple:
     """A backward's return for the custom op ``op``: one slot per argument of its
     schema, ``grads`` (by argument name) in theirs, ``None`` in the others."""
-    names = [argument.name for argument in op._opoverload._schema.arguments]
+    names = _argument_names(op)
     unknown = set(grads) - set(names)
     if unknown:
         raise TypeError(f"{op._name} has no arguments {sorted(unknown)}")
     return tuple(grads.get(name) for name in names)
+
+
+@functools.cache
+def _argument_names(op) -> tuple:
+    """The names of ``op``'s schema arguments, in order (read once per op)."""
+    return tuple(argument.name for argument in op._opoverload._schema.arguments)
 
 
 def head_gradients(op, grads: Sequence[Tensor | None], needs: Sequence[bool],
