@@ -27,7 +27,7 @@ same places, hit flags and repeated launches bit for bit equal),
 (as PoCL names it) and ``seconds``.
 
 The cases, the reference values and the comparison are
-``ce_tvm.testing.pocl_cases``'s (``tests/schedules/test_pocl.py`` runs a part of
+``ce_tvm.testing.cuda_cases``'s (``tests/schedules/test_pocl.py`` runs a part of
 them); this script runs them all and writes the records.
 
 Usage::
@@ -40,24 +40,19 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from ce_tvm.testing import pocl
-from ce_tvm.testing.pocl_cases import (
-    _BUILT,
+from ce_tvm.testing.cuda_cases import (
     ARCH,
     CLASSES,
     DTYPES,
     FAMILIES,
     ROWS,
-    TOL,
-    Result,
     matrix,
-    run_case,
+    run_cases,
     stress,
 )
 
@@ -83,26 +78,8 @@ def main(argv=None) -> int:
     if not args.no_stress:
         cases += [c for c in stress() if c.family in args.families]
     cases = [replace(c, arch=args.arch) for c in cases]
-    results, start = [], time.perf_counter()
-    for i, case in enumerate(cases, 1):
-        try:
-            result = run_case(case, device)
-        except Exception as err:  # a build or launch failure is a failed case
-            result = Result(case.op, case.family, case.dtype, case.classes, case.rows,
-                            case.label, float("inf"), float("inf"), "", TOL[case.dtype],
-                            False, 0, device.name, 0.0, f"{type(err).__name__}: {err}"[:500])
-        results.append(result)
-        mark = "ok  " if result.passed else "FAIL"
-        print(f"[{i}/{len(cases)}] {mark} {case.family:12} {case.op:16} {case.dtype:8} "
-              f"C={case.classes:<6} N={case.rows:<4} {case.label:40} worst {result.worst:.2e} "
-              f"({result.seconds:.1f} s) {result.problem}", flush=True)
-        if args.json:  # written as it goes: a long run leaves its records behind
-            args.json.write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
-    passed = sum(r.passed for r in results)
-    print(f"{passed} passed, {len(results) - passed} failed "
-          f"({time.perf_counter() - start:.0f} s, {len(_BUILT)} kernels built)")
-    return 0 if passed == len(results) else 1
-
+    results = run_cases(cases, device, args.json)
+    return 0 if all(r.passed for r in results) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -88,6 +88,7 @@ class Launch:
     args: tuple  # per kernel parameter: ("buffer", name) or ("scalar", PrimExpr, dtype)
     grid: tuple  # PrimExprs (x, y, z): work-groups
     block: tuple  # PrimExprs (x, y, z): work-items per work-group
+    shared: object = 0  # bytes of dynamic shared memory (a PrimExpr; CUDA builds only)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Kernels:
         return _evaluate(expr, {**values}, self.binds)
 
 
-class _AfterSplit:
+class AfterSplit:
     """A pass instrument keeping the module ``SplitHostDevice`` leaves: the host
     function with its kernel calls, the device functions with their parameters."""
 
@@ -129,10 +130,10 @@ def build(spec: KernelSpec) -> Kernels:
     if spec.target != "cuda":
         raise ValueError(f"the PoCL harness runs the CUDA schedule, not {spec.target!r}")
     func = _static_local(scheduled_func(spec))
-    grab = tvm.ir.instrument.pass_instrument(_AfterSplit)()
+    grab = tvm.ir.instrument.pass_instrument(AfterSplit)()
     with tvm.transform.PassContext(opt_level=3, config=pass_config(spec), instruments=[grab]):
         executable = tvm.compile(func, target=opencl_target(spec.tvm_target()))
-    return _plan(spec, hoist_local(executable.mod.imports[0].inspect_source()), grab.mod)
+    return launch_plan(spec, hoist_local(executable.mod.imports[0].inspect_source()), grab.mod)
 
 
 _LOCAL = re.compile(r"^ {4,}__local [\w ]+ \w+\[\d+\];$")
@@ -176,7 +177,7 @@ def _static_local(func):
     return tirx.PrimFunc(func.params, body, func.ret_type, func.attrs)
 
 
-def _plan(spec: KernelSpec, source: str, mod) -> Kernels:
+def launch_plan(spec: KernelSpec, source: str, mod) -> Kernels:
     """The host function's parameters and kernel calls, in order."""
     host = mod["main"]
     devices = {gv.name_hint: f for gv, f in mod.functions.items() if gv.name_hint != "main"}
@@ -223,11 +224,16 @@ def _launch(call, devices: dict, param_of) -> Launch:
             args.append(("scalar", arg, _dtype(dparam)))
     values = dict(zip(call.attrs.launch_params, call.args[1 + n_args:]))
     known = {f"{kind}.{a}" for kind in ("blockIdx", "threadIdx") for a in AXES}
-    if set(values) - known:
+    if set(values) - known - {DYNAMIC_SHARED}:
         raise NotImplementedError(f"{name}: launch parameters {sorted(set(values) - known)}")
     one = tirx.const(1, "int64")
     return Launch(name, tuple(args), tuple(values.get(f"blockIdx.{a}", one) for a in AXES),
-                  tuple(values.get(f"threadIdx.{a}", one) for a in AXES))
+                  tuple(values.get(f"threadIdx.{a}", one) for a in AXES),
+                  values.get(DYNAMIC_SHARED, 0))
+
+
+# The launch parameter that carries a kernel's dynamic shared memory (bytes).
+DYNAMIC_SHARED = "tirx.use_dyn_shared_memory"
 
 
 _BINARY = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b,
@@ -237,6 +243,8 @@ _BINARY = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a
 
 def _evaluate(expr, values: dict, binds: dict):
     """A host expression (launch extents, scalar arguments) as a Python number."""
+    if isinstance(expr, (int, float)):
+        return expr
     kind = type(expr).__name__
     if kind in ("IntImm", "FloatImm"):
         return expr.value
@@ -355,6 +363,7 @@ class PoCL:
     """PoCL's CPU device with a context and an in-order queue (one per process)."""
 
     _instance = None
+    instructions = None  # PoCL counts none
 
     @classmethod
     def get(cls) -> PoCL:
@@ -375,7 +384,14 @@ class PoCL:
         self.context = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.context)
         self._programs: dict = {}
+        self._built: dict = {}
         self.program("__kernel void ce_probe(__global float *a) { a[0] = exp2(a[0]); }")
+
+    def kernels(self, spec: KernelSpec) -> Kernels:
+        """``build(spec)``, once per spec."""
+        if spec not in self._built:
+            self._built[spec] = build(spec)
+        return self._built[spec]
 
     def program(self, source: str):
         """The kernels of ``source``, built, by name (float16 sources get ``HALF_PRELUDE``)."""
@@ -409,7 +425,7 @@ class PoCL:
                 if data.shape != shape:
                     raise ValueError(f"{p.name}: shape {data.shape}, the kernel takes {shape}")
             else:
-                data = _poison(shape, p.dtype)
+                data = poison(shape, p.dtype)
             host[p.name] = data.copy()
         flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
         device = {name: cl.Buffer(self.context, flags, hostbuf=data if data.size else
@@ -442,7 +458,7 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uin
                 "float64": np.float64, "int64": np.int64, "int32": np.int32}
 
 
-def _poison(shape: tuple, dtype: str) -> np.ndarray:
+def poison(shape: tuple, dtype: str) -> np.ndarray:
     if dtype in ("float32", "float16", "float64"):
         return np.full(shape, np.nan, NUMPY_DTYPES[dtype])
     return np.full(shape, -1, np.int64 if dtype == "int64" else np.int32) if "int" in dtype \

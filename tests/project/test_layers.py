@@ -53,7 +53,7 @@ LAYERS = [
     # what ce_tvm is checked against: the float64 reference, the GPU schedules on PoCL,
     # their machine code; never through the torch surface above
     ("testing", "testing.reference", "testing.pocl", "testing.cuda_static"),
-    ("testing.pocl_cases",),
+    ("testing.cuda_cases",),
     # the losses' ground floor: the one input check; op registration and the one protocol
     # for gradients computed in the forward; result and fake-output shapes (the package's
     # __init__ imports nothing: here, where importing a floor-mate runs it)

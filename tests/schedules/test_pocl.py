@@ -1,5 +1,5 @@
 """The CUDA schedule's kernels executed on PoCL (``ce_tvm.testing.pocl``, the cases of
-``ce_tvm.testing.pocl_cases``): a representative part of the full matrix
+``ce_tvm.testing.cuda_cases``): a representative part of the full matrix
 (``benchmarks/gpu_schedule_on_pocl.py``).
 
 Every op family with float32 at C = 5003 (prime: two chunks, the last
@@ -17,19 +17,19 @@ import pytest
 
 from ce_tvm.kernels.kinds import Variant
 from ce_tvm.store.spec import KernelSpec
-from ce_tvm.testing import pocl, pocl_cases
+from ce_tvm.testing import pocl, cuda_cases
 
 
 def _every_kernel(dtype, classes, rows):
-    return [pocl_cases._case(family, kernel, dtype, classes, rows)
-            for family in pocl_cases.FAMILIES for kernel in pocl_cases.KERNELS[family]]
+    return [cuda_cases._case(family, kernel, dtype, classes, rows)
+            for family in cuda_cases.FAMILIES for kernel in cuda_cases.KERNELS[family]]
 
 
 def _first(family, dtype, classes, rows):
-    return pocl_cases._case(family, pocl_cases.KERNELS[family][0], dtype, classes, rows)
+    return cuda_cases._case(family, cuda_cases.KERNELS[family][0], dtype, classes, rows)
 
 
-STRESS = [c for c in pocl_cases.stress(dtypes=("float32",), classes=(5003,), rows=7)
+STRESS = [c for c in cuda_cases.stress(dtypes=("float32",), classes=(5003,), rows=7)
           if c.family in ("forward", "backward", "train", "log_probs")]
 # C = 1: a row of one class, which the forward, training and distillation schedules once
 # failed to build
@@ -55,13 +55,13 @@ def device():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_kernel_matches_the_reference_on_pocl(device, case):
-    result = pocl_cases.run_case(case, device)
+    result = cuda_cases.run_case(case, device)
     assert result.passed, f"{_id(case)}: {result.problem} (worst {result.worst:.3g})"
     assert result.kernels >= 1 and result.device == device.name
 
 
 def test_suite_covers_every_family_and_the_stress_pass():
-    assert {c.family for c in CASES} == set(pocl_cases.FAMILIES)
+    assert {c.family for c in CASES} == set(cuda_cases.FAMILIES)
     assert {c.dtype for c in CASES} == {"float32", "float16", "bfloat16"}
     threads = {c.knobs.threads for c in STRESS}
     assert len(threads) == 2 and any(c.knobs.rows_per_block == 4 for c in STRESS)
@@ -69,12 +69,12 @@ def test_suite_covers_every_family_and_the_stress_pass():
 
 
 def test_full_matrix_covers_every_family_dtype_and_vocabulary():
-    cases = pocl_cases.matrix()
-    assert {c.family for c in cases} == set(pocl_cases.FAMILIES)
+    cases = cuda_cases.matrix()
+    assert {c.family for c in cases} == set(cuda_cases.FAMILIES)
     assert {(c.dtype, c.classes) for c in cases} == {
-        (d, c) for d in pocl_cases.DTYPES for c in pocl_cases.CLASSES}
-    for classes in pocl_cases.CLASSES:
-        rows = {n for n in pocl_cases.ROWS if n <= pocl_cases.MAX_ROWS.get(classes, n)}
+        (d, c) for d in cuda_cases.DTYPES for c in cuda_cases.CLASSES}
+    for classes in cuda_cases.CLASSES:
+        rows = {n for n in cuda_cases.ROWS if n <= cuda_cases.MAX_ROWS.get(classes, n)}
         assert {c.rows for c in cases if c.classes == classes} == rows
 
 

@@ -30,8 +30,10 @@ a part of it.
 from __future__ import annotations
 
 import itertools
+import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -501,23 +503,18 @@ class Result:
     device: str
     seconds: float
     problem: str = ""  # why it failed
+    arch: str = ARCH  # the CUDA arch the kernels are scheduled for
+    instructions: int | None = None  # warp instructions executed (simulators only)
 
 
-_BUILT: dict = {}
-
-
-def kernels_of(case: Case) -> pocl.Kernels:
-    spec = case.spec()
-    if spec not in _BUILT:
-        _BUILT[spec] = pocl.build(spec)
-    return _BUILT[spec]
-
-
-def run_case(case: Case, device: pocl.PoCL | None = None) -> Result:
-    """Build (once per kernel), run and compare one case."""
+def run_case(case: Case, device=None) -> Result:
+    """Build (once per kernel), run and compare one case. ``device``: what runs
+    the kernels, PoCL's CPU device (the default) or ``gpgpu_sim.Simulator``: its
+    ``kernels(spec)`` builds, its ``run`` launches (``pocl.PoCL.run``'s
+    signature), its ``instructions`` counts the last run (``None``: not counted)."""
     device = device or pocl.PoCL.get()
     start = time.perf_counter()
-    kernels = kernels_of(case)
+    kernels = device.kernels(case.spec())
     prob = problem(case)
     runs = [device.run(kernels, case.rows, prob.arrays, prob.scalars, prob.aliases)
             for _ in range(case.repeats)]
@@ -541,7 +538,33 @@ def run_case(case: Case, device: pocl.PoCL | None = None) -> Result:
     return Result(case.op, case.family, case.dtype, case.classes, case.rows, case.label,
                   float(max_abs), float(worst), worst_name, tol, not issues,
                   len(kernels.launches), device.name, round(time.perf_counter() - start, 3),
-                  "; ".join(issues))
+                  "; ".join(issues), case.arch, device.instructions)
+
+
+def run_cases(cases: list, device, json_path=None) -> list[Result]:
+    """Run ``cases`` on ``device`` (as ``run_case``), printing a line per case and,
+    with ``json_path``, writing every record so far after each case (a long run
+    leaves its records behind). A build or launch failure is a failed case."""
+    results, start = [], time.perf_counter()
+    for i, case in enumerate(cases, 1):
+        try:
+            result = run_case(case, device)
+        except Exception as err:  # noqa: BLE001 - the failure is the record
+            result = Result(case.op, case.family, case.dtype, case.classes, case.rows,
+                            case.label, float("inf"), float("inf"), "", TOL[case.dtype],
+                            False, 0, device.name, 0.0, f"{type(err).__name__}: {err}"[:500],
+                            case.arch)
+        results.append(result)
+        print(f"[{i}/{len(cases)}] {'ok  ' if result.passed else 'FAIL'} {case.family:12} "
+              f"{case.op:16} {case.dtype:8} C={case.classes:<6} N={case.rows:<4} {case.arch} "
+              f"{case.label:36} worst {result.worst:.2e} ({result.seconds:.1f} s) "
+              f"{result.problem}", flush=True)
+        if json_path:
+            Path(json_path).write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    passed = sum(r.passed for r in results)
+    print(f"{passed} passed, {len(results) - passed} failed "
+          f"({time.perf_counter() - start:.0f} s on {device.name})")
+    return results
 
 
 def _outputs(kernels: pocl.Kernels, prob: Problem) -> dict:

@@ -1,0 +1,121 @@
+"""Simulated cycles of ce-tvm's CUDA kernels against a copy kernel moving the
+same bytes, side by side in one run, in GPGPU-Sim's cycle model (an SM86
+config: RTX 3070, 46 SMs).
+
+For each kernel (a ``ce_tvm.testing.cuda_cases`` case), the floor is one
+kernel that reads the bytes the case's inputs hold and writes the bytes its
+outputs hold (16-byte loads and stores, grid-stride, 8 blocks of 256 threads
+per SM): a plain read for a forward, a copy for a training step or a
+gradient. The table gives ce-tvm's cycles (every launch of the op, the
+config's 5000-cycle launch latency set to 0 for both) over the floor's.
+
+Simulated cycles rank designs where no GPU can; they are not a GPU's timing
+(the cycle model's DRAM and caches are an RTX 3070's as GPGPU-Sim models them,
+at sizes far below a real batch). Usage::
+
+    CE_TVM_GPGPU_SIM=~/gpgpu-sim python benchmarks/gpgpu_sim_cycles.py --classes 32000 --rows 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ce_tvm.testing import gpgpu_sim
+from ce_tvm.testing.cuda_cases import KERNELS, _case, problem
+
+# (family, index in KERNELS[family]): one kernel of each kind the table compares
+TABLE = [("forward", 1), ("train", 1), ("backward", 1), ("log_probs", 0), ("log_probs", 2),
+         ("distillation", 0)]
+
+_FLOOR = r"""
+#include <cstdio>
+#include <cstdlib>
+__global__ void move(const uint4 *src, long long reads, uint4 *dst, long long writes,
+                     unsigned *sink) {
+  long long n = reads > writes ? reads : writes, step = (long long)gridDim.x * blockDim.x;
+  unsigned acc = 0;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += step) {
+    uint4 v = make_uint4(i, i, i, i);
+    if (i < reads) { v = src[i]; acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+    if (i < writes) dst[i] = v;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads
+}
+int main(int argc, char **argv) {
+  long long reads = atoll(argv[1]) / 16, writes = atoll(argv[2]) / 16;
+  uint4 *src, *dst; unsigned *sink;
+  cudaMalloc(&src, reads * 16 + 16); cudaMalloc(&dst, writes * 16 + 16); cudaMalloc(&sink, 4);
+  move<<<46 * 8, 256>>>(src, reads, dst, writes, sink);
+  if (cudaDeviceSynchronize() != cudaSuccess) return 3;
+  printf("CE_CHECK_DONE\n"); return 0; }
+"""
+
+
+def bytes_moved(kernels, case, prob) -> tuple[int, int]:
+    """(bytes the case's inputs hold, bytes its outputs hold; scratch excluded)."""
+    reads = sum(np.asarray(a).nbytes for a in prob.arrays.values())
+    values = {"N": case.rows, **prob.scalars}
+    writes = 0
+    for p in kernels.buffers():
+        if p.name in prob.arrays or p.name.startswith("scratch_"):
+            continue
+        size = int(np.prod([int(kernels.evaluate(d, values)) for d in p.shape]))
+        writes += size * np.dtype(gpgpu_sim.pocl.NUMPY_DTYPES[p.dtype]).itemsize
+    return reads, writes
+
+
+def floor_cycles(sim, reads: int, writes: int) -> int:
+    exe = sim.compile(_FLOOR, "floor")
+    folder = sim.root / "run" / f"floor-{reads}-{writes}"
+    folder.mkdir(parents=True, exist_ok=True)
+    run = sim.execute(exe, folder, args=(str(reads), str(writes)))
+    return sum(c for _, c in run.cycles)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--classes", type=int, default=32000)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--arch", default="sm_80", help="the schedule's arch")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    reason = gpgpu_sim.unavailable()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
+    sim = gpgpu_sim.Simulator.find(perf=True, launch_latency=0)
+    print(f"device: {sim.name}; C = {args.classes}, N = {args.rows}, schedule {args.arch}")
+    print(f"{'kernel':42} {'dtype':8} {'launches':>8} {'ce-tvm':>9} {'floor':>9} {'ratio':>6}")
+    records = []
+    for (family, index), dtype in [(k, d) for k in TABLE for d in args.dtypes]:
+        kernel = KERNELS[family][index]
+        case = _case(family, kernel, dtype, args.classes, args.rows)
+        case = replace(case, arch=args.arch)
+        prob = problem(case)
+        kernels = sim.kernels(case.spec())
+        sim.run(kernels, case.rows, prob.arrays, prob.scalars, prob.aliases)
+        cycles = sum(c for _, c in sim.last.cycles)
+        reads, writes = bytes_moved(kernels, case, prob)
+        floor = floor_cycles(sim, reads, writes)
+        name = f"{family}: {kernel[0]} {kernel[2]}"
+        print(f"{name:42} {dtype:8} {len(kernels.launches):>8} {cycles:>9} {floor:>9} "
+              f"{cycles / floor:>6.2f}", flush=True)
+        records.append(dict(family=family, op=kernel[0], variant=kernel[2], dtype=dtype,
+                            classes=args.classes, rows=args.rows, arch=args.arch,
+                            launches=len(kernels.launches), cycles=cycles,
+                            floor_cycles=floor, read_bytes=reads, write_bytes=writes,
+                            ratio=round(cycles / floor, 3), device=sim.name))
+        if args.json:
+            args.json.write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The CUDA schedule's kernels as nvcc compiles them, executed in GPGPU-Sim
+(``ce_tvm.testing.gpgpu_sim``), against the float64 reference: the cases of
+``ce_tvm.testing.cuda_cases`` (every op family, float32, float16 and bfloat16,
+C = 1000, 5003, 32000 and 128256), at rows 1, 7 and 64, on the sm_80 and sm_90
+schedules (sm_90 stages the log_prob forward's row whole in dynamic shared
+memory), in the simulator's functional mode.
+
+One JSON record per case (``--json FILE``): ``op``, ``family``, ``dtype``,
+``classes``, ``rows``, ``arch`` (the schedule's), ``variant``, ``max_abs_err``,
+``worst``, ``tol``, ``passed`` (as ``benchmarks/gpu_schedule_on_pocl.py``'s),
+``instructions`` (warp instructions the simulator executed) and ``device``
+(the simulator, its config and mode, nvcc's arch).
+
+Needs the simulator built (``benchmarks/gpgpu_sim/build.sh``) and
+``CE_TVM_GPGPU_SIM`` (or ``GSIM``) naming its folder. Usage::
+
+    CE_TVM_GPGPU_SIM=~/gpgpu-sim python benchmarks/gpu_schedule_on_gpgpu_sim.py --json sim.json
+    ... --families forward log_probs --dtypes bfloat16 --classes 32000 --rows 7 --archs sm_90
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from ce_tvm.testing import gpgpu_sim
+from ce_tvm.testing.cuda_cases import CLASSES, DTYPES, FAMILIES, matrix, run_cases
+
+ROWS = (1, 7, 64)
+ARCHS = ("sm_80", "sm_90")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write one record per case here")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--classes", nargs="+", type=int, default=list(CLASSES))
+    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    parser.add_argument("--archs", nargs="+", default=list(ARCHS),
+                        help="the CUDA archs the kernels are scheduled for")
+    args = parser.parse_args(argv)
+    reason = gpgpu_sim.unavailable()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
+    sim = gpgpu_sim.Simulator.find()
+    print(f"device: {sim.name}")
+    cases = [replace(case, arch=arch) for arch in args.archs
+             for case in matrix(args.families, args.dtypes, args.classes, args.rows)]
+    results = run_cases(cases, sim, args.json)
+    return 0 if all(r.passed for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
