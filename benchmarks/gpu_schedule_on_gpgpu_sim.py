@@ -8,7 +8,7 @@ memory), in the simulator's functional mode.
 One JSON record per case (``--json FILE``): ``op``, ``family``, ``dtype``,
 ``classes``, ``rows``, ``arch`` (the schedule's), ``variant``, ``max_abs_err``,
 ``worst``, ``tol``, ``passed`` (as ``benchmarks/gpu_schedule_on_pocl.py``'s),
-``instructions`` (warp instructions the simulator executed) and ``device``
+``instructions`` (thread instructions the simulator executed) and ``device``
 (the simulator, its config and mode, nvcc's arch).
 
 Needs the simulator built (``benchmarks/gpgpu_sim/build.sh``) and
@@ -48,8 +48,10 @@ def main(argv=None) -> int:
         return 2
     sim = gpgpu_sim.Simulator.find()
     print(f"device: {sim.name}")
-    cases = [replace(case, arch=arch) for arch in args.archs
-             for case in matrix(args.families, args.dtypes, args.classes, args.rows)]
+    # smallest first (rows x classes): a run stopped early has covered every family
+    cases = sorted((replace(case, arch=arch) for arch in args.archs
+                    for case in matrix(args.families, args.dtypes, args.classes, args.rows)),
+                   key=lambda case: case.rows * case.classes)
     results = run_cases(cases, sim, args.json)
     return 0 if all(r.passed for r in results) else 1
 

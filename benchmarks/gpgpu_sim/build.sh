@@ -35,8 +35,8 @@ ln -s "$site"/nvidia/cuda_nvcc/include/* "$cu/include/" 2>/dev/null || true
 for h in cudaProfiler.h cuda_profiler_api.h; do
   [ -e "$cu/include/$h" ] || ln -s "$CUDA13/include/$h" "$cu/include/$h"; done
 ln -s "$site"/nvidia/cuda_runtime/lib/libcudart.so.11.0 "$cu/lib64/"
-# bin/: nvcc (version shim), ptxas and cuobjdump (output rewritten for the simulator)
-for t in nvcc ptxas cuobjdump; do
+# bin/: nvcc (version shim), ptxas and cuobjdump (output rewritten for the simulator: ptx-rewrite)
+for t in nvcc ptxas cuobjdump ptx-rewrite; do
   sed -e "s#@CUDA13@#$CUDA13#g" -e "s#@CUOBJDUMP@#$site/nvidia/cu13/bin/cuobjdump#g" \
     "$here/bin/$t" > "$cu/bin/$t"; chmod +x "$cu/bin/$t"; done
 cp "$here/cuda13_launch_shim.cpp" "$GSIM/"

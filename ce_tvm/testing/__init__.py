@@ -16,7 +16,12 @@ checks (as ``torch.testing`` is for PyTorch).
 - ``ce_tvm.testing.pocl``: the CUDA schedule's kernels built for OpenCL and
   run on PoCL's CPU device, without a GPU (needs the ``test`` extra:
   ``pyopencl`` and ``pocl-binary-distribution``).
-- ``ce_tvm.testing.cuda_cases``: the cases those kernels run (every op family,
+- ``ce_tvm.testing.gpgpu_sim``: the CUDA kernels as nvcc compiles them, run in
+  GPGPU-Sim (a PTX simulator) on the CPU, functional or in its cycle model
+  (the simulator is built by ``benchmarks/gpgpu_sim/build.sh``);
+  ``ce_tvm.testing.gpgpu_sim_checks``: the micro-programs the patched simulator
+  checks itself on.
+- ``ce_tvm.testing.cuda_cases``: the cases those kernels run on either (every op family,
   dtype and vocabulary), their float64 expected outputs and the comparison
   (``benchmarks/gpu_schedule_on_pocl.py`` runs the whole matrix).
 - ``ce_tvm.testing.cuda_static``: the CUDA kernels' machine code read without a

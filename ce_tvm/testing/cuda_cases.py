@@ -504,7 +504,7 @@ class Result:
     seconds: float
     problem: str = ""  # why it failed
     arch: str = ARCH  # the CUDA arch the kernels are scheduled for
-    instructions: int | None = None  # warp instructions executed (simulators only)
+    instructions: int | None = None  # thread instructions executed (simulators only)
 
 
 def run_case(case: Case, device=None) -> Result:

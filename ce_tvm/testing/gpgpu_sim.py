@@ -16,7 +16,7 @@ buffers, launch extents and scalar arguments from files, launches each kernel
 with ``<<<>>>`` and writes every buffer back. One program per kernel spec
 serves every row count, input and alias.
 
-Two modes: functional (``perf=False``: results, about 10M warp instructions
+Two modes: functional (``perf=False``: results, about 10M thread instructions
 a second on one core) and the cycle model (``perf=True``: an SM86 config,
 about 0.7M a second). Simulated cycles rank designs; they are not a GPU's
 timing. What the simulator cannot show (timing, the SFU's real approximation
@@ -67,7 +67,7 @@ class SimulatorError(RuntimeError):
 
 @dataclass
 class SimRun:
-    """What one simulated program run reports: warp instructions executed, and
+    """What one simulated program run reports: thread instructions executed, and
     per kernel launch ``(kernel, cycles)`` (the cycle model's; 0 in functional mode)."""
 
     log: str
@@ -186,7 +186,9 @@ def _plan_text(kernels: pocl.Kernels, values: dict, sizes: list, aliases: dict) 
     return "\n".join(words) + "\n"
 
 
-_INSTRUCTIONS = re.compile(r"^gpu_sim_insn = (\d+)$", re.M)
+# running totals of thread instructions: functional mode's, the cycle model's
+_INSTRUCTIONS = re.compile(r"Done functional simulation \((\d+) instructions|"
+                           r"^gpu_tot_sim_insn = (\d+)$", re.M)
 _KERNEL = re.compile(r"^kernel_name = (\S+)\s*$", re.M)
 _CYCLES = re.compile(r"^gpu_sim_cycle = (\d+)$", re.M)
 
@@ -270,15 +272,22 @@ class Simulator:
         (folder / "gpgpusim.config").write_text(text)
 
     def execute(self, exe: Path, folder: Path, args: tuple = (),
-                timeout: float | None = None) -> SimRun:
-        """Run ``exe args`` in ``folder`` (its inputs there) under the simulator."""
+                timeout: float | None = None, ptx: str | None = None) -> SimRun:
+        """Run ``exe args`` in ``folder`` (its inputs there) under the simulator.
+        ``ptx``: PTX text that replaces the program's own device code (a peer's
+        kernel, Triton's say, launched through a program declaring its signature)."""
         self._config(folder)
         cuda11 = self.root / "cuda11"
+        kernel_file = "_1.ptx"  # as setup_environment sets it: what cuobjdump -xptx extracts
+        if ptx is not None:
+            kernel_file = "peer.ptx"
+            (folder / kernel_file).write_text(ptx)
+            subprocess.run([str(cuda11 / "bin" / "ptx-rewrite"), str(folder / kernel_file)],
+                           check=True)
         env = {**os.environ, "CUDA_INSTALL_PATH": str(cuda11),
                "PTXAS_CUDA_INSTALL_PATH": str(cuda11),  # the ptxas whose report it parses
                "LD_LIBRARY_PATH": str(self.lib),
-               # as setup_environment sets them: PTX taken from cuobjdump -xptx files
-               "PTX_SIM_USE_PTX_FILE": "1.ptx", "PTX_SIM_KERNELFILE": "_1.ptx",
+               "PTX_SIM_USE_PTX_FILE": "1.ptx", "PTX_SIM_KERNELFILE": kernel_file,
                "CUOBJDUMP_SIM_FILE": "jj"}
         start = time.perf_counter()
         done = subprocess.run([str(exe), *args], cwd=folder, env=env, capture_output=True,
@@ -293,8 +302,8 @@ class Simulator:
                                  f"{done.returncode}; log {folder / 'sim.log'}):\n{tail}")
         names = _KERNEL.findall(done.stdout)
         cycles = [int(c) for c in _CYCLES.findall(done.stdout)] if self.perf else []
-        run = SimRun(log, sum(int(n) for n in _INSTRUCTIONS.findall(done.stdout)),
-                     list(zip(names, cycles)), seconds)
+        totals = [int(a or b) for a, b in _INSTRUCTIONS.findall(done.stdout)]
+        run = SimRun(log, totals[-1] if totals else 0, list(zip(names, cycles)), seconds)
         self.instructions, self.last = run.instructions, run
         return run
 

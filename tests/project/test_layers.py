@@ -50,10 +50,11 @@ LAYERS = [
     ("runtime.launch",),
     ("runtime.collectives",),  # what the ranks of a vocabulary-parallel group exchange
     ("runtime.linear_sweep", "runtime"),  # the chunked linear + loss sweep; no autograd
-    # what ce_tvm is checked against: the float64 reference, the GPU schedules on PoCL,
-    # their machine code; never through the torch surface above
-    ("testing", "testing.reference", "testing.pocl", "testing.cuda_static"),
-    ("testing.cuda_cases",),
+    # what ce_tvm is checked against: the float64 reference, the GPU schedules on PoCL and
+    # in GPGPU-Sim (its self-check), their machine code; never through the torch surface
+    ("testing", "testing.reference", "testing.pocl", "testing.cuda_static",
+     "testing.gpgpu_sim_checks"),
+    ("testing.gpgpu_sim", "testing.cuda_cases"),
     # the losses' ground floor: the one input check; op registration and the one protocol
     # for gradients computed in the forward; result and fake-output shapes (the package's
     # __init__ imports nothing: here, where importing a floor-mate runs it)
