@@ -31,6 +31,9 @@ here before torchtitan is imported or built, change nothing of the loss:
   makes it ``SUM``, the same sum;
 - ``torch.distributed.set_timeout``, which torchtitan calls after the first step
   (``set_pg_timeouts``), is not in torch 2.13; that call is skipped;
+- ``parallelism.spmd_backend="partial_dtensor"``: under the default
+  ``"spmd_types"``, FSDP2 refused the plain parameters of the llama3 model
+  ("all parameters must be DTensors on the full SPMD mesh");
 - data: a synthetic tokenizer and loader (seeded random tokens, one document per
   row, the last 8 labels of each row -100 so the ignore index and the global
   token count matter); no dataset or tokenizer files are needed.
@@ -158,6 +161,10 @@ def worker(loss: str, steps: int, dtype: str, out: Path) -> None:
     config.training.steps = steps
     config.training.mixed_precision_param = dtype
     config.checkpoint.enable = False
+    # FSDP2 under the default "spmd_types" wants every parameter a DTensor on the full
+    # SPMD mesh (dp_mesh_dims), which its llama3 CPU path does not give: DTensors for
+    # the model-parallel axes only (none here), plain FSDP2 over the data-parallel ranks
+    config.parallelism.spmd_backend = "partial_dtensor"
     config.validator.enable = False
     config.dump_folder = str(out.parent / "dump")
     if loss == "ce_tvm":
