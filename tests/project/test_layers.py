@@ -74,7 +74,8 @@ LAYERS = [
     ("tools.bench", "tools.demo"),
     ("tools.cli", "tools"),
     # training frameworks, on the public surface (each imports its framework)
-    ("integrations", "integrations.transformers", "integrations.trl"),
+    ("integrations", "integrations.transformers", "integrations.trl",
+     "integrations.torchtitan"),
 ]
 # Modules that must not depend on torch or on meta_schedule (the search).
 NO_TORCH_PACKAGES = ("kernels", "schedules", "store", "compiler")

@@ -74,3 +74,15 @@ def test_transformers_integration_without_transformers():
         "ce_tvm.optional.MissingExtra: ce_tvm.integrations.transformers needs transformers, "
         'which is not installed: pip install "ce-tvm[transformers]"'), done.stderr
     assert "During handling" not in done.stderr and "direct cause" not in done.stderr
+
+
+@pytest.mark.slow  # a process
+def test_torchtitan_integration_without_torchtitan():
+    code = ("import sys; sys.modules['torchtitan'] = None; "
+            "import ce_tvm.integrations.torchtitan")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        "ce_tvm.optional.MissingExtra: ce_tvm.integrations.torchtitan needs torchtitan, "
+        'which is not installed: pip install "ce-tvm[torchtitan]"'), done.stderr

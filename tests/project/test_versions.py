@@ -15,7 +15,7 @@ import ce_tvm
 ROOT = Path(__file__).resolve().parents[2]
 EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
     "optional-dependencies"]
-RANGED = ("transformers", "accelerate", "trl")
+RANGED = ("transformers", "accelerate", "trl", "torchtitan")
 
 
 def requirements(extra: str) -> dict:
@@ -25,7 +25,8 @@ def requirements(extra: str) -> dict:
 
 @pytest.mark.parametrize("package", RANGED)
 def test_user_extras_are_ranges_that_hold_the_tested_pin(package):
-    user = {**requirements("transformers"), **requirements("trl")}[package]
+    user = {**requirements("transformers"), **requirements("trl"),
+            **requirements("torchtitan")}[package]
     (pin,) = requirements("test")[package]
     assert pin.operator == "==", pin
     assert not any(s.operator == "==" for s in user), f"{package} {user}: a pin, not a range"
@@ -39,10 +40,11 @@ def test_the_installed_versions_are_the_pins():
 
 
 def test_installing_the_extras_keeps_installed_versions_in_range():
-    """``pip install "ce-tvm[transformers,trl]"`` over an installed transformers, accelerate
-    and TRL inside the ranges installs ce-tvm alone: nothing is downgraded."""
+    """``pip install "ce-tvm[transformers,trl,torchtitan]"`` over an installed transformers,
+    accelerate, TRL and torchtitan inside the ranges installs ce-tvm alone: nothing is
+    downgraded."""
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
-                           "--no-build-isolation", f"{ROOT}[transformers,trl]"],
+                           "--no-build-isolation", f"{ROOT}[transformers,trl,torchtitan]"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     would = [line for line in done.stdout.splitlines() if line.startswith("Would install")]
