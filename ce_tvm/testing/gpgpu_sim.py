@@ -193,6 +193,26 @@ _KERNEL = re.compile(r"^kernel_name = (\S+)\s*$", re.M)
 _CYCLES = re.compile(r"^gpu_sim_cycle = (\d+)$", re.M)
 
 
+def _extracting(folder: Path, cuda: Path, ptx_file: Path) -> Path:
+    """``cuda`` (as a folder of links in ``folder``) with a ``bin/cuobjdump`` whose
+    ``-xptx`` writes ``ptx_file``: the simulator (CUDA >= 6) parses the PTX that
+    ``$CUDA_INSTALL_PATH/bin/cuobjdump -xptx`` extracts from the program, and runs
+    ptxas on it for the kernel's registers; ``PTX_SIM_KERNELFILE`` only names it."""
+    tools = folder / "cuda-ptx"
+    (tools / "bin").mkdir(parents=True, exist_ok=True)
+    links = [(tools / e.name, e) for e in cuda.iterdir() if e.name != "bin"]
+    links += [(tools / "bin" / e.name, e) for e in (cuda / "bin").iterdir()
+              if e.name != "cuobjdump"]
+    for link, target in links:
+        if not link.is_symlink():
+            link.symlink_to(target)
+    script = tools / "bin" / "cuobjdump"
+    script.write_text(f'#!/bin/bash\n"{cuda}/bin/cuobjdump" "$@" || exit $?\n'
+                      f'if [ "$1" = -xptx ]; then cp "{ptx_file}" "$2"; fi\n')
+    script.chmod(0o755)
+    return tools
+
+
 class Simulator:
     """A GPGPU-Sim build (``root``: ``build.sh``'s ``$GSIM``) running CUDA programs
     in ``config``, functional or (``perf``) in the cycle model."""
@@ -234,19 +254,23 @@ class Simulator:
         if exe.exists():
             return exe
         folder.mkdir(parents=True, exist_ok=True)
-        cu = folder / f"{name}.cu"
+        # every name this process writes is its own: runs in parallel may build the same
+        # program at once, and one may be running it when another's link finishes
+        cu = folder / f".{name}.{os.getpid()}.cu"
         cu.write_text(source)
+        tmp = folder / f".{name}.{os.getpid()}.tmp"
         cuda11 = self.root / "cuda11" / "lib64"
         # CUDA 13's launch stubs mapped onto cudaLaunchKernel; the cu11 runtime's soname,
         # which the simulator's libcudart replaces (LD_LIBRARY_PATH) and accepts.
         command = [str(self.cuda13 / "bin" / "nvcc"), "-cudart", "none", f"-arch={COMPILE_ARCH}",
                    "-O3", "-w", str(cu), str(self.root / "cuda13_launch_shim.cpp"),
                    f"-L{cuda11}", "-l:libcudart.so.11.0", "-Xlinker", f"-rpath={cuda11}",
-                   "-o", str(folder / f".{name}.tmp")]
+                   "-o", str(tmp)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise SimulatorError(f"nvcc failed for {cu}:\n{done.stderr[-3000:]}")
-        os.replace(folder / f".{name}.tmp", exe)
+        os.replace(tmp, exe)
+        os.replace(cu, folder / f"{name}.cu")
         return exe
 
     def _config(self, folder: Path) -> None:
@@ -284,7 +308,8 @@ class Simulator:
             (folder / kernel_file).write_text(ptx)
             subprocess.run([str(cuda11 / "bin" / "ptx-rewrite"), str(folder / kernel_file)],
                            check=True)
-        env = {**os.environ, "CUDA_INSTALL_PATH": str(cuda11),
+        tools = _extracting(folder, cuda11, folder / kernel_file) if ptx is not None else cuda11
+        env = {**os.environ, "CUDA_INSTALL_PATH": str(tools),
                "PTXAS_CUDA_INSTALL_PATH": str(cuda11),  # the ptxas whose report it parses
                "LD_LIBRARY_PATH": str(self.lib),
                "PTX_SIM_USE_PTX_FILE": "1.ptx", "PTX_SIM_KERNELFILE": kernel_file,

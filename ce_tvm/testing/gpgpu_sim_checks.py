@@ -8,6 +8,9 @@ against an answer computed here, independently of the simulator:
   to float32 bit for bit; every finite value, every tie between neighbours and
   the float32 values just beside each tie narrowed with round to nearest even
   (the unpatched simulator had no bf16 and rounded half ties away from zero);
+- ``64-bit integer conversions``: int64 and uint64 to float32 and float64,
+  rounded to nearest even (the unpatched simulator converted an unset register:
+  TVM's ``(float)N`` for a mean over rows gave 0);
 - ``exp2f and __expf``: within CUDA's documented error bounds of float64;
 - ``dynamic shared memory``: placed after each kernel's static shared memory,
   aligned as declared, for two kernels with different static sizes and beyond
@@ -199,6 +202,69 @@ def check_conversions(sim) -> list[Check]:
     return checks
 
 
+# --- 64-bit integers to floating point ------------------------------------------------
+
+_WIDE = r"""
+__global__ void wide(const long long *s, const unsigned long long *u, float *sf, double *sd,
+                     float *uf, double *ud, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i >= n) return;
+  sf[i] = (float)s[i]; sd[i] = (double)s[i]; uf[i] = (float)u[i]; ud[i] = (double)u[i];
+}
+int main() {
+  FILE *F = fopen("n.txt", "r"); int n; if (!F || fscanf(F, "%d", &n) != 1) return 2;
+  long long *s = load<long long>("s.bin", n);
+  unsigned long long *u = load<unsigned long long>("u.bin", n);
+  float *sf = alloc<float>(n), *uf = alloc<float>(n);
+  double *sd = alloc<double>(n), *ud = alloc<double>(n);
+  wide<<<(n + 127) / 128, 128>>>(s, u, sf, sd, uf, ud, n); CK(cudaGetLastError());
+  save("out_sf.bin", sf, n); save("out_sd.bin", sd, n); save("out_uf.bin", uf, n);
+  save("out_ud.bin", ud, n); printf("CE_CHECK_DONE\n"); return 0; }
+"""
+
+
+def _nearest_even(value: int, bits: int) -> float:
+    """``value`` rounded to ``bits`` significant bits, ties to even (exact, in Python
+    integers: a float32 or float64 of a 64-bit integer)."""
+    magnitude = abs(value)
+    shift = max(0, magnitude.bit_length() - bits)
+    q, r = divmod(magnitude, 1 << shift)
+    half = (1 << shift) >> 1
+    if shift and (r > half or (r == half and q & 1)):
+        q += 1
+    return float(q << shift) * (-1 if value < 0 else 1)
+
+
+def _wide_inputs() -> tuple[list, list]:
+    rng = np.random.default_rng(64)
+    edges = [0, 1, 7, 1 << 24, (1 << 24) + 1, (1 << 24) + 3, (1 << 53) + 1, (1 << 53) + 3,
+             (1 << 62) + (1 << 38), (1 << 62) + (3 << 38), (1 << 63) - 1]
+    signed = edges + [-v for v in edges] + [-(1 << 63)] + [
+        int(v) for v in rng.integers(-(1 << 63), (1 << 63) - 1, 200, dtype=np.int64)]
+    unsigned = edges + [(1 << 64) - 1, 1 << 63, (1 << 63) + (1 << 39)] + [
+        int(v) for v in rng.integers(0, (1 << 64) - 1, 200, dtype=np.uint64)]
+    n = max(len(signed), len(unsigned))
+    return (signed + [0] * (n - len(signed)), unsigned + [0] * (n - len(unsigned)))
+
+
+def check_wide_integers(sim) -> Check:
+    signed, unsigned = _wide_inputs()
+    n = len(signed)
+    out = _run(sim, "wide_integers", _WIDE,
+               {"s.bin": np.array(signed, np.int64), "u.bin": np.array(unsigned, np.uint64),
+                "n.txt": np.frombuffer(f"{n}\n".encode(), np.uint8)})
+    wrong = []
+    for name, values, bits, dtype in (
+            ("sf", signed, 24, np.float32), ("sd", signed, 53, np.float64),
+            ("uf", unsigned, 24, np.float32), ("ud", unsigned, 53, np.float64)):
+        got = np.frombuffer(out[f"out_{name}.bin"], dtype)
+        want = np.array([_nearest_even(v, bits) for v in values], dtype)
+        if not np.array_equal(got, want):
+            i = int(np.flatnonzero(got != want)[0])
+            wrong.append(f"{name}: {values[i]} gave {got[i]!r}, not {want[i]!r}")
+    return Check("64-bit integer conversions", not wrong, "; ".join(wrong) or
+                 f"{4 * n} int64/uint64 -> float32/float64 conversions to nearest even, exact")
+
+
 # --- exp2f and __expf ----------------------------------------------------------------
 
 _EXP_POINTS = 4096
@@ -284,5 +350,5 @@ def run_all(sim) -> list[Check]:
     """Every check, in functional mode."""
     if sim.perf:
         raise ValueError("the self-check runs in functional mode (perf=False)")
-    return [check_shuffles(sim), *check_conversions(sim), check_exp(sim),
-            check_dynamic_shared(sim)]
+    return [check_shuffles(sim), *check_conversions(sim), check_wide_integers(sim),
+            check_exp(sim), check_dynamic_shared(sim)]

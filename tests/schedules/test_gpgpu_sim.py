@@ -44,8 +44,9 @@ def sim():
 @pytest.mark.slow
 def test_the_patched_simulator_passes_its_self_check(sim):
     checks = gpgpu_sim_checks.run_all(sim)
-    assert {c.name for c in checks} == {"warp shuffles", "bf16 conversions", "half conversions",
-                                        "exp2f and __expf", "dynamic shared memory"}
+    assert {c.name for c in checks} == {
+        "warp shuffles", "bf16 conversions", "half conversions", "64-bit integer conversions",
+        "exp2f and __expf", "dynamic shared memory"}
     failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
     assert not failed, failed
 
@@ -60,8 +61,8 @@ def test_kernel_matches_the_reference_in_the_simulator(sim, case):
 
 def test_the_staged_log_prob_row_is_dynamic_shared_memory_on_sm_90():
     """What the dynamic-shared case above runs: the sm_90 schedule of the log_prob
-    forward stages a C = 32000 bf16 row (64 KB) in dynamic shared memory, and the host program launches it with
-    those bytes, opting in beyond 48 KB."""
+    forward stages a C = 32000 bf16 row (64 KB) in dynamic shared memory, and the host
+    program launches it with those bytes, opting in beyond 48 KB."""
     kernels = gpgpu_sim.build(_case(*CASES[3]).spec())
     shared = [int(kernels.evaluate(launch.shared, {"N": 7})) for launch in kernels.launches]
     assert max(shared) == 32000 * 2
