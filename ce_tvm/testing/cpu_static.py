@@ -506,8 +506,7 @@ def classify(body: list, written: set) -> list:
     markers = {j for j, insn in enumerate(body) if insn.op.startswith("vscalef")}
     pow2 = {j for j, insn in enumerate(body)
             if insn.op == "vpslld" and insn.operands and insn.operands[0] == "$23"}
-    for j in pow2:
-        markers |= {c for c in cons[j] if body[c].op.startswith(("vmul", "vpadd"))} or {j}
+    markers = {c for j in pow2 for c in cons[j]} | markers | pow2
     stack, seen = list(markers), set()
     while stack:
         j = stack.pop()
@@ -516,8 +515,8 @@ def classify(body: list, written: set) -> list:
         seen.add(j)
         if cat[j] is None:
             cat[j] = "exp"
-        if cat[j] == "exp":
-            stack.extend(p for p in prods[j] if p < j or j not in markers)
+        if cat[j] == "exp" or j in markers:  # an exp fused into a sum's FMA: its inputs
+            stack.extend(p for p in prods[j] if cat[p] in (None, "exp"))
     for j, insn in enumerate(body):
         if cat[j] is None:
             vector = insn.op.startswith("v") and not re.match(r"^vmov(aps|ups|dqa|dqu)", insn.op)
@@ -541,19 +540,23 @@ def analyse_asm(asm: str, dtype_bytes: int, classes: int) -> list:
             if loop.nested:
                 loop.categories = {"other": len(idx)}
                 continue
+            cats = classify(body, written)
+            prods = _producers(body)[0]
             streams: dict = {}
-            for insn in body:
+            for j, insn in enumerate(body):
                 for kind, accesses in (("load", insn.loads), ("store", insn.stores)):
                     for operand, mem in accesses:
                         if any(r in written for r in mem[1:3] if r):
                             key = (kind, mem[1], mem[2], mem[3])
-                            streams.setdefault(key, {})[mem[0]] = lanes(insn, operand,
-                                                                         dtype_bytes)[1]
+                            n = lanes(insn, operand, dtype_bytes)[1]
+                            if kind == "store" and re.match(r"^v?movdq", insn.op) and any(
+                                    cats[p] not in ("narrow", "other") for p in prods[j]):
+                                n = lanes(insn, operand, 4)[1]  # a float32 value, not narrowed
+                            streams.setdefault(key, {})[mem[0]] = n
             if not streams:
                 continue
             loop.element_loop = True
             loop.elements = loop.span = max(sum(s.values()) for s in streams.values())
-            cats = classify(body, written)
             loop.categories = {c: cats.count(c) for c in CATEGORIES}
         for loop in sorted(loops, key=lambda x: len(x.blocks)):  # inner first
             if loop.nested:
