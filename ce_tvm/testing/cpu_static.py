@@ -35,10 +35,15 @@ Method:
    elements one of its iterations covers: the largest over its nested loops
    of their elements per iteration times their trip count, read off the
    induction variable (``xor``/``mov $init``, ``add $step``, ``cmp $end``).
-4. An element visits every element loop of its kernel, except where loops
-   are alternatives (neither reaches the other within one iteration of the
-   loop around them: the training gradient of a chunk holding the row's
-   label and of the other chunks): those charge their costliest.
+4. A kernel's instructions per element: each loop's, times the share of a
+   row's C elements it runs (its elements per iteration times its trip count
+   and those of the loops around it inside the row loop, over C; 1 where a
+   trip count is not found): a last chunk peeled into a loop of its own
+   counts for its chunk only. Alternatives (loops that neither reach the
+   other within one iteration of the loop around them: the training gradient
+   of the chunk holding the row's label and of the other chunks) charge their
+   costliest. Only the row function's loops count (the one whose loop covers
+   the most elements: TVM's parallel row lambda).
 5. Categories, per instruction of an element loop, from the data flow in
    its body (first match wins): ``store`` a streaming store; ``load`` a
    streaming load that only moves or widens, and the widening after it
