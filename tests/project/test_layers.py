@@ -52,7 +52,7 @@ LAYERS = [
     ("runtime.linear_sweep", "runtime"),  # the chunked linear + loss sweep; no autograd
     # what ce_tvm is checked against: the float64 reference, the GPU schedules on PoCL and
     # in GPGPU-Sim (its self-check), their machine code; never through the torch surface
-    ("testing", "testing.reference", "testing.pocl", "testing.cuda_static",
+    ("testing", "testing.reference", "testing.pocl", "testing.cuda_static", "testing.cpu_static",
      "testing.gpgpu_sim_checks"),
     ("testing.gpgpu_sim", "testing.cuda_cases"),
     # the losses' ground floor: the one input check; op registration and the one protocol
