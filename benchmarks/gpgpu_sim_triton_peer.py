@@ -18,7 +18,11 @@ pointers get divisibility hints), and compiled ahead of time for
 ``GPUTarget("cuda", 86, 32)`` without a driver: the PTX, the kernel's name, its
 parameters (Triton appends two hidden ones, the global and the profile scratch
 pointers, passed null as Triton does when the kernel needs no scratch), warps and
-dynamic shared bytes.
+dynamic shared bytes. Line info is off (``TRITON_DISABLE_LINE_INFO``); two edits
+that leave the instructions as they are make the PTX GPGPU-Sim's
+(``for_simulator``): launch-bound hints (``.reqntid``) dropped, Triton's
+one-register vectors (``{ %r1 }`` in its inline-asm loads and stores) written as
+the register.
 
 A generated host program declares the kernel with the same parameter list (an
 empty body: ``Simulator.execute(ptx=...)`` runs Triton's PTX instead), reads the
@@ -401,6 +405,9 @@ def trl_backward(dtype: str, classes: int, rows: int, rng) -> Launch:
 
 
 PEERS = {"liger": [liger_cross_entropy], "trl": [trl_forward, trl_backward]}
+# each peer kernel's counterpart among ce-tvm's ops (gpgpu_sim_cycles' records' "op")
+CE_TVM_OP = {"liger_cross_entropy_kernel": "train", "_forward_kernel": "log_probs",
+             "_backward_kernel": "log_probs_grad"}
 
 
 # --- running -----------------------------------------------------------------------
@@ -461,6 +468,8 @@ def main(argv=None) -> int:
     parser.add_argument("--functional-only", action="store_true",
                         help="check the results, skip the cycle model")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--ce-tvm", type=Path, help="gpgpu_sim_cycles.py's --json output: "
+                        "its records of the peers' counterparts printed beside them")
     args = parser.parse_args(argv)
     reason = gpgpu_sim.unavailable()
     if reason:
@@ -510,13 +519,31 @@ def main(argv=None) -> int:
                     peer=peer, kernel=launch.kernel, dtype=dtype, classes=c, rows=n,
                     cycles=cycles, floor_cycles=floor, ratio=ratio, max_abs_err=max_abs,
                     worst=worst, tol=TOL[dtype], passed=passed, problem="; ".join(issues),
-                    grid=list(launch.grid), num_warps=kernel.num_warps, shared=kernel.shared,
+                    ce_tvm_op=CE_TVM_OP[launch.kernel], grid=list(launch.grid),
+                    num_warps=kernel.num_warps, shared=kernel.shared,
                     params=[f"{k} {name}" for name, k in kernel.params],
                     constexprs=kernel.info["constexprs"], hints=kernel.info["hints"],
                     versions=kernel.info["versions"], device=cycle_model.name))
                 if args.json:
                     args.json.write_text(json.dumps(records, indent=1) + "\n")
+    if args.ce_tvm:
+        beside(records, json.loads(args.ce_tvm.read_text()))
     return 1 if failed else 0
+
+
+def beside(records: list, ce_tvm: list) -> None:
+    """Each peer record's cycles beside ce-tvm's for its counterpart op (``CE_TVM_OP``)
+    at the same dtype and sizes, each over its own floor."""
+    print(f"\n{'peer kernel':36} {'dtype':8} {'peer':>9} {'ratio':>6}   "
+          f"{'ce-tvm':36} {'cycles':>9} {'ratio':>6}")
+    for r in records:
+        for ce in ce_tvm:
+            if (ce["op"], ce["dtype"], ce["classes"], ce["rows"]) != \
+                    (CE_TVM_OP[r["kernel"]], r["dtype"], r["classes"], r["rows"]):
+                continue
+            print(f"{r['peer'] + ' ' + r['kernel']:36} {r['dtype']:8} {r['cycles'] or '-':>9} "
+                  f"{r['ratio'] or '-':>6}   {ce['op'] + ' ' + ce['variant']:36} "
+                  f"{ce['cycles']:>9} {ce['ratio']:>6}")
 
 
 if __name__ == "__main__":

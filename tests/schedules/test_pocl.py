@@ -17,7 +17,7 @@ import pytest
 
 from ce_tvm.kernels.kinds import Variant
 from ce_tvm.store.spec import KernelSpec
-from ce_tvm.testing import pocl, cuda_cases
+from ce_tvm.testing import cuda_cases, pocl
 
 
 def _every_kernel(dtype, classes, rows):
