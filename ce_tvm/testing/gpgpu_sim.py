@@ -193,26 +193,6 @@ _KERNEL = re.compile(r"^kernel_name = (\S+)\s*$", re.M)
 _CYCLES = re.compile(r"^gpu_sim_cycle = (\d+)$", re.M)
 
 
-def _extracting(folder: Path, cuda: Path, ptx_file: Path) -> Path:
-    """``cuda`` (as a folder of links in ``folder``) with a ``bin/cuobjdump`` whose
-    ``-xptx`` writes ``ptx_file``: the simulator (CUDA >= 6) parses the PTX that
-    ``$CUDA_INSTALL_PATH/bin/cuobjdump -xptx`` extracts from the program, and runs
-    ptxas on it for the kernel's registers; ``PTX_SIM_KERNELFILE`` only names it."""
-    tools = folder / "cuda-ptx"
-    (tools / "bin").mkdir(parents=True, exist_ok=True)
-    links = [(tools / e.name, e) for e in cuda.iterdir() if e.name != "bin"]
-    links += [(tools / "bin" / e.name, e) for e in (cuda / "bin").iterdir()
-              if e.name != "cuobjdump"]
-    for link, target in links:
-        if not link.is_symlink():
-            link.symlink_to(target)
-    script = tools / "bin" / "cuobjdump"
-    script.write_text(f'#!/bin/bash\n"{cuda}/bin/cuobjdump" "$@" || exit $?\n'
-                      f'if [ "$1" = -xptx ]; then cp "{ptx_file}" "$2"; fi\n')
-    script.chmod(0o755)
-    return tools
-
-
 class Simulator:
     """A GPGPU-Sim build (``root``: ``build.sh``'s ``$GSIM``) running CUDA programs
     in ``config``, functional or (``perf``) in the cycle model."""
@@ -302,18 +282,15 @@ class Simulator:
         kernel, Triton's say, launched through a program declaring its signature)."""
         self._config(folder)
         cuda11 = self.root / "cuda11"
-        kernel_file = "_1.ptx"  # as setup_environment sets it: what cuobjdump -xptx extracts
-        if ptx is not None:
-            kernel_file = "peer.ptx"
-            (folder / kernel_file).write_text(ptx)
-            subprocess.run([str(cuda11 / "bin" / "ptx-rewrite"), str(folder / kernel_file)],
-                           check=True)
-        tools = _extracting(folder, cuda11, folder / kernel_file) if ptx is not None else cuda11
-        env = {**os.environ, "CUDA_INSTALL_PATH": str(tools),
+        env = {**os.environ, "CUDA_INSTALL_PATH": str(cuda11),
                "PTXAS_CUDA_INSTALL_PATH": str(cuda11),  # the ptxas whose report it parses
                "LD_LIBRARY_PATH": str(self.lib),
-               "PTX_SIM_USE_PTX_FILE": "1.ptx", "PTX_SIM_KERNELFILE": kernel_file,
+               # as setup_environment sets them: PTX taken from cuobjdump -xptx files
+               "PTX_SIM_USE_PTX_FILE": "1.ptx", "PTX_SIM_KERNELFILE": "_1.ptx",
                "CUOBJDUMP_SIM_FILE": "jj"}
+        if ptx is not None:  # the cuobjdump wrapper puts it in place of what it extracts
+            (folder / "peer.ptx").write_text(ptx)
+            env["CE_GSIM_PTX"] = str(folder / "peer.ptx")
         start = time.perf_counter()
         done = subprocess.run([str(exe), *args], cwd=folder, env=env, capture_output=True,
                               text=True, timeout=timeout)
@@ -321,10 +298,12 @@ class Simulator:
         log = done.stdout + "\n--- stderr ---\n" + done.stderr
         if done.returncode or "CE_HOST_DONE" not in done.stdout and "CE_CHECK_DONE" not in \
                 done.stdout:
-            (folder / "sim.log").write_text(log)
+            kept = self.root / "failed" / f"{exe.parent.name}-{os.getpid()}-{time.time_ns()}.log"
+            kept.parent.mkdir(exist_ok=True)
+            kept.write_text(log)
             tail = "\n".join(line for line in log.splitlines()[-40:])
             raise SimulatorError(f"{exe.name} failed under the simulator (rc "
-                                 f"{done.returncode}; log {folder / 'sim.log'}):\n{tail}")
+                                 f"{done.returncode}; log {kept}):\n{tail}")
         names = _KERNEL.findall(done.stdout)
         cycles = [int(c) for c in _CYCLES.findall(done.stdout)] if self.perf else []
         totals = [int(a or b) for a, b in _INSTRUCTIONS.findall(done.stdout)]
