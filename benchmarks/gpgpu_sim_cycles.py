@@ -4,9 +4,9 @@ config: RTX 3070, 46 SMs).
 
 For each kernel (a ``ce_tvm.testing.cuda_cases`` case), the floor is one
 kernel that reads the bytes the case's inputs hold and writes the bytes its
-outputs hold (16-byte loads and stores, grid-stride, 8 blocks of 256 threads
-per SM): a plain read for a forward, a copy for a training step or a
-gradient. The table gives ce-tvm's cycles (every launch of the op, the
+outputs hold (``Simulator.copy_floor``: 16-byte loads and stores, grid-stride,
+8 blocks of 256 threads per SM): a plain read for a forward, a copy for a
+training step or a gradient. The table gives ce-tvm's cycles (every launch of the op, the
 config's 5000-cycle launch latency set to 0 for both) over the floor's.
 
 Simulated cycles rank designs where no GPU can; they are not a GPU's timing
@@ -33,30 +33,6 @@ from ce_tvm.testing.cuda_cases import KERNELS, _case, problem
 TABLE = [("forward", 1), ("train", 1), ("backward", 1), ("log_probs", 0), ("log_probs", 2),
          ("distillation", 0)]
 
-_FLOOR = r"""
-#include <cstdio>
-#include <cstdlib>
-__global__ void move(const uint4 *src, long long reads, uint4 *dst, long long writes,
-                     unsigned *sink) {
-  long long n = reads > writes ? reads : writes, step = (long long)gridDim.x * blockDim.x;
-  unsigned acc = 0;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += step) {
-    uint4 v = make_uint4(i, i, i, i);
-    if (i < reads) { v = src[i]; acc ^= v.x ^ v.y ^ v.z ^ v.w; }
-    if (i < writes) dst[i] = v;
-  }
-  if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads
-}
-int main(int argc, char **argv) {
-  long long reads = atoll(argv[1]) / 16, writes = atoll(argv[2]) / 16;
-  uint4 *src, *dst; unsigned *sink;
-  cudaMalloc(&src, reads * 16 + 16); cudaMalloc(&dst, writes * 16 + 16); cudaMalloc(&sink, 4);
-  move<<<46 * 8, 256>>>(src, reads, dst, writes, sink);
-  if (cudaDeviceSynchronize() != cudaSuccess) return 3;
-  printf("CE_CHECK_DONE\n"); return 0; }
-"""
-
-
 def bytes_moved(kernels, case, prob) -> tuple[int, int]:
     """(bytes the case's inputs hold, bytes its outputs hold; scratch excluded)."""
     reads = sum(np.asarray(a).nbytes for a in prob.arrays.values())
@@ -68,14 +44,6 @@ def bytes_moved(kernels, case, prob) -> tuple[int, int]:
         size = int(np.prod([int(kernels.evaluate(d, values)) for d in p.shape]))
         writes += size * np.dtype(gpgpu_sim.pocl.NUMPY_DTYPES[p.dtype]).itemsize
     return reads, writes
-
-
-def floor_cycles(sim, reads: int, writes: int) -> int:
-    exe = sim.compile(_FLOOR, "floor")
-    folder = sim.root / "run" / f"floor-{reads}-{writes}"
-    folder.mkdir(parents=True, exist_ok=True)
-    run = sim.execute(exe, folder, args=(str(reads), str(writes)))
-    return sum(c for _, c in run.cycles)
 
 
 def main(argv=None) -> int:
@@ -103,7 +71,7 @@ def main(argv=None) -> int:
         sim.run(kernels, case.rows, prob.arrays, prob.scalars, prob.aliases)
         cycles = sum(c for _, c in sim.last.cycles)
         reads, writes = bytes_moved(kernels, case, prob)
-        floor = floor_cycles(sim, reads, writes)
+        floor = sim.copy_floor(reads, writes)
         name = f"{family}: {kernel[0]} {kernel[2]}"
         print(f"{name:42} {dtype:8} {len(kernels.launches):>8} {cycles:>9} {floor:>9} "
               f"{cycles / floor:>6.2f}", flush=True)

@@ -31,7 +31,7 @@ writes the buffers back. Each kernel runs in functional mode first and is checke
 against float64 NumPy (``ce_tvm.testing.cuda_cases``' tolerances), then in the
 cycle model (``launch_latency=0``, as the cycles script) beside the floor: one
 copy kernel moving the bytes the peer's launch reads and writes
-(``gpgpu_sim_cycles.floor_cycles``). Usage::
+(``Simulator.copy_floor``). Usage::
 
     GSIM=/work/gsim .venv/bin/python benchmarks/gpgpu_sim_triton_peer.py \\
         --classes 5003 --rows 92 --json peer.json
@@ -55,7 +55,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gpgpu_sim_cycles import floor_cycles
 
 from ce_tvm.testing import gpgpu_sim
 from ce_tvm.testing.cuda_cases import IGNORE, SCALE, TOL, compare, store, value
@@ -506,7 +505,7 @@ def main(argv=None) -> int:
                     cycles = sum(k for _, k in cycle_model.last.cycles)
                     reads = sum(np.asarray(launch.args[k]).nbytes for k in launch.reads)
                     writes = sum(np.asarray(launch.args[k]).nbytes for k in launch.writes)
-                    floor = floor_cycles(cycle_model, reads, writes)
+                    floor = cycle_model.copy_floor(reads, writes)
                 passed = not issues
                 failed += not passed
                 ratio = round(cycles / floor, 3) if cycles else None

@@ -186,6 +186,33 @@ def _plan_text(kernels: pocl.Kernels, values: dict, sizes: list, aliases: dict) 
     return "\n".join(words) + "\n"
 
 
+# The simulated floor: one kernel that reads ``reads`` bytes and writes ``writes`` bytes
+# (16-byte loads and stores, grid-stride, 8 blocks of 256 threads per SM of the
+# 46-SM config): a read for a forward, a copy for a gradient.
+_COPY_FLOOR = r"""
+#include <cstdio>
+#include <cstdlib>
+__global__ void move(const uint4 *src, long long reads, uint4 *dst, long long writes,
+                     unsigned *sink) {
+  long long n = reads > writes ? reads : writes, step = (long long)gridDim.x * blockDim.x;
+  unsigned acc = 0;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += step) {
+    uint4 v = make_uint4(i, i, i, i);
+    if (i < reads) { v = src[i]; acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+    if (i < writes) dst[i] = v;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads
+}
+int main(int argc, char **argv) {
+  long long reads = atoll(argv[1]) / 16, writes = atoll(argv[2]) / 16;
+  uint4 *src, *dst; unsigned *sink;
+  cudaMalloc(&src, reads * 16 + 16); cudaMalloc(&dst, writes * 16 + 16); cudaMalloc(&sink, 4);
+  move<<<46 * 8, 256>>>(src, reads, dst, writes, sink);
+  if (cudaDeviceSynchronize() != cudaSuccess) return 3;
+  printf("CE_CHECK_DONE\n"); return 0; }
+"""
+
+
 # running totals of thread instructions: functional mode's, the cycle model's
 _INSTRUCTIONS = re.compile(r"Done functional simulation \((\d+) instructions|"
                            r"^gpu_tot_sim_insn = (\d+)$", re.M)
@@ -310,6 +337,16 @@ class Simulator:
         run = SimRun(log, totals[-1] if totals else 0, list(zip(names, cycles)), seconds)
         self.instructions, self.last = run.instructions, run
         return run
+
+    def copy_floor(self, reads: int, writes: int) -> int:
+        """Cycles of the floor kernel moving ``reads`` and ``writes`` bytes (``_COPY_FLOOR``;
+        the cycle model's, summed over its launch)."""
+        exe = self.compile(_COPY_FLOOR, "floor")
+        work = self.root / "run"
+        work.mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=work) as tmp:
+            run = self.execute(exe, Path(tmp), args=(str(reads), str(writes)))
+        return sum(cycles for _, cycles in run.cycles)
 
     # --- the launch plan of a kernel spec, as cuda_cases runs it ------------------
 
