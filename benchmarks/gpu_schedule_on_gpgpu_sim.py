@@ -15,14 +15,16 @@ Needs the simulator built (``benchmarks/gpgpu_sim/build.sh``) and
 ``CE_TVM_GPGPU_SIM`` (or ``GSIM``) naming its folder. Usage::
 
     CE_TVM_GPGPU_SIM=~/gpgpu-sim python benchmarks/gpu_schedule_on_gpgpu_sim.py --json sim.json
+    ... --json sim.json --resume      # a stopped run goes on; failed cases run again
     ... --families forward log_probs --dtypes bfloat16 --classes 32000 --rows 7 --archs sm_90
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ce_tvm.testing import gpgpu_sim
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     parser.add_argument("--archs", nargs="+", default=list(ARCHS),
                         help="the CUDA archs the kernels are scheduled for")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the passed records already in --json; run the rest")
     args = parser.parse_args(argv)
     reason = gpgpu_sim.unavailable()
     if reason:
@@ -52,8 +56,22 @@ def main(argv=None) -> int:
     cases = sorted((replace(case, arch=arch) for arch in args.archs
                     for case in matrix(args.families, args.dtypes, args.classes, args.rows)),
                    key=lambda case: case.rows * case.classes)
-    results = run_cases(cases, sim, args.json)
+    kept = []
+    if args.resume and args.json and args.json.exists():
+        kept = [r for r in json.loads(args.json.read_text()) if r["passed"]]
+        done = {_key(r) for r in kept}
+        cases = [c for c in cases if _key(vars(c) | {"variant": c.label}) not in done]
+        print(f"resuming: {len(kept)} passed records kept, {len(cases)} cases to run")
+    results = run_cases(cases, sim, args.json and args.json.with_suffix(".part.json"))
+    if args.json:
+        args.json.write_text(json.dumps(kept + [asdict(r) for r in results], indent=1) + "\n")
+        args.json.with_suffix(".part.json").unlink(missing_ok=True)
     return 0 if all(r.passed for r in results) else 1
+
+
+def _key(record: dict) -> tuple:
+    return tuple(record[k] for k in ("family", "op", "variant", "dtype", "classes", "rows",
+                                     "arch"))
 
 
 if __name__ == "__main__":
