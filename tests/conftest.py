@@ -45,6 +45,21 @@ def precompiled_modules(compiled_cache, tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def one_rank():
+    """A gloo world of one in this process (a one-rank mesh), torn down after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     """Slow tests last, so ``-x`` stops on a cheap failure first.
 

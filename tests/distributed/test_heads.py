@@ -4,23 +4,10 @@ layout hooks are recognised where torch defines them today."""
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import ce_tvm
 from ce_tvm.distributed import heads
-
-
-@pytest.fixture
-def one_rank():
-    """A gloo world of one in this process (a one-rank mesh), torn down after."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tensor_parallel_layout_hooks_are_recognised(one_rank):

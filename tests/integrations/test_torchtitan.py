@@ -16,7 +16,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 titan_loss = pytest.importorskip("torchtitan.components.loss")
@@ -160,18 +159,6 @@ def test_the_trainer_takes_it_for_a_chunked_loss():
         cetitan.loss_config(ChunkedLossWrapper.Config(loss_fn=titan_loss.MSELoss.Config()))
     with pytest.raises(TypeError, match="Trainer.Config"):
         cetitan.apply(object())
-
-
-@pytest.fixture
-def one_rank():
-    """A gloo world of one in this process (a one-rank mesh), torn down after."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
