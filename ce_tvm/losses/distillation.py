@@ -14,8 +14,6 @@ however it is sharded.
 
 from __future__ import annotations
 
-from dataclasses import astuple
-
 import torch
 from torch import Tensor
 
@@ -261,7 +259,7 @@ def linear_distillation_loss(student_input: Tensor, student_weight, teacher_inpu
         teacher_softcap=teacher_softcap)
     Wt, bt = heads.whole_frozen_head(teacher_weight, teacher_bias)
     return heads.run(student_input, student_weight, student_bias, _fused, _dtensor_student,
-                     teacher_input, Wt, bt, target, scalars=astuple(opts),
+                     teacher_input, Wt, bt, target, scalars=opts.op_scalars(),
                      ignore_index=ignore_index, reduction=reduction,
                      return_entropy=return_entropy, chunk_rows=chunk_rows,
                      allow_retain_graph=allow_retain_graph)
@@ -394,7 +392,7 @@ def distillation_loss(student_logits: Tensor, teacher_logits: Tensor,
     t = teacher_logits.detach().reshape(s.shape).to(s.dtype).contiguous()
     kept = _kept(target, s.shape[0], ignore_index, s.device, accum_torch_dtype(s))
     grad = torch.is_grad_enabled() and s.requires_grad
-    loss, ent, _ = distillation_forward(s, t, kept, reduction, *astuple(opts), grad,
+    loss, ent, _ = distillation_forward(s, t, kept, reduction, *opts.op_scalars(), grad,
                                         bool(allow_retain_graph))
     if reduction == "none":
         loss = loss.reshape(lead)

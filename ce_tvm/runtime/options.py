@@ -137,6 +137,12 @@ class DivergenceOptions:
     teacher_softcap: float
     teacher_inv_temperature: float
 
+    def op_scalars(self) -> tuple:
+        """The fields in order, as the ops take them: ``dataclasses.astuple`` without its
+        deep copy, which ``torch.compile(fullgraph=True)`` cannot trace in torch 2.9."""
+        return (self.kind, self.beta, self.student_softcap, self.student_inv_temperature,
+                self.teacher_softcap, self.teacher_inv_temperature)
+
     @classmethod
     def checked(cls, *, beta, temperature, student_logit_scale, teacher_logit_scale,
                 student_softcap, teacher_softcap) -> DivergenceOptions:

@@ -25,7 +25,9 @@ OPTIONS = dict(beta=0.5, temperature=2.0, student_logit_scale=1.0, teacher_logit
 
 def _scalars(**changes):
     """The ops' scalar arguments (``DivergenceOptions``' fields) of ``OPTIONS`` with ``changes``."""
-    return astuple(DivergenceOptions.checked(**{**OPTIONS, **changes}))
+    opts = DivergenceOptions.checked(**{**OPTIONS, **changes})
+    assert opts.op_scalars() == astuple(opts)  # every field, in order
+    return opts.op_scalars()
 
 
 def _heads(bias: bool, seed: int = 0):

@@ -1,5 +1,6 @@
 """The user extras are tested ranges, the test extra pins the versions CI runs inside
-them, and installing an extra keeps an installed version that is in range."""
+them, and installing an extra keeps an installed version that is in range; the torch
+lower bound is the one docs/howto.md's version table gives."""
 
 import importlib.metadata
 import subprocess
@@ -13,8 +14,8 @@ from packaging.requirements import Requirement
 import ce_tvm
 
 ROOT = Path(__file__).resolve().parents[2]
-EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-    "optional-dependencies"]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+EXTRAS = PROJECT["optional-dependencies"]
 RANGED = ("transformers", "accelerate", "trl", "torchtitan")
 
 
@@ -49,3 +50,14 @@ def test_installing_the_extras_keeps_installed_versions_in_range():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     would = [line for line in done.stdout.splitlines() if line.startswith("Would install")]
     assert would and would[0].split()[2:] == [f"ce-tvm-{ce_tvm.__version__}"], would
+
+
+def test_the_torch_lower_bound_is_the_one_the_docs_table_declares():
+    """pyproject's ``torch>=X`` and the torch row of docs/howto.md's version table agree
+    (X is the lowest release benchmarks/torch_versions.sh passed)."""
+    (torch,) = (r for r in map(Requirement, PROJECT["dependencies"]) if r.name == "torch")
+    (bound,) = torch.specifier
+    assert bound.operator == ">=", torch
+    rows = (ROOT / "docs" / "howto.md").read_text().splitlines()
+    (row,) = (line for line in rows if line.startswith("| torch |"))
+    assert row.split("|")[2].strip() == f">= {bound.version}", row
