@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from ce_tvm.testing import gpgpu_sim
@@ -62,10 +62,7 @@ def main(argv=None) -> int:
         done = {_key(r) for r in kept}
         cases = [c for c in cases if _key(vars(c) | {"variant": c.label}) not in done]
         print(f"resuming: {len(kept)} passed records kept, {len(cases)} cases to run")
-    results = run_cases(cases, sim, args.json and args.json.with_suffix(".part.json"))
-    if args.json:
-        args.json.write_text(json.dumps(kept + [asdict(r) for r in results], indent=1) + "\n")
-        args.json.with_suffix(".part.json").unlink(missing_ok=True)
+    results = run_cases(cases, sim, args.json, kept)
     return 0 if all(r.passed for r in results) else 1
 
 

@@ -541,10 +541,11 @@ def run_case(case: Case, device=None) -> Result:
                   "; ".join(issues), case.arch, device.instructions)
 
 
-def run_cases(cases: list, device, json_path=None) -> list[Result]:
+def run_cases(cases: list, device, json_path=None, kept: list = ()) -> list[Result]:
     """Run ``cases`` on ``device`` (as ``run_case``), printing a line per case and,
-    with ``json_path``, writing every record so far after each case (a long run
-    leaves its records behind). A build or launch failure is a failed case."""
+    with ``json_path``, writing ``kept`` (records of an earlier run) and every record
+    so far after each case (a long run leaves its records behind). A build or launch
+    failure is a failed case."""
     results, start = [], time.perf_counter()
     for i, case in enumerate(cases, 1):
         try:
@@ -560,7 +561,8 @@ def run_cases(cases: list, device, json_path=None) -> list[Result]:
               f"{case.label:36} worst {result.worst:.2e} ({result.seconds:.1f} s) "
               f"{result.problem}", flush=True)
         if json_path:
-            Path(json_path).write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+            Path(json_path).write_text(
+                json.dumps([*kept, *(asdict(r) for r in results)], indent=1) + "\n")
     passed = sum(r.passed for r in results)
     print(f"{passed} passed, {len(results) - passed} failed "
           f"({time.perf_counter() - start:.0f} s on {device.name})")
