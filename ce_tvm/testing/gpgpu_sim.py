@@ -262,7 +262,7 @@ class Simulator:
             return exe
         folder.mkdir(parents=True, exist_ok=True)
         # every name this process writes is its own: runs in parallel may build the same
-        # program at once, and one may be running it when another's link finishes
+        # program at once, and one may be running it when another's build finishes
         cu = folder / f".{name}.{os.getpid()}.cu"
         cu.write_text(source)
         tmp = folder / f".{name}.{os.getpid()}.tmp"
@@ -276,7 +276,11 @@ class Simulator:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise SimulatorError(f"nvcc failed for {cu}:\n{done.stderr[-3000:]}")
-        os.replace(tmp, exe)
+        try:  # the first build stays: the simulator reads (md5sum) the program it runs
+            os.link(tmp, exe)
+        except FileExistsError:
+            pass
+        tmp.unlink()
         os.replace(cu, folder / f"{name}.cu")
         return exe
 
