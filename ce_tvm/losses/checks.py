@@ -22,6 +22,10 @@ from ..runtime.tensors import TORCH_DTYPES, accum_torch_dtype
 TARGET_DTYPES = (torch.int64, torch.int32)
 KERNEL_DEVICES = ("cpu", "cuda")
 
+# The dtypes the kernels take (a tuple: torch.compile traces `in` on it, on every torch
+# the package supports; not on a dict's values before 2.9).
+KERNEL_DTYPES = tuple(TORCH_DTYPES.values())
+
 
 class TargetOutOfRangeError(IndexError, ValueError):
     """A class-index target outside ``[0, C)`` that is not ``ignore_index``:
@@ -32,7 +36,7 @@ def logits(x: torch.Tensor, name: str = "input") -> torch.Tensor:
     """A 2-D ``[N, C]`` float tensor with ``C >= 1``, made contiguous."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in TORCH_DTYPES.values():
+    if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {x.dtype}")
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [N, C], got shape {tuple(x.shape)}")
@@ -113,7 +117,7 @@ def class_last_logits(x, name: str = "logits") -> torch.Tensor:
                          f"{tuple(x.placements)}: pass {name}.to_local() for data-parallel "
                          f"rows; for a vocabulary-sharded head, linear_log_probs with the head's "
                          f"weight and the hidden states as DTensors")
-    if x.dtype not in TORCH_DTYPES.values():
+    if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"{name} must be [..., V] with V >= 1 classes, got shape "
@@ -214,7 +218,7 @@ def linear_head(input, linear_weight, linear_bias) -> torch.Tensor:
     for name, t in (("input", input), ("linear_weight", linear_weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if input.dtype not in TORCH_DTYPES.values():
+    if input.dtype not in KERNEL_DTYPES:
         raise TypeError(f"input must be float32, float16, bfloat16 or float64, got {input.dtype}")
     if input.dim() < 1:
         raise ValueError("input must be [*, H] with at least one dimension, got a 0-d tensor")
