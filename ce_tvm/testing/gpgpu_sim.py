@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -281,13 +280,14 @@ class Simulator:
         except FileExistsError:
             pass
         tmp.unlink()
-        os.replace(cu, folder / f"{name}.cu")
+        cu.unlink()
+        (folder / f"{name}.cu").write_text(source)
         return exe
 
     def _config(self, folder: Path) -> None:
         source = self.root / "gpgpu-sim" / "configs" / "tested-cfgs" / self.config
         for f in source.iterdir():
-            shutil.copy(f, folder)
+            (folder / f.name).write_bytes(f.read_bytes())
         text = (folder / "gpgpusim.config").read_text()
         # The SM86 config lists 5 integer latencies; the simulator reads a 6th (shuffles).
         text = re.sub(r"^(-ptx_opcode_(?:latency|initiation)_int \d+(?:,\d+){4})$",
