@@ -25,10 +25,9 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 from ce_tvm.testing import gpgpu_sim
-from ce_tvm.testing.cuda_cases import CLASSES, DTYPES, FAMILIES, matrix, run_cases
+from ce_tvm.testing.cuda_cases import case_arguments, matrix, run_cases
 
 ROWS = (1, 7, 64)
 ARCHS = ("sm_80", "sm_90")
@@ -36,11 +35,7 @@ ARCHS = ("sm_80", "sm_90")
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="write one record per case here")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
-    parser.add_argument("--classes", nargs="+", type=int, default=list(CLASSES))
-    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    case_arguments(parser, ROWS)
     parser.add_argument("--archs", nargs="+", default=list(ARCHS),
                         help="the CUDA archs the kernels are scheduled for")
     parser.add_argument("--resume", action="store_true",

@@ -42,28 +42,14 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 from ce_tvm.testing import pocl
-from ce_tvm.testing.cuda_cases import (
-    ARCH,
-    CLASSES,
-    DTYPES,
-    FAMILIES,
-    ROWS,
-    matrix,
-    run_cases,
-    stress,
-)
+from ce_tvm.testing.cuda_cases import ARCH, case_arguments, matrix, run_cases, stress
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="write one record per case here")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
-    parser.add_argument("--classes", nargs="+", type=int, default=list(CLASSES))
-    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    case_arguments(parser)
     parser.add_argument("--no-stress", action="store_true", help="skip the stress pass")
     parser.add_argument("--arch", default=ARCH, help="the CUDA arch the kernels are "
                         "scheduled for (which rows the log_prob forward stages whole)")

@@ -541,6 +541,16 @@ def run_case(case: Case, device=None) -> Result:
                   "; ".join(issues), case.arch, device.instructions)
 
 
+def case_arguments(parser, rows=ROWS) -> None:
+    """The command-line options that choose cases (``matrix``'s arguments) and ``--json``,
+    as the benchmark scripts running the matrix on a device take them."""
+    parser.add_argument("--json", type=Path, help="write one record per case here")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--classes", nargs="+", type=int, default=list(CLASSES))
+    parser.add_argument("--rows", nargs="+", type=int, default=list(rows))
+
+
 def run_cases(cases: list, device, json_path=None, kept: list = ()) -> list[Result]:
     """Run ``cases`` on ``device`` (as ``run_case``), printing a line per case and,
     with ``json_path``, writing ``kept`` (records of an earlier run) and every record
