@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..losses import checks as check
 from ..losses.autograd import ForwardGradients
 from ..losses.outputs import with_extras
-from ..runtime import launch, pool
+from ..runtime import launch, pool, vocab_blocks
 from ..runtime import linear_sweep as sweep
 from ..runtime.collectives import (
     accuracy_of,
@@ -345,24 +345,10 @@ class VocabParallelLinearCrossEntropyLoss(nn.Module):
 
 # Log-probs and entropy of the sharded head (docs/spec.md, sections 9 and 12). Per chunk
 # each rank runs the log-prob kernel on its logits, with the indices of other
-# shards dead; its row max ``m_r``, ``log S_r``, entropy and log-probs are
-# moved to the global max ``M`` (one all_reduce) and summed (one more):
-# ``S = sum_r S_r e^((m_r - M)/T)``, ``A = sum_r e^((m_r - M)/T) (A_r + (M -
-# m_r)/T S_r)`` with ``A_r = (H_r - log S_r) S_r``, and an index's log-prob
-# on its shard ``logp_r + log S_r + (m_r - M)/T`` less ``log S``: differences
-# only, as the kernel takes them. The backward's kernel gets the global
-# ``M``, ``log S`` and ``H``, and the other shards' live entries out of range
-# (they count in the sum of the upstream gradients, match no column).
-
-
-def _shard_index(index: Tensor, offset: int, width: int, ignore_index: int,
-                 others: int) -> Tensor:
-    """``index`` (global ids) as this shard sees it: its own entries local, the
-    other shards' live entries ``others`` (``ignore_index``: dead, or ``width``:
-    out of range), dead entries ``ignore_index``."""
-    local = index - offset
-    mine = (index != ignore_index) & (local >= 0) & (local < width)
-    return torch.where(mine, local, torch.where(index == ignore_index, ignore_index, others))
+# shards dead, and the shards' outputs are merged as a single device merges its
+# vocabulary blocks (``vocab_blocks.merge_log_probs``: one all_reduce for the
+# global max, one for the sums). The backward's kernel gets the global ``M``,
+# ``log S`` and ``H``, and the other shards' live entries out of range.
 
 
 class _VocabParallelLinearLogProbs(torch.autograd.Function):
@@ -373,32 +359,33 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         x = gathered_rows(x_in, group) if sequence_parallel else x_in.contiguous()
         check.in_range(index, classes, options.ignore_index, "index")
         ii, width, inv_t = options.ignore_index, W.shape[0], 1.0 / options.kernel_temperature
-        forward_index = _shard_index(index, offset, width, ii, others=ii)
+        forward_index = vocab_blocks.shard_index(index, offset, width, ii, others=ii)
         n, k = index.shape
         rows = sweep.chunk_rows(n, width, x.dtype, rows)
         buffer = pool.POOL.empty((rows, width), x.dtype, x.device)
         acc = accum_torch_dtype(x)
         logp_all, stats = x.new_empty((n, k), dtype=acc), x.new_empty((3, n), dtype=acc)
-        for sl in sweep.chunks(n, rows):
-            logits = sweep.project(buffer, x[sl], W, b)
-            logp, entropy, row_max, log_s = launch.log_probs(logits, forward_index[sl], options)
-            top = row_max.clone()
+
+        def max_over(t):
+            top = t.clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            shift = (row_max - top) * inv_t  # <= 0
-            s = torch.exp(log_s + shift)
-            a = s * (entropy - log_s - shift)
-            mine = forward_index[sl] != ii
-            moved = torch.where(mine, logp + (log_s + shift)[:, None], 0.0)
+            return top
+
+        def sum_over(s, a, moved):  # one all_reduce for the three
+            m = s.shape[0]
             packed = torch.cat([s, a, moved.reshape(-1)])
             dist.all_reduce(packed, group=group)
-            m = sl.stop - sl.start
-            total_s, total_a = packed[:m], packed[m:2 * m]
-            log_total = torch.log(total_s)
-            live = index[sl] != ii
-            logp_all[sl] = torch.where(live, torch.clamp(
-                packed[2 * m:].view(m, k) - log_total[:, None], max=0.0), 0.0)
-            stats[:, sl] = torch.stack([top, log_total, log_total + total_a / total_s])
-        ctx.save_for_backward(x, W, b, _shard_index(index, offset, width, ii, others=width),
+            return packed[:m], packed[m:2 * m], packed[2 * m:].view(m, k)
+
+        for sl in sweep.chunks(n, rows):
+            logits = sweep.project(buffer, x[sl], W, b)
+            parts = launch.log_probs(logits, forward_index[sl], options)
+            logp, entropy, top, log_total = vocab_blocks.merge_log_probs(
+                *parts, forward_index[sl] != ii, index[sl] != ii, inv_t, max_over, sum_over)
+            logp_all[sl] = logp
+            stats[:, sl] = torch.stack([top, log_total, entropy])
+        ctx.save_for_backward(x, W, b,
+                              vocab_blocks.shard_index(index, offset, width, ii, others=width),
                               stats)
         ctx.options, ctx.group, ctx.sp, ctx.rows, ctx.needs = (options, group,
                                                                sequence_parallel, rows, needs)

@@ -209,7 +209,7 @@ def linear_log_probs_forward(input: Tensor, linear_weight: Tensor, linear_bias: 
     rows in chunks (``linear_sweep.chunk_rows``; ``chunk_rows`` 0: the default)."""
     classes = linear_weight.shape[0]
     check.in_range(index, classes, ignore_index, "index")
-    rows = sweep.chunk_rows(input.shape[0], classes, input.dtype, chunk_rows)
+    rows = sweep.policy_rows(input.shape[0], classes, input.dtype, chunk_rows)
     return tuple(sweep.policy_outputs(input, linear_weight, linear_bias, index,
                                       _options(ignore_index, temperature, softcap), rows))
 
@@ -228,7 +228,7 @@ def linear_log_probs_stats_forward(
     outputs, each chunk's in the same kernel call as its log-probs."""
     classes = linear_weight.shape[0]
     check.in_range(index, classes, ignore_index, "index")
-    rows = sweep.chunk_rows(input.shape[0], classes, input.dtype, chunk_rows)
+    rows = sweep.policy_rows(input.shape[0], classes, input.dtype, chunk_rows, stats=True)
     return tuple(sweep.policy_outputs(input, linear_weight, linear_bias, index,
                                       _options(ignore_index, temperature, softcap), rows,
                                       stats=True))
@@ -250,7 +250,7 @@ def linear_log_probs_backward(
     grad_entropy entropy``, each chunk's logits recomputed; an empty tensor for
     each gradient not asked for."""
     acc = accum_torch_dtype(input)
-    rows = sweep.chunk_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
+    rows = sweep.policy_rows(input.shape[0], linear_weight.shape[0], input.dtype, chunk_rows)
     needs = sweep.Needs(grad_input, grad_weight, grad_bias and linear_bias is not None)
     return sweep.policy_grads(grad_logp.to(acc).contiguous(), grad_entropy.to(acc).contiguous(),
                               input, linear_weight, linear_bias, index,
@@ -306,10 +306,12 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
     ``input [*, H]``, ``linear_weight [V, H]`` or the head module (run inside
     its own call, as ``linear_cross_entropy`` does), ``linear_bias [V]`` (one dtype);
     ``index`` ``[*]`` or ``[*, K]``; ``row_mask`` ``[*]``. Rows go through in
-    chunks of ``chunk_rows`` (default: ``$CE_TVM_LINEAR_CHUNK_ROWS``, else an eighth
-    of the rows, at least 384, at most 256 MiB of logits); the backward recomputes each chunk's
-    logits and gives the gradients of ``input``, ``linear_weight`` and
-    ``linear_bias``. ``return_stats=True`` appends ``log_probs``'s
+    chunks of ``chunk_rows`` (default: ``$CE_TVM_LINEAR_CHUNK_ROWS``, else, for
+    float32/float64, up to 4096 rows meeting the weight a block of classes at a time
+    whose logits stay in the cache (``runtime.vocab_blocks``); for 16-bit heads and
+    with ``return_stats``, an eighth of the rows, at least 384, at most 256 MiB of
+    logits); the backward recomputes the logits and gives the gradients of
+    ``input``, ``linear_weight`` and ``linear_bias``. ``return_stats=True`` appends ``log_probs``'s
     ``LogProbStats``, each chunk's from the kernel call that gives its
     log-probs (not on the vocabulary-parallel path of a DTensor weight).
     """

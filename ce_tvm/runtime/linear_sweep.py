@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from . import launch, pool
+from . import launch, pool, vocab_blocks
 from .options import DivergenceOptions, LossOptions
 from .tensors import accum_torch_dtype
 
@@ -326,7 +326,19 @@ def _sweep_grads(bufs: _ChunkBuffers, x, W, b, y, w, opts, needs, grad_ce, grad_
 # forward sweep computes the outputs and the backward sweep recomputes each
 # chunk's logits, turns them into their gradient in place and feeds the
 # GradSink: one more GEMM per chunk than the loss, whose forward knows its
-# upstream gradient.
+# upstream gradient. float32/float64 heads go by vocabulary blocks instead
+# (``vocab_blocks``), 16-bit ones and the statistics variant by row chunks.
+
+
+def policy_rows(n: int, classes: int, dtype: torch.dtype, requested: int = 0,
+                stats: bool = False) -> int:
+    """Rows per chunk of a log-prob head: ``requested`` if positive, else
+    ``$CE_TVM_LINEAR_CHUNK_ROWS`` if set, else all rows up to
+    ``vocab_blocks.BLOCK_ROWS`` by vocabulary blocks, ``chunk_rows`` by rows."""
+    if vocab_blocks.blocked(dtype, stats):
+        rows = requested or int(os.environ.get(CHUNK_ROWS_ENV, "0") or 0)
+        return max(1, min(rows if rows > 0 else vocab_blocks.BLOCK_ROWS, n))
+    return chunk_rows(n, classes, dtype, requested)
 
 
 def policy_outputs(x: Tensor, W: Tensor, b: Tensor | None, index: Tensor, opts: LossOptions,
@@ -334,6 +346,8 @@ def policy_outputs(x: Tensor, W: Tensor, b: Tensor | None, index: Tensor, opts: 
     """``launch.log_probs``'s outputs ``[logp, entropy, row_max, log_expsum]``
     (with ``stats``, then ``log_sum_sq_probs``, ``mean_logits`` and ``is_top1``,
     from the same kernel call) for the logits ``x @ W^T + b``, chunk by chunk."""
+    if vocab_blocks.blocked(x.dtype, stats):
+        return vocab_blocks.policy_outputs(x, W, b, index, opts, rows)
     n, k = index.shape
     acc = accum_torch_dtype(x)
     logits = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
@@ -354,6 +368,9 @@ def policy_grads(grad_logp: Tensor, grad_entropy: Tensor, x: Tensor, W: Tensor,
     """``(grad_x, grad_W, grad_b)`` of ``sum grad_logp logp + sum grad_entropy
     entropy`` (``GradSink.finish``), from the forward's ``saved = [row_max,
     log_expsum, entropy]``, each chunk's logits recomputed."""
+    if vocab_blocks.blocked(x.dtype):
+        return vocab_blocks.policy_grads(grad_logp, grad_entropy, x, W, b, index, saved, opts,
+                                         rows, needs)
     def to_grad(sl: slice, z: Tensor) -> None:
         launch.log_probs_backward(grad_logp[sl], grad_entropy[sl], z, index[sl],
                                   *(t[sl] for t in saved), opts, out=z)

@@ -75,7 +75,9 @@ def _trl_head(x, W, index, temperature=TEMPERATURE):
                                                 1.0, ("log_probs", "entropy"))[:2]
 
 
-def _inputs(shape, dtype, seed=0):
+def inputs(shape, dtype, seed=0):
+    """``(tensors, index, a, b)``: the logits ``[N, V]`` (or ``x [N, H]`` and ``W
+    [V, H]``), one index per row, and the upstream weights of ``step``."""
     gen = torch.Generator().manual_seed(seed)
     dt = TORCH_DTYPES[dtype]
     if len(shape) == 2:
@@ -108,33 +110,41 @@ def methods(shape, with_compile: bool = True, with_trl: bool = True) -> dict:
     return fns
 
 
-def _step(fn, leaves, index, a, b):
+def step(fn, leaves, index, a, b):
+    """One step: ``(a * logp).sum() + (b * entropy).sum()`` of ``fn(*leaves,
+    index)``, backward, the leaves' gradients dropped."""
     logp, entropy = fn(*leaves, index)
     ((logp * a).sum() + (entropy * b).sum()).backward()
     for t in leaves:
         t.grad = None
 
 
+def gemm_floor(x, W):
+    """The floor of a head step that recomputes its logits: the four products (the
+    logits, their recompute, the input's and the weight's gradients), each one
+    ``torch.mm`` into a buffer made once."""
+    logits = x.new_empty((x.shape[0], W.shape[0]))
+    grad_x, grad_W = torch.empty_like(x), torch.empty_like(W)
+
+    def gemm():
+        torch.mm(x, W.t(), out=logits)
+        torch.mm(x, W.t(), out=logits)
+        torch.mm(logits, W, out=grad_x)
+        torch.mm(logits.t(), x, out=grad_W)
+    return gemm
+
+
 def bench_shape(shape, dtype, reps, warmup, with_compile, with_trl) -> Row:
     torch._dynamo.reset()
-    tensors, index, a, b = _inputs(shape, dtype)
+    tensors, index, a, b = inputs(shape, dtype)
     leaves = [t.clone().requires_grad_() for t in tensors]
-    timed = {name: (lambda fn=fn: _step(fn, leaves, index, a, b))
+    timed = {name: (lambda fn=fn: step(fn, leaves, index, a, b))
              for name, fn in methods(shape, with_compile, with_trl).items()}
     if len(shape) == 2:
         out = torch.empty_like(tensors[0])
         timed["copy"] = lambda: out.copy_(tensors[0])
     else:
-        x, W = tensors
-        logits = x.new_empty((x.shape[0], W.shape[0]))
-        grad_x, grad_W = torch.empty_like(x), torch.empty_like(W)
-
-        def gemm():  # the logits, their recompute, the input's and the weight's gradients
-            torch.mm(x, W.t(), out=logits)
-            torch.mm(x, W.t(), out=logits)
-            torch.mm(logits, W, out=grad_x)
-            torch.mm(logits.t(), x, out=grad_W)
-        timed["gemm"] = gemm
+        timed["gemm"] = gemm_floor(*tensors)
     return Row("x".join(map(str, shape)), dtype, interleaved_ms(timed, reps, warmup))
 
 
@@ -142,9 +152,9 @@ def peak_child(method: str, shape: tuple, dtype: str) -> float:
     """Extra peak RSS (MB) of one step beyond the inputs and their gradients,
     after a warm-up step at the same shape."""
     fn = methods(shape, with_compile=method == "compile", with_trl=method == "trl")[method]
-    tensors, index, a, b = _inputs(shape, dtype)
+    tensors, index, a, b = inputs(shape, dtype)
     leaves = [t.requires_grad_() for t in tensors]
-    _step(fn, leaves, index, a, b)
+    step(fn, leaves, index, a, b)
     with PeakRSS() as peak:
         logp, entropy = fn(*leaves, index)
         ((logp * a).sum() + (entropy * b).sum()).backward()

@@ -354,3 +354,65 @@ def test_ascend_style_schedule():
     support.assert_close(logp, ref_logp, tol, "logp")
     support.assert_close(entropy, ref_entropy, tol, "entropy")
     support.assert_close(x.grad, ref_grad, tol, "x_grad")
+
+
+@pytest.mark.parametrize("columns", [64, 100, V], ids=["64", "100", "V"])
+@pytest.mark.parametrize("rows", [None, 5], ids=["rows=all", "rows=5"])
+@pytest.mark.parametrize("softcap", [0.0, 10.0], ids=["nocap", "cap10"])
+def test_linear_log_probs_by_vocabulary_blocks_against_float64(monkeypatch, columns, rows,
+                                                                softcap):
+    """float32 heads go by vocabulary blocks (``runtime.vocab_blocks``): at block
+    widths that divide ``V`` or not, over one or several row chunks, with indices
+    on the blocks' first and last classes, log-probs, entropy and the gradients
+    of input, weight and bias against float64 torch autograd."""
+    monkeypatch.setenv("CE_TVM_LINEAR_BLOCK_COLUMNS", str(columns))
+    gen = torch.Generator().manual_seed(21)
+    h = torch.randn(3, 6, 24, generator=gen).requires_grad_()
+    W = (torch.randn(V, 24, generator=gen) * 0.4).requires_grad_()
+    b = (torch.randn(V, generator=gen) * 0.1).requires_grad_()
+    index = torch.randint(0, V, (3, 6, 3), generator=gen)
+    index[:, :, 0] = torch.tensor([0, 63, 64, 99, 100, V - 1]).repeat(3, 1)
+    index[1, 2, 1] = -100
+    mask = torch.rand(3, 6, generator=gen) > 0.2
+    a, c = torch.randn(3, 6, 3, generator=gen), torch.randn(3, 6, generator=gen)
+    logp, entropy = ce_tvm.linear_log_probs(h, W, index, linear_bias=b, temperature=0.7,
+                                            softcap=softcap, row_mask=mask,
+                                            return_entropy=True, chunk_rows=rows)
+    ((logp * a).sum() + (entropy * c).sum()).backward()
+    leaves = [t.detach().double().requires_grad_() for t in (h, W, b)]
+    ref_logp, ref_entropy = _torch_reference(*leaves, index, mask, 0.7, softcap)
+    ((ref_logp * a.double()).sum() + (ref_entropy * c.double()).sum()).backward()
+    tol = support.TOL[torch.float32] * 10  # the GEMMs round in float32 too
+    support.assert_close(logp, ref_logp.detach().numpy(), tol, "logp")
+    support.assert_close(entropy, ref_entropy.detach().numpy(), tol, "entropy")
+    for name, got, ref in zip(("input", "weight", "bias"), (h, W, b), leaves):
+        support.assert_close(got.grad, ref.grad.numpy(), tol, name)
+
+
+def test_linear_log_probs_blocks_and_row_chunks_agree(monkeypatch):
+    """The statistics variant goes by row chunks, the plain one by vocabulary
+    blocks: the same log-probs and entropy, and a float64 gradcheck through
+    blocks of 7 classes and chunks of 3 rows; no rows give a zero weight
+    gradient."""
+    monkeypatch.setenv("CE_TVM_LINEAR_BLOCK_COLUMNS", "7")
+    gen = torch.Generator().manual_seed(22)
+    h = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+    W = torch.randn(40, 6, generator=gen, dtype=torch.float64)
+    index = torch.randint(0, 40, (8,), generator=gen)
+    plain = ce_tvm.linear_log_probs(h.float(), W.float(), index, temperature=0.9,
+                                    return_entropy=True)
+    with_stats = ce_tvm.linear_log_probs(h.float(), W.float(), index, temperature=0.9,
+                                         return_entropy=True, return_stats=True)
+    for got, ref in zip(plain, with_stats[:2]):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+    def head(h, W):
+        logp, entropy = ce_tvm.linear_log_probs(h, W, index, temperature=0.9, chunk_rows=3,
+                                                return_entropy=True)
+        return logp, entropy
+
+    torch.autograd.gradcheck(head, (h.requires_grad_(), W.requires_grad_()))
+    none = torch.zeros(0, 6, requires_grad=True)
+    W32 = W.detach().float().requires_grad_()
+    ce_tvm.linear_log_probs(none, W32, index[:0]).sum().backward()
+    assert torch.equal(W32.grad, torch.zeros_like(W32))

@@ -48,7 +48,9 @@ LAYERS = [
     ("runtime.cache",),
     ("runtime.registry", "runtime.tensors", "runtime.pool"),
     ("runtime.launch",),
-    ("runtime.collectives",),  # what the ranks of a vocabulary-parallel group exchange
+    # what the ranks of a vocabulary-parallel group exchange; a head's log-probs by
+    # vocabulary blocks and their merge (a shard's too)
+    ("runtime.collectives", "runtime.vocab_blocks"),
     ("runtime.linear_sweep", "runtime"),  # the chunked linear + loss sweep; no autograd
     # what ce_tvm is checked against: the float64 reference, the GPU schedules on PoCL and
     # in GPGPU-Sim (its self-check), their machine code; never through the torch surface
