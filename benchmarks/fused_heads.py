@@ -8,6 +8,9 @@ One step is ``ce-tvm bench --policy``'s (temperature 0.7, one index per row,
 - ``via_trl``: the call TRL's fused head makes
   (``trl.trainer.utils._ChunkedLogProbFunction.apply``) after
   ``ce_tvm.integrations.trl.apply()``;
+- ``by_rows`` (``--by-rows``): ``ce_tvm`` as the row sweep ran it before the
+  vocabulary blocks, chunks of 384 rows against the whole vocabulary
+  (``CE_TVM_LINEAR_CHUNK_ROWS=384``, ``CE_TVM_LINEAR_BLOCK_COLUMNS=V``);
 - ``trl`` (``--trl-own``): TRL's own ``ChunkedLogProbFunction`` (its CPU path);
 - the floor ``gemm``: the four products a head that recomputes its logits runs
   (``bench_policy.gemm_floor``).
@@ -45,7 +48,25 @@ def via_trl(x, W, index, temperature=policy.TEMPERATURE):
         ce_trl.remove()
 
 
-def measure(shape, reps, warmup, trl_own) -> dict:
+def by_rows(step):
+    """``step`` with ``ce_tvm`` in row chunks of 384 against the whole vocabulary,
+    forward and backward."""
+    def run():
+        names = ("CE_TVM_LINEAR_CHUNK_ROWS", "CE_TVM_LINEAR_BLOCK_COLUMNS")
+        saved = {k: os.environ.get(k) for k in names}
+        os.environ.update(dict(zip(names, ("384", str(1 << 30)))))
+        try:
+            step()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
+    return run
+
+
+def measure(shape, reps, warmup, trl_own, rows) -> dict:
     """Best milliseconds per method at ``shape`` (N, H, V), float32."""
     (x, W), index, a, b = policy.inputs(shape, "float32")
     leaves = [x.clone().requires_grad_(), W.clone().requires_grad_()]
@@ -55,6 +76,8 @@ def measure(shape, reps, warmup, trl_own) -> dict:
         heads["trl"] = policy._trl_head
     timed = {name: (lambda fn=fn: policy.step(fn, leaves, index, a, b))
              for name, fn in heads.items()}
+    if rows:
+        timed["by_rows"] = by_rows(timed["ce_tvm"])
     timed["gemm"] = policy.gemm_floor(x, W)
     return interleaved_ms(timed, reps, warmup)
 
@@ -66,20 +89,25 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--trl-own", action="store_true", help="time TRL's own head too")
+    parser.add_argument("--by-rows", action="store_true",
+                        help="time the row sweep (chunks of 384 rows) too")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     records = []
-    print("| N x H x V | ce_tvm ms | via TRL ms | 4 GEMMs ms | ce_tvm / GEMMs | via TRL / GEMMs |")
-    print("|---|---|---|---|---|---|")
+    print("| N x H x V | ce_tvm ms | via TRL ms | 4 GEMMs ms | ce_tvm / GEMMs | via TRL / GEMMs "
+          "| others / GEMMs |")
+    print("|---|---|---|---|---|---|---|")
     for text in args.shapes.split(","):
         shape = tuple(int(s) for s in text.split("x"))
-        ms = measure(shape, args.reps, args.warmup, args.trl_own)
+        ms = measure(shape, args.reps, args.warmup, args.trl_own, args.by_rows)
         records.append({"shape": text, "dtype": "float32", "ms": ms,
                         "ratio": {k: ms[k] / ms["gemm"] for k in ms if k != "gemm"}})
         print(f"| {' x '.join(map(str, shape))} | {ms['ce_tvm']:.0f} | {ms['via_trl']:.0f} | "
               f"{ms['gemm']:.0f} | {ms['ce_tvm'] / ms['gemm']:.3f}x | "
-              f"{ms['via_trl'] / ms['gemm']:.3f}x |", flush=True)
+              f"{ms['via_trl'] / ms['gemm']:.3f}x | "
+              + ", ".join(f"{k} {ms[k] / ms['gemm']:.3f}x" for k in ("by_rows", "trl") if k in ms)
+              + " |", flush=True)
     if args.json:
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                 "machine": platform.processor() or platform.machine(),

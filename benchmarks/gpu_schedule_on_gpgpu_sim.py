@@ -17,6 +17,7 @@ Needs the simulator built (``benchmarks/gpgpu_sim/build.sh``) and
     CE_TVM_GPGPU_SIM=~/gpgpu-sim python benchmarks/gpu_schedule_on_gpgpu_sim.py --json sim.json
     ... --json sim.json --resume      # a stopped run goes on; failed cases run again
     ... --families forward log_probs --dtypes bfloat16 --classes 32000 --rows 7 --archs sm_90
+    ... --classes 32000 128256 --rows 64 --sample   # one kernel per family x dtype
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def main(argv=None) -> int:
                         help="the CUDA archs the kernels are scheduled for")
     parser.add_argument("--resume", action="store_true",
                         help="keep the passed records already in --json; run the rest")
+    parser.add_argument("--sample", action="store_true",
+                        help="each family's first kernel only (per dtype, C, rows and arch): "
+                             "the long grids of the largest shapes at a few minutes a case")
     args = parser.parse_args(argv)
     reason = gpgpu_sim.unavailable()
     if reason:
@@ -51,6 +55,11 @@ def main(argv=None) -> int:
     cases = sorted((replace(case, arch=arch) for arch in args.archs
                     for case in matrix(args.families, args.dtypes, args.classes, args.rows)),
                    key=lambda case: case.rows * case.classes)
+    if args.sample:
+        firsts = {}
+        for case in cases:
+            firsts.setdefault((case.family, case.dtype, case.classes, case.rows, case.arch), case)
+        cases = list(firsts.values())
     kept = []
     if args.resume and args.json and args.json.exists():
         kept = [r for r in json.loads(args.json.read_text()) if r["passed"]]
