@@ -32,6 +32,7 @@ from torch import Tensor
 from . import launch, pool, vocab_blocks
 from .options import DivergenceOptions, LossOptions
 from .tensors import accum_torch_dtype
+from .vocab_blocks import chunks
 
 CHUNK_ROWS_ENV = "CE_TVM_LINEAR_CHUNK_ROWS"
 # One chunk's logits: an eighth of the [N, V] logits an unfused head would
@@ -77,20 +78,20 @@ def chunk_rows(n: int, classes: int, dtype: torch.dtype, requested: int = 0) -> 
     if set, else ``n / CHUNKS`` rounded up, but at least ``MIN_CHUNK_ROWS`` and
     no more than fit ``MAX_CHUNK_BYTES`` of logits (unless that is under the
     minimum); never more than ``n``, at least 1."""
-    rows = requested or int(os.environ.get(CHUNK_ROWS_ENV, "0") or 0)
+    rows = _requested(requested)
     if rows <= 0:
         most = max(MIN_CHUNK_ROWS, MAX_CHUNK_BYTES // (classes * dtype.itemsize))
         rows = min(max(MIN_CHUNK_ROWS, -(-n // CHUNKS)), most)
     return max(1, min(rows, n))
 
 
+def _requested(requested: int) -> int:
+    """``requested``, else ``$CE_TVM_LINEAR_CHUNK_ROWS``, else 0 (none asked for)."""
+    return requested or int(os.environ.get(CHUNK_ROWS_ENV, "0") or 0)
+
+
 def _blocks(n: int, step: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, n)) for i in range(0, n, step)]
-
-
-def chunks(n: int, rows: int) -> list[slice]:
-    """Slices of ``rows`` rows (the last shorter) covering ``n``."""
-    return [slice(lo, hi) for lo, hi in _blocks(n, rows)]
 
 
 def normalisers(y: Tensor, w: Tensor | None, opts: LossOptions, acc: torch.dtype):
@@ -336,7 +337,7 @@ def policy_rows(n: int, classes: int, dtype: torch.dtype, requested: int = 0,
     ``$CE_TVM_LINEAR_CHUNK_ROWS`` if set, else all rows up to
     ``vocab_blocks.BLOCK_ROWS`` by vocabulary blocks, ``chunk_rows`` by rows."""
     if vocab_blocks.blocked(dtype, stats):
-        rows = requested or int(os.environ.get(CHUNK_ROWS_ENV, "0") or 0)
+        rows = _requested(requested)
         return max(1, min(rows if rows > 0 else vocab_blocks.BLOCK_ROWS, n))
     return chunk_rows(n, classes, dtype, requested)
 

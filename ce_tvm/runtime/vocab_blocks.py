@@ -65,7 +65,8 @@ def block_columns(rows: int, classes: int, dtype: torch.dtype) -> int:
     return max(1, min(columns, classes))
 
 
-def _spans(n: int, step: int) -> list[slice]:
+def chunks(n: int, step: int) -> list[slice]:
+    """Slices of ``step`` (the last shorter) covering ``n``: row chunks, class blocks."""
     return [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
 
@@ -118,9 +119,9 @@ def policy_outputs(x: Tensor, W: Tensor, b: Tensor | None, index: Tensor, opts: 
     width = block_columns(rows, classes, x.dtype)
     buffer = pool.POOL.empty((rows * width,), x.dtype, x.device)
     outs = [x.new_empty(index.shape), *(x.new_empty(n) for _ in range(3))]
-    for sl in _spans(n, rows):
+    for sl in chunks(n, rows):
         parts, owned = [], []
-        for span in _spans(classes, width):
+        for span in chunks(classes, width):
             local = shard_index(index[sl], span.start, span.stop - span.start, ii, others=ii)
             parts.append(launch.log_probs(_logits(buffer, x[sl], W, b, span), local, opts))
             owned.append(local != ii)
@@ -149,9 +150,9 @@ def policy_grads(grad_logp: Tensor, grad_entropy: Tensor, x: Tensor, W: Tensor,
     grad_b = torch.zeros_like(b) if needs.bias and b is not None else None
     if grad_W is not None and n == 0:
         grad_W.zero_()  # no rows: the gradient is 0
-    for i, sl in enumerate(_spans(n, rows)):
+    for i, sl in enumerate(chunks(n, rows)):
         g, h, row_max, log_s, entropy = (t[sl] for t in (grad_logp, grad_entropy, *saved))
-        for j, span in enumerate(_spans(classes, width)):
+        for j, span in enumerate(chunks(classes, width)):
             local = shard_index(index[sl], span.start, span.stop - span.start, ii,
                                 others=span.stop - span.start)
             z = _logits(buffer, x[sl], W, b, span)
