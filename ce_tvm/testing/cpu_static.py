@@ -498,7 +498,7 @@ def classify(body: list, written: set) -> list:
         changed = False
         for j in range(n - 1, -1, -1):
             insn = body[j]
-            if cat[j] is None and (insn.op.startswith(("vp", "vinserti", "vextracti"))
+            if cat[j] is None and (insn.op.startswith(("vp", "vinsert", "vextract"))
                                    or _NARROWING.match(insn.op)) \
                     and not insn.op.startswith(("vpcmp", "vpbroadcast")) \
                     and cons[j] and all(cat[c] in ("store", "narrow") for c in cons[j]):

@@ -33,8 +33,10 @@ LAYERS = [
      "kernels.prob_targets", "kernels.log_probs", "kernels.divergence"),
     ("kernels",),
     # one module per target
-    # what the target modules share; the Ascend plan; the CPU's sizes and knobs
-    ("schedules._common", "schedules.ascend_plan", "schedules.cpu_knobs"),
+    # what the target modules share; the Ascend plan; the CPU's sizes and knobs, its
+    # bfloat16 rounding
+    ("schedules._common", "schedules.ascend_plan", "schedules.cpu_knobs",
+     "schedules.cpu_narrowing"),
     ("schedules.cpu", "schedules.cuda", "schedules.ascend", "schedules"),
     # a kernel's name and files, without the compiler or torch
     ("store.paths",),  # where modules live and who may write them
