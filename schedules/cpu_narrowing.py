@@ -1,22 +1,29 @@
-"""bfloat16 results rounded by the CPU's own instruction where it has one.
+"""bfloat16 results rounded once, and by the CPU's own instruction where it has one.
 
 TVM 0.27 keeps no bfloat16 arithmetic for LLVM: ``BF16ComputeLegalize``
 writes every float32 -> bfloat16 cast as integer arithmetic on the bits,
 round to nearest even,
 
-    Cast(uint16, (bits + ((bits >> 16) & 1) + 0x7FFF) >> 16),
+    Cast(uint16, (bits + ((bits >> 16) & 1) + 0x7FFF) >> 16),  bits = reinterpret(value),
 
-six vector instructions and a ``vpmovdw`` per 16 lanes on AVX-512 (0.41 of
-the bf16 training kernel's 2.64 instructions per element on ``znver5``;
-``ce_tvm.testing.cpu_static``). Without the legalisation TVM's LLVM codegen
-crashes on the bfloat16 type, so ``native_bf16_rounding`` (a pass after
-lowering) finds that spelled-out rounding of a vector whose lanes are a
-multiple of 16 and, on a target with ``avx512bf16`` (Zen 4 and 5, Cooper Lake,
-Sapphire Rapids), puts AVX-512 BF16's ``vcvtneps2bf16`` in its place, one
-instruction per 16 lanes. It rounds to nearest even as well; it differs only
-where bfloat16 itself is subnormal (|x| < 1.2e-38: the instruction flushes
-to zero) and in a NaN's payload (a quiet NaN either way). Other targets, and
-scalar casts (a row's loss), keep TVM's arithmetic.
+with ``value``, the whole float32 expression, written out twice. Where that
+expression holds a branch (the training gradient's one-hot term,
+``if_then_else`` on the chunk holding the label, which TVM lowers to basic
+blocks), LLVM evaluates it twice and keeps the test in every chunk: on AVX2
+the bf16 gradient loop ran 100 instructions per 32 elements (``znver3``,
+``ce_tvm.testing.cpu_static``). And on AVX-512 the rounding is six vector
+instructions and a ``vpmovdw`` per 16 lanes (0.41 of the bf16 training
+kernel's 2.64 instructions per element on ``znver5``).
+
+``bf16_rounding`` (a pass after lowering) finds that spelled-out rounding in a
+store and binds ``bits`` once (``Let``): the same arithmetic, bit for bit, on a
+value evaluated once. On a target with ``avx512bf16`` (Zen 4 and 5, Cooper
+Lake, Sapphire Rapids) a vector whose lanes are a multiple of 16 takes AVX-512
+BF16's ``vcvtneps2bf16`` instead, one instruction per 16 lanes. It rounds to
+nearest even as well; it differs only where bfloat16 itself is subnormal
+(|x| < 1.2e-38: the instruction flushes to zero) and in a NaN's payload (a
+quiet NaN either way). TVM's LLVM codegen crashes on the bfloat16 type when
+the legalisation is left out, hence a rewrite after it.
 """
 
 from __future__ import annotations
@@ -30,8 +37,13 @@ _INSTRUCTION = "llvm.x86.avx512bf16.cvtneps2bf16.512"
 _LANES = 16  # float32 lanes of one zmm register
 
 
+def _ty(scalar: str, lanes: int) -> str:
+    return f"{scalar}x{lanes}" if lanes > 1 else scalar
+
+
 def _u32(value: int, lanes: int):
-    return tirx.Broadcast(tirx.const(value, "uint32"), lanes)
+    const = tirx.const(value, "uint32")
+    return tirx.Broadcast(const, lanes) if lanes > 1 else const
 
 
 def _lanes(expr) -> int:
@@ -39,36 +51,36 @@ def _lanes(expr) -> int:
 
 
 def _legalised_rounding(value, lanes: int):
-    """TVM's bfloat16 rounding of the float32 vector ``value`` (see above)."""
-    bits = tirx.reinterpret(f"uint32x{lanes}", value)
+    """TVM's bfloat16 rounding of the float32 ``value`` (see above)."""
+    return _legalised_rounding_of_bits(
+        tirx.reinterpret(_ty("uint32", lanes), value), lanes)
+
+
+def _legalised_rounding_of_bits(bits, lanes: int):
     odd = tirx.bitwise_and(tirx.shift_right(bits, _u32(16, lanes)), _u32(1, lanes))
     rounded = tirx.Add(bits, tirx.Add(odd, _u32(0x7FFF, lanes)))
-    return tirx.Cast(f"uint16x{lanes}", tirx.shift_right(rounded, _u32(16, lanes)))
+    return tirx.Cast(_ty("uint16", lanes), tirx.shift_right(rounded, _u32(16, lanes)))
 
 
 def _rounded_value(cast):
-    """The float32 vector that ``cast`` rounds to bfloat16 the legalised way, or None."""
+    """The float32 value that ``cast`` rounds to bfloat16 the legalised way, or None."""
     lanes = _lanes(cast)
-    if str(cast.ty) != f"uint16x{lanes}" or lanes % _LANES:
+    if str(cast.ty) != _ty("uint16", lanes):
         return None
     # (bits + ...) >> 16: its first operand's first operand is the reinterpret
     bits = getattr(getattr(cast.value, "a", None), "a", None)
     if not (isinstance(bits, tvm.ir.expr.Call) and bits.op.name == "tirx.reinterpret"):
         return None
     value = bits.args[0]
-    if str(value.ty) != f"float32x{lanes}":
+    if not tvm_ffi.structural_equal(cast, _legalised_rounding(value, lanes)):
         return None
-    return value if tvm_ffi.structural_equal(cast, _legalised_rounding(value, lanes)) else None
+    return value
 
 
-def _by_instruction(cast):
-    """``cast`` (a legalised rounding) as ``vcvtneps2bf16`` per 16 lanes, or None.
-    The call is typed ``uint16`` as the legalised buffers are (TVM's LLVM codegen
-    has no bfloat16 vectors); LLVM stores its ``<16 x bfloat>`` as is."""
-    value = _rounded_value(cast)
-    if value is None:
-        return None
-    lanes = _lanes(cast)
+def _by_instruction(value, lanes: int):
+    """``value`` rounded by ``vcvtneps2bf16``, 16 lanes a call. The call is typed
+    ``uint16`` as the legalised buffers are (TVM's LLVM codegen has no bfloat16
+    vectors); LLVM stores its ``<16 x bfloat>`` as it is."""
     vector = tirx.Var("bf16_source", f"float32x{lanes}")
     pieces = [tirx.call_llvm_pure_intrin(
         f"uint16x{_LANES}", _INSTRUCTION,
@@ -78,11 +90,21 @@ def _by_instruction(cast):
     return tirx.Let(vector, value, joined)
 
 
-def _store_by_instruction(store):
-    value = _by_instruction(store.value) if isinstance(store.value, tirx.Cast) else None
+def _once(value, lanes: int):
+    """The legalised rounding of ``value`` with its bits bound once."""
+    bits = tirx.Var("bf16_bits", _ty("uint32", lanes))
+    return tirx.Let(bits, tirx.reinterpret(_ty("uint32", lanes), value),
+                    _legalised_rounding_of_bits(bits, lanes))
+
+
+def _rewrite(store, instruction: bool):
+    value = _rounded_value(store.value) if isinstance(store.value, tirx.Cast) else None
     if value is None:
         return store
-    return tirx.BufferStore(store.buffer, value, store.indices)
+    lanes = _lanes(store.value)
+    rounded = (_by_instruction(value, lanes) if instruction and lanes % _LANES == 0
+               else _once(value, lanes))
+    return tirx.BufferStore(store.buffer, rounded, store.indices)
 
 
 def has_bf16_rounding(target) -> bool:
@@ -91,11 +113,11 @@ def has_bf16_rounding(target) -> bool:
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
-def native_bf16_rounding(func, mod, ctx):
-    """On a target with ``avx512bf16``: stores of legalised bfloat16 roundings of
-    16k-lane float32 vectors as ``vcvtneps2bf16`` (see the module docstring)."""
+def bf16_rounding(func, mod, ctx):
+    """Stores of legalised bfloat16 roundings: the value evaluated once, by
+    ``vcvtneps2bf16`` on a target with ``avx512bf16`` (module docstring)."""
     target = func.attrs.get("target") if func.attrs else None
-    if target is None or not has_bf16_rounding(target):
-        return func
+    instruction = target is not None and has_bf16_rounding(target)
     return func.with_body(tvm_ffi.structural_map(
-        func.body, [(tirx.BufferStore, _store_by_instruction)], order="post"))
+        func.body, [(tirx.BufferStore, lambda store: _rewrite(store, instruction))],
+        order="post"))
