@@ -66,6 +66,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.target import Target
 
+from ..kernels.common import matrix_param
 from ..kernels.stages import (
     CHUNK_EXP,
     CHUNK_EXPSUM,
@@ -77,6 +78,7 @@ from ..kernels.stages import (
     CHUNK_ZSUM,
     LOG_PROB,
     LOGITS,
+    ROWSTATS,
     X_GRAD,
 )
 from ._common import (
@@ -227,6 +229,29 @@ def ride_along(sch, stages: dict, outer: int, lanes: int, unroll: int = 1):
     return {name: blocks for name, blocks in stages.items() if name not in names}, merged
 
 
+def sum_with_max(sch, stages: dict) -> None:
+    """Sweep a 16-bit chunk's logit sum (``ce_chunk_wxsum``, label
+    smoothing's) in the loop of its max: one load and widening of the chunk for
+    both vector accumulators (bf16 training kernel, C = 32000: 2.30 -> 2.15
+    instructions per element on ``znver5``, 5.34 -> 4.95 on ``znver3``). A
+    float32 chunk keeps two loops: each folds its load into the ``vmaxps`` or
+    ``vaddps`` (merged, 2.02 -> 2.06). ``merge`` puts the loop where its last
+    argument's was, the max's, before the ``exp`` that reads the max; the sum
+    reads only the logits (and class weights). Reductions one vector long
+    (no loop of vector steps) are left as they are."""
+    if str(matrix_param(sch.mod["main"]).dtype) == "float32":
+        return
+    blocks = [stages.get(CHUNK_WXSUM, []), stages.get(CHUNK_MAX, [])]
+    if any(len(pair) != 2 for pair in blocks):
+        return
+    depth = len(sch.get_loops(sch.get_sblock(ROWSTATS))) + 2  # rows, chunk, steps, lanes
+    loops = [sch.get_loops(pair[0]) for pair in blocks]
+    if any(len(nest) != depth for nest in loops) or not tvm_ffi.structural_equal(
+            sch.get(loops[0][-2]).extent, sch.get(loops[1][-2]).extent):
+        return
+    sch.merge(loops[0][-2], loops[1][-2])
+
+
 def backward(func, target: Target, knobs: CPUKnobs | None = None):
     """Schedule ``ce_tvm.kernels.backward_func`` for ``target``; returns the scheduled PrimFunc."""
     return schedule_backward(s_tir.Schedule(func), target,
@@ -275,6 +300,7 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs):
     lanes = vector_lanes(target) * knobs.accumulators
     sweep = row_sweep(sch, row_lanes(chunk, lanes))
     parallel_rows(sch, sweep.row, knobs.row_grain)
+    sum_with_max(sch, sweep.stages)
     sweep_accumulators(sch, sweep)
     vector_row_independent(sch, lanes)
     init_row_totals(sch)

@@ -56,7 +56,7 @@ def test_every_option(dtype, reduction, weighted, ignore, eps, zloss, upstream):
 # Chunk boundaries of the CPU schedule (6144-class chunks, 32 float32 lanes):
 # one chunk, one chunk + 1 (an overlapping last chunk), exact chunks, and
 # rows whose last chunk overlaps (50257).
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("c", [1, 2, 33, 6144, 6145, 32000, 50257])
 def test_chunk_boundaries(c, dtype):
     _check(9, c, dtype, "mean", True, True, 0.1, 1e-3, 1.0, seed=c)
