@@ -13,7 +13,10 @@ One step is ``ce-tvm bench --policy``'s (temperature 0.7, one index per row,
   (``CE_TVM_LINEAR_CHUNK_ROWS=384``, ``CE_TVM_LINEAR_BLOCK_COLUMNS=V``);
 - ``trl`` (``--trl-own``): TRL's own ``ChunkedLogProbFunction`` (its CPU path);
 - the floor ``gemm``: the four products a head that recomputes its logits runs
-  (``bench_policy.gemm_floor``).
+  (``bench_policy.gemm_floor``), into buffers made once; with ``--fresh-grads``
+  also ``gemm_fresh``: the same with the two gradients in new tensors each
+  step, as a head returns them (on these VMs a fresh 2 GB tensor's first touch
+  costs from 0.6 s to 15 s, depending on what the process touched before).
 
 Methods run in turn within each rep, the best rep kept (``--reps``, after
 ``--warmup``), so a neighbour's load lands on all of them. JSON with ``--json``.
@@ -66,7 +69,7 @@ def by_rows(step):
     return run
 
 
-def measure(shape, reps, warmup, trl_own, rows) -> dict:
+def measure(shape, reps, warmup, trl_own, rows, fresh=False) -> dict:
     """Best milliseconds per method at ``shape`` (N, H, V), float32."""
     (x, W), index, a, b = policy.inputs(shape, "float32")
     leaves = [x.clone().requires_grad_(), W.clone().requires_grad_()]
@@ -79,6 +82,8 @@ def measure(shape, reps, warmup, trl_own, rows) -> dict:
     if rows:
         timed["by_rows"] = by_rows(timed["ce_tvm"])
     timed["gemm"] = policy.gemm_floor(x, W)
+    if fresh:
+        timed["gemm_fresh"] = policy.gemm_floor(x, W, fresh_grads=True)
     return interleaved_ms(timed, reps, warmup)
 
 
@@ -91,6 +96,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trl-own", action="store_true", help="time TRL's own head too")
     parser.add_argument("--by-rows", action="store_true",
                         help="time the row sweep (chunks of 384 rows) too")
+    parser.add_argument("--fresh-grads", action="store_true",
+                        help="time the GEMMs with the gradients in new tensors too")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -100,13 +107,14 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for text in args.shapes.split(","):
         shape = tuple(int(s) for s in text.split("x"))
-        ms = measure(shape, args.reps, args.warmup, args.trl_own, args.by_rows)
+        ms = measure(shape, args.reps, args.warmup, args.trl_own, args.by_rows, args.fresh_grads)
         records.append({"shape": text, "dtype": "float32", "ms": ms,
                         "ratio": {k: ms[k] / ms["gemm"] for k in ms if k != "gemm"}})
         print(f"| {' x '.join(map(str, shape))} | {ms['ce_tvm']:.0f} | {ms['via_trl']:.0f} | "
               f"{ms['gemm']:.0f} | {ms['ce_tvm'] / ms['gemm']:.3f}x | "
               f"{ms['via_trl'] / ms['gemm']:.3f}x | "
-              + ", ".join(f"{k} {ms[k] / ms['gemm']:.3f}x" for k in ("by_rows", "trl") if k in ms)
+              + ", ".join(f"{k} {ms[k] / ms['gemm']:.3f}x"
+                          for k in ("by_rows", "trl", "gemm_fresh") if k in ms)
               + " |", flush=True)
     if args.json:
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -119,18 +119,20 @@ def step(fn, leaves, index, a, b):
         t.grad = None
 
 
-def gemm_floor(x, W):
+def gemm_floor(x, W, fresh_grads: bool = False):
     """The floor of a head step that recomputes its logits: the four products (the
     logits, their recompute, the input's and the weight's gradients), each one
-    ``torch.mm`` into a buffer made once."""
+    ``torch.mm`` into a buffer made once; with ``fresh_grads`` the two gradients
+    go to new tensors each call, as every head's do (autograd keeps them as
+    ``.grad``), so the floor pays their first touch too."""
     logits = x.new_empty((x.shape[0], W.shape[0]))
     grad_x, grad_W = torch.empty_like(x), torch.empty_like(W)
 
     def gemm():
         torch.mm(x, W.t(), out=logits)
         torch.mm(x, W.t(), out=logits)
-        torch.mm(logits, W, out=grad_x)
-        torch.mm(logits.t(), x, out=grad_W)
+        torch.mm(logits, W, out=torch.empty_like(x) if fresh_grads else grad_x)
+        torch.mm(logits.t(), x, out=torch.empty_like(W) if fresh_grads else grad_W)
     return gemm
 
 
