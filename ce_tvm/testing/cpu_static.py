@@ -49,7 +49,8 @@ Method:
    streaming load that only moves or widens, and the widening after it
    (``vpslld $16``, ``vpunpck*wd``) of loaded values; ``narrow`` integer
    vector work whose results only reach stores (bf16 rounding and packing:
-   ``vpsrld``/``vpaddd``/``vpmovdw``/``vpackusdw``/``vcvtneps2bf16``);
+   ``vpsrld``/``vpaddd``/``vpmovdw``/``vpackusdw``/``vcvtneps2bf16``, and the
+   ``vinsert*`` joining narrowed halves);
    ``max`` a ``vmax`` into a loop-carried accumulator; ``sum`` an add or FMA
    into a loop-carried accumulator (a load folded into it counts here); ``exp``
    what an ``exp`` result is computed from (``vscalefps``, or the product with
