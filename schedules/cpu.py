@@ -145,7 +145,7 @@ def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | 
 def forward(func, target: Target, knobs: CPUKnobs | None = None):
     """Schedule ``ce_tvm.kernels.forward_func`` for ``target``; returns the scheduled PrimFunc."""
     return schedule_forward(s_tir.Schedule(func), target,
-                           knobs or hand_knobs("forward", target)).mod["main"]
+                           knobs or hand_knobs("forward", target, _dtype(func))).mod["main"]
 
 
 def schedule_forward(sch, target: Target, knobs: CPUKnobs):
@@ -239,7 +239,7 @@ def sum_with_max(sch, stages: dict) -> None:
     argument's was, the max's, before the ``exp`` that reads the max; the sum
     reads only the logits (and class weights). Reductions one vector long
     (no loop of vector steps) are left as they are."""
-    if str(matrix_param(sch.mod["main"]).dtype) == "float32":
+    if _dtype(sch.mod["main"]) == "float32":
         return
     blocks = [stages.get(CHUNK_WXSUM, []), stages.get(CHUNK_MAX, [])]
     if any(len(pair) != 2 for pair in blocks):
@@ -255,7 +255,7 @@ def sum_with_max(sch, stages: dict) -> None:
 def backward(func, target: Target, knobs: CPUKnobs | None = None):
     """Schedule ``ce_tvm.kernels.backward_func`` for ``target``; returns the scheduled PrimFunc."""
     return schedule_backward(s_tir.Schedule(func), target,
-                           knobs or hand_knobs("backward", target)).mod["main"]
+                           knobs or hand_knobs("backward", target, _dtype(func))).mod["main"]
 
 
 def schedule_backward(sch, target: Target, knobs: CPUKnobs):
@@ -284,7 +284,7 @@ def train(func, target: Target, knobs: CPUKnobs | None = None):
     """Schedule ``ce_tvm.kernels.train_func`` for ``target``; returns the scheduled
     PrimFunc."""
     return schedule_train(s_tir.Schedule(func), target,
-                           knobs or hand_knobs("train", target)).mod["main"]
+                           knobs or hand_knobs("train", target, _dtype(func))).mod["main"]
 
 
 def schedule_train(sch, target: Target, knobs: CPUKnobs):
@@ -342,6 +342,11 @@ def prefetch_ahead(sch, loop, distance: int) -> None:
     ahead of what each iteration reads (0: no prefetch)."""
     if distance:
         sch.annotate(loop, PREFETCH_ATTR, distance)
+
+
+def _dtype(func) -> str:
+    """The dtype of ``func``'s ``[N, C]`` rows (the logits, or the log-probs)."""
+    return str(matrix_param(func).dtype)
 
 
 def _chunk(sch) -> int:

@@ -70,7 +70,7 @@ def test_every_space_has_at_least_12_candidates_and_starts_at_the_hand_schedule(
     if op != "backward":
         assert space["chunk"][0] == CPU.forward_chunk(50257, "bfloat16", target)
         assert len(set(space["chunk"])) == len(space["chunk"]) >= 3
-    assert space["accumulators"][0] == CPU.hand_knobs(op, target).accumulators
+    assert space["accumulators"][0] == CPU.hand_knobs(op, target, "bfloat16").accumulators
     assert len(set(space["accumulators"])) == len(space["accumulators"])
 
 
@@ -80,9 +80,11 @@ def test_hand_schedule_keeps_one_forward_accumulator_on_avx2(mcpu, forward_accum
     """AVX2 (16 registers of 8 float32 lanes): fewer chains, no spills; AVX-512: two.
     The search starts from the hand schedule's knobs."""
     target = Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
-    hand = CPU.hand_knobs("forward", target)
+    hand = CPU.hand_knobs("forward", target, "float32")
     assert hand.accumulators == forward_accumulators
-    assert CPU.hand_knobs("train", target) == CPU.hand_knobs("backward", target) == CPU.CPUKnobs()
+    assert CPU.hand_knobs("forward", target, "bfloat16") == hand
+    assert (CPU.hand_knobs("train", target, "float32")
+            == CPU.hand_knobs("backward", target, "float32") == CPU.CPUKnobs())
     space = CPU.knob_space("forward", 32000, "float32", target)
     assert (space["accumulators"][0], space["unroll"][0]) == (hand.accumulators, hand.unroll)
     assert sorted(space["unroll"]) == [1, 2, 4] and sorted(space["accumulators"]) == [1, 2, 4]
@@ -139,12 +141,30 @@ def _copy(arg):
     return arg.clone() if isinstance(arg, torch.Tensor) else arg
 
 
-@pytest.mark.parametrize("op", ["forward", "train", "backward"])
-def test_hand_knobs_build_the_hand_schedule(op):
+@pytest.mark.parametrize("mcpu", ["znver1", "znver5"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_bf16_backward_steps_four_vectors_over_16_row_tasks(mcpu, dtype):
+    """The bfloat16 element-wise gradient (its rounding is integer arithmetic)
+    runs four vectors a step, 16 rows a task; float32 and float16 the default.
+    The log-prob gradient runs the backward's schedule, so its knobs too."""
+    target = Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    expected = (CPU.CPUKnobs(accumulators=4, row_grain=16) if dtype == "bfloat16"
+                else CPU.CPUKnobs())
+    for op in ("backward", "log_probs_grad"):
+        assert CPU.hand_knobs(op, target, dtype) == expected
+        space = CPU.knob_space(op, 32000, dtype, target)
+        assert (space["accumulators"][0], space["row_grain"][0]) == (
+            expected.accumulators, expected.row_grain)
+    assert CPU.hand_knobs("train", target, dtype).accumulators == 2
+
+
+@pytest.mark.parametrize("op, dtype", [("forward", "float32"), ("train", "float32"),
+                                       ("backward", "float32"), ("backward", "bfloat16")])
+def test_hand_knobs_build_the_hand_schedule(op, dtype):
     """The first choice of every knob is the hand schedule: the same machine code."""
     spec = {"forward": FORWARD, "train": TRAIN, "backward": BACKWARD}[op]
-    spec = KernelSpec(op, "float32", 4099, spec.variant)
-    space = CPU.knob_space(op, 4099, "float32", spec.tvm_target())
+    spec = KernelSpec(op, dtype, 4099, spec.variant)
+    space = CPU.knob_space(op, 4099, dtype, spec.tvm_target())
     cands = tuning.Candidates(spec, None, space)
     knobs = {k: v[0] for k, v in space.items()}
     hand = getattr(CPU, tuning.SCHEDULE_OF_OP[op])(cands.fixed(None), spec.tvm_target())
