@@ -158,6 +158,7 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs):
         sch.parallel(sch.get_loops(blk)[0])
     row_loops = parallel_rows(sch, row, knobs.row_grain)
     alone, swept = ride_along(sch, stages, row_loops + 1, lanes, knobs.unroll)
+    alone = logits_sum_in_max_loop(sch, alone, row_loops + 1)
     vector_accumulators(sch, alone, outer=row_loops + 1, unroll=knobs.unroll)
     steps = sch.get_loops(stages[CHUNK_EXPSUM][0])[row_loops + 1:-1]
     if steps and not has_stage(sch, CHUNK_EXP):  # absent when the chunk is one vector
@@ -227,6 +228,55 @@ def ride_along(sch, stages: dict, outer: int, lanes: int, unroll: int = 1):
     for rf, _ in group:
         sch.decompose_reduction(rf, sch.get_loops(rf)[outer])
     return {name: blocks for name, blocks in stages.items() if name not in names}, merged
+
+
+def logits_sum_in_max_loop(sch, stages: dict, outer: int) -> dict:
+    """The forward's chunk max and logits' sum (label smoothing's ``sum_c w_c
+    x_c``) in one loop: the max's pass streams the chunk in from memory and has
+    room for one more vector add, so the sum's own pass over the chunk (from
+    L1) goes, where the sum reads only the chunk and the class weights (not in
+    the log-prob kernels, whose sum reads the kept ``exp``). The merged loop
+    sits where the first of the two was, before either's lane reduction. Each
+    lane loop is vectorised and each accumulator initialised before the loop,
+    as ``vector_accumulator`` does; returns the stages left to it. Nothing
+    changes where the sum already rides the exp's loop (``ride_along``) or a
+    reduction is one vector long.
+
+    Interleaved on a 2-core Zen 3 EPYC (znver3), the same outputs bit for bit,
+    4096 x 32000 / 8192 x 50257 / 2048 x 128256: fp32 0.95x / 0.84x / 0.94x the
+    time of the two loops, bf16 0.94x / 0.97x / 0.94x."""
+    names = [CHUNK_MAX, CHUNK_WXSUM]
+    pairs = [stages.get(name, []) for name in names]
+    if any(len(pair) != 2 or len(sch.get_loops(pair[0])) != outer + 2 for pair in pairs):
+        return stages
+    extents = [sch.get(sch.get_loops(rf)[-1]).extent for rf, _ in pairs]  # the vector steps
+    if not tvm_ffi.structural_equal(*extents) or not _reads_only_inputs_of(sch, *pairs):
+        return stages
+    chunk_loop = sch.get_loops(pairs[0][0])[outer - 1]
+    order = [sch.get(b).name_hint for b in sch.get_child_blocks(chunk_loop)]
+    pairs.sort(key=lambda pair: -order.index(sch.get(pair[0]).name_hint))  # the first one last
+    steps = []
+    for rf, _ in pairs:
+        lane, step = sch.get_loops(rf)[outer:]
+        sch.reorder(step, lane)
+        steps.append(step)
+    sch.merge(*steps)  # where its last argument's loop was
+    for rf, _ in pairs:
+        sch.vectorize(sch.get_loops(rf)[-1])
+        sch.decompose_reduction(rf, sch.get_loops(rf)[outer])
+    return {name: blocks for name, blocks in stages.items() if name not in names}
+
+
+def _reads_only_inputs_of(sch, max_pair, sum_pair) -> bool:
+    """Whether the sum's split block reads nothing but the kernel's inputs, what
+    the max reads (the staged chunk) and its own accumulator: the log-prob
+    kernels' sum of ``p x`` reads the kept ``exp``, which needs the max first."""
+    def buffers(region_list):
+        return {region.source.name for region in region_list}
+
+    max_rf, sum_rf = sch.get(max_pair[0]), sch.get(sum_pair[0])
+    inputs = {p.name for p in sch.mod["main"].params if hasattr(p, "shape")}
+    return buffers(sum_rf.reads) <= inputs | buffers(max_rf.reads) | buffers(sum_rf.writes)
 
 
 def sum_with_max(sch, stages: dict) -> None:

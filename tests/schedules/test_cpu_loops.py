@@ -1,0 +1,40 @@
+"""Which of the CPU forward's chunk reductions share a loop (``schedules/cpu.py``,
+``logits_sum_in_max_loop``). What they compute is checked against float64 by
+the loss and log-prob tests, which run these schedules."""
+
+import pytest
+from tvm import s_tir
+from tvm.target import Target
+
+from ce_tvm.compiler.build import declared_func
+from ce_tvm.kernels.kinds import Variant
+from ce_tvm.schedules import cpu
+from ce_tvm.store.spec import KernelSpec
+
+MAX_RF, SUM_RF = "ce_chunk_max_rf_update", "ce_chunk_wxsum_rf_update"
+
+
+def _step_loops(spec: KernelSpec, mcpu: str):
+    """The innermost loops around the chunk max's and the logits' sum's vector steps."""
+    target = Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    sch = s_tir.Schedule(cpu.forward(declared_func(spec), target))
+    return [sch.get(sch.get_loops(sch.get_sblock(name))[-2]) for name in (MAX_RF, SUM_RF)]
+
+
+@pytest.mark.parametrize("mcpu", ["znver3", "znver5"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_forward_sums_the_logits_in_the_max_loop(mcpu, dtype, weighted):
+    """The max's pass streams the chunk in; label smoothing's sum rides it
+    (class weights read beside it) instead of a pass of its own."""
+    spec = KernelSpec("forward", dtype, 4099, Variant("mean", weighted, False))
+    max_steps, sum_steps = _step_loops(spec, mcpu)
+    assert max_steps.same_as(sum_steps)
+
+
+def test_log_prob_sum_waits_for_the_kept_exp():
+    """The log-prob kernel's sum reads the kept ``exp``, which needs the max
+    first: its loop stays after it."""
+    spec = KernelSpec("log_probs", "float32", 4099, Variant(columns=2))
+    max_steps, sum_steps = _step_loops(spec, "znver3")
+    assert not max_steps.same_as(sum_steps)
