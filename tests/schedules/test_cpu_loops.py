@@ -1,5 +1,6 @@
-"""Which of the CPU forward's chunk reductions share a loop (``schedules/cpu.py``,
-``logits_sum_in_max_loop``). What they compute is checked against float64 by
+"""Which of the CPU kernels' chunk reductions share a loop (``schedules/cpu.py``:
+``logits_sum_in_max_loop`` for the forward, ``sum_with_max`` for the training
+kernel). What they compute is checked against float64 by
 the loss and log-prob tests, which run these schedules."""
 
 import pytest
@@ -7,6 +8,7 @@ from tvm import s_tir
 from tvm.target import Target
 
 from ce_tvm.compiler.build import declared_func
+from ce_tvm.kernels.common import matrix_param
 from ce_tvm.kernels.kinds import Variant
 from ce_tvm.schedules import cpu
 from ce_tvm.store.spec import KernelSpec
@@ -17,17 +19,21 @@ MAX_RF, SUM_RF = "ce_chunk_max_rf_update", "ce_chunk_wxsum_rf_update"
 def _step_loops(spec: KernelSpec, mcpu: str):
     """The innermost loops around the chunk max's and the logits' sum's vector steps."""
     target = Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
-    sch = s_tir.Schedule(cpu.forward(declared_func(spec), target))
+    schedule = cpu.schedule_train if spec.op == "train" else cpu.schedule_forward
+    func = declared_func(spec)
+    sch = schedule(s_tir.Schedule(func), target,
+                   cpu.hand_knobs(spec.op, target, str(matrix_param(func).dtype)))
     return [sch.get(sch.get_loops(sch.get_sblock(name))[-2]) for name in (MAX_RF, SUM_RF)]
 
 
 @pytest.mark.parametrize("mcpu", ["znver3", "znver5"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_forward_sums_the_logits_in_the_max_loop(mcpu, dtype, weighted):
+@pytest.mark.parametrize("op", ["forward", "train"])
+def test_logits_sum_rides_the_max_loop(op, mcpu, dtype, weighted):
     """The max's pass streams the chunk in; label smoothing's sum rides it
     (class weights read beside it) instead of a pass of its own."""
-    spec = KernelSpec("forward", dtype, 4099, Variant("mean", weighted, False))
+    spec = KernelSpec(op, dtype, 4099, Variant("mean", weighted, False))
     max_steps, sum_steps = _step_loops(spec, mcpu)
     assert max_steps.same_as(sum_steps)
 
