@@ -270,7 +270,8 @@ def logits_sum_in_max_loop(sch, stages: dict, outer: int) -> dict:
 def _reads_only_inputs_of(sch, max_pair, sum_pair) -> bool:
     """Whether the sum's split block reads nothing but the kernel's inputs, what
     the max reads (the staged chunk) and its own accumulator: the log-prob
-    kernels' sum of ``p x`` reads the kept ``exp``, which needs the max first."""
+    kernels' sum of ``p x`` reads the kept ``exp``, and a softcapped kernel's
+    sum the capped chunk, which both come after the max."""
     def buffers(region_list):
         return {region.source.name for region in region_list}
 
@@ -291,10 +292,11 @@ def sum_with_max(sch, stages: dict) -> None:
     50257 / 2048 x 128256, 0.97-0.99x / 0.94-0.95x / 0.91-0.94x the time of the
     two loops, the same outputs bit for bit. ``merge`` puts the loop where its
     last argument's was, the max's, before the ``exp`` that reads the max; the
-    sum reads only the logits (and class weights). Reductions one vector long
-    (no loop of vector steps) are left as they are."""
+    sum reads only the logits (and class weights): not with a softcap, whose
+    sum reads the capped chunk, staged after the max. Reductions one vector
+    long (no loop of vector steps) are left as they are."""
     blocks = [stages.get(CHUNK_WXSUM, []), stages.get(CHUNK_MAX, [])]
-    if any(len(pair) != 2 for pair in blocks):
+    if any(len(pair) != 2 for pair in blocks) or not _reads_only_inputs_of(sch, *blocks[::-1]):
         return
     depth = len(sch.get_loops(sch.get_sblock(ROWSTATS))) + 2  # rows, chunk, steps, lanes
     loops = [sch.get_loops(pair[0]) for pair in blocks]

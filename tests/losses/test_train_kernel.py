@@ -150,6 +150,27 @@ def test_no_grad_and_none_take_the_forward_only_path(monkeypatch):
     assert not calls
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("c", [4099, 32000])
+def test_softcapped_smoothing_against_float64(c, weighted, dtype):
+    """Label smoothing's sum of the capped logits: the capped chunk is staged
+    after the max, so the sum cannot ride the max's loop (it read the chunk
+    before it was written: NaN in 16 bits, a wrong loss in float32)."""
+    x, y, w = _inputs(12, c, dtype, weighted, True, seed=3)
+    xg = x.clone().requires_grad_()
+    loss = ce_tvm.cross_entropy(xg, y, w, label_smoothing=0.1, softcap=5.0,
+                                loss_dtype=torch.float32)
+    loss.backward()
+    ref_x = x.double().requires_grad_()
+    ref = F.cross_entropy(5.0 * torch.tanh(ref_x / 5.0), y, None if w is None else w.double(),
+                          label_smoothing=0.1)
+    ref.backward()
+    tol = TOL[dtype]
+    assert_close(loss, ref.detach().numpy(), max(tol, 1e-5), "loss")
+    assert_close(xg.grad, ref_x.grad.numpy(), tol, "gradient")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_gradients_as_accurate_as_pytorchs(dtype):
     """The 16-bit gradient is rounded once: no worse than PyTorch's own."""

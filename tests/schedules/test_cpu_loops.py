@@ -44,3 +44,13 @@ def test_log_prob_sum_waits_for_the_kept_exp():
     spec = KernelSpec("log_probs", "float32", 4099, Variant(columns=2))
     max_steps, sum_steps = _step_loops(spec, "znver3")
     assert not max_steps.same_as(sum_steps)
+
+
+@pytest.mark.parametrize("op", ["forward", "train"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_capped_sum_waits_for_the_capped_chunk(op, dtype):
+    """With a softcap the sum reads the capped chunk, staged after the max
+    (which reads the raw logits: the cap is monotone): its loop stays after it."""
+    spec = KernelSpec(op, dtype, 4099, Variant("mean", False, False, softcap=True))
+    max_steps, sum_steps = _step_loops(spec, "znver3")
+    assert not max_steps.same_as(sum_steps)
