@@ -295,8 +295,10 @@ def sum_with_max(sch, stages: dict) -> None:
     sum reads only the logits (and class weights): not with a softcap, whose
     sum reads the capped chunk, staged after the max. Reductions one vector
     long (no loop of vector steps) are left as they are."""
-    blocks = [stages.get(CHUNK_WXSUM, []), stages.get(CHUNK_MAX, [])]
-    if any(len(pair) != 2 for pair in blocks) or not _reads_only_inputs_of(sch, *blocks[::-1]):
+    max_pair, sum_pair = stages.get(CHUNK_MAX, []), stages.get(CHUNK_WXSUM, [])
+    blocks = [sum_pair, max_pair]  # merged in this order: the loop goes where the max's was
+    if any(len(pair) != 2 for pair in blocks) or not _reads_only_inputs_of(sch, max_pair,
+                                                                          sum_pair):
         return
     depth = len(sch.get_loops(sch.get_sblock(ROWSTATS))) + 2  # rows, chunk, steps, lanes
     loops = [sch.get_loops(pair[0]) for pair in blocks]
