@@ -649,18 +649,24 @@ def kernel_categories(loops: list) -> dict:
     return out
 
 
+def _within_a_row(loop: Loop, classes: int) -> bool:
+    return loop.trip is None or loop.span * loop.trip < 1.5 * classes
+
+
 def _shares(loops: list, classes: int) -> None:
     """``Loop.share`` of each loop of one function: elements per iteration times its
-    trip count and those of the loops around it, inside the outermost (the row
-    loop, whose trip is the rows of a task), over ``classes``. A group of
-    alternatives shares the largest of its members'."""
+    trip count and those of the loops around it within a row, over ``classes``.
+    Loops over rows are not within a row: the outermost (the tasks' rows) and any
+    whose iterations cover 1.5 rows or more (the rows of one parallel task,
+    ``row_grain``; a row's chunk loop covers at most a row and the overlap of its
+    last chunk). A group of alternatives shares the largest of its members'."""
     for loop in loops:
         outer = [p for p in loops if loop.blocks < p.blocks]
         if not outer:
-            loop.share = loop.span / classes if loop.nested else 1.0
+            loop.share = min(1.0, loop.span / classes) if loop.nested else 1.0
             continue
         row = max(outer, key=lambda p: len(p.blocks))
-        trips = [loop.trip] + [p.trip for p in outer if p is not row]
+        trips = [p.trip for p in [loop] + outer if p is not row and _within_a_row(p, classes)]
         if all(trips) and loop.span:
             loop.share = loop.span * math.prod(trips) / classes
         else:
@@ -689,7 +695,10 @@ def parse_target(target: str) -> dict:
     return desc
 
 
-def _spec(op: str, dtype: str, classes: int, target: str, weighted: bool, reduction: str):
+def cross_spec(op: str, dtype: str, classes: int, target: str = "llvm -mcpu=znver5",
+               weighted: bool = False, reduction: str = "mean"):
+    """The ``KernelSpec`` of one shape (``op`` a key of ``OPS``) built for ``target``
+    (``parse_target``) instead of this host's CPU."""
     from tvm.target import Target
 
     from ..kernels.kinds import Variant
@@ -720,7 +729,7 @@ def cpu_asm(op: str, dtype: str, classes: int, target: str = "llvm -mcpu=znver5"
     """The x86 assembly (AT&T) of one shape, built as the runtime builds it."""
     from ..compiler.build import lower_and_compile
 
-    spec = _spec(op, dtype, classes, target, weighted, reduction)
+    spec = cross_spec(op, dtype, classes, target, weighted, reduction)
     return lower_and_compile(spec).mod.inspect_source("asm")
 
 
@@ -792,6 +801,6 @@ def table(summaries: list) -> str:
 
 
 __all__ = ["CATEGORIES", "DTYPE_BYTES", "OPS", "Loop", "Summary", "analyse", "analyse_asm",
-           "avx512_lines", "classify", "cpu_asm", "find_loops", "kernel_categories",
+           "avx512_lines", "classify", "cpu_asm", "cross_spec", "find_loops", "kernel_categories",
            "kernel_per_element", "loop_table", "parse_functions", "parse_insn", "parse_target",
            "table"]

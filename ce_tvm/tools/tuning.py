@@ -70,18 +70,18 @@ def _random_args(func, spec: KernelSpec):
 def compile_scheduled(scheduled, spec: KernelSpec, entry: str | None = "main"):
     """Function ``entry`` of a scheduled PrimFunc (or IRModule) of ``spec``, built
     as ``build`` builds (``compiler.build.compile_scheduled``) and,
-    on the CPU, loaded as the runtime loads it (``_loaded_as_the_runtime_runs_it``);
+    on the CPU, loaded as the runtime loads it (``loaded_as_the_runtime_runs_it``);
     the Executable when ``entry`` is ``None``."""
     ex = compile_executable(scheduled, spec)
     if entry is None:
         return ex
-    return _loaded_as_the_runtime_runs_it(ex, entry) if spec.target == "llvm" else ex[entry]
+    return loaded_as_the_runtime_runs_it(ex, entry) if spec.target == "llvm" else ex[entry]
 
 
 _exports: dict = {}
 
 
-def _loaded_as_the_runtime_runs_it(ex, entry: str):
+def loaded_as_the_runtime_runs_it(ex, entry: str):
     """``ex[entry]`` exported, loaded from disk and pointed at torch's OpenMP
     threads (``omp_pool.use_torch_pool``), as ``runtime.kernel`` runs a CPU
     kernel. In memory it would run its parallel loop on TVM's thread pool,

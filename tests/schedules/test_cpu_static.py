@@ -110,3 +110,16 @@ def test_real_kernel_loops_and_instruction_set(target, avx512):
     else:
         assert "%zmm" not in asm
         assert cpu_static.avx512_lines(asm) == []
+
+
+def test_rows_of_a_parallel_task_are_not_a_rows_elements():
+    """The bf16 backward's hand schedule runs 16 rows a parallel task (a loop over
+    rows inside the task's loop): every loop runs at most a row's elements per
+    row, and the kernel counts what its one element loop counts."""
+    asm = cpu_static.cpu_asm("backward", "bfloat16", 4000, "llvm -mcpu=znver3")
+    loops = cpu_static.row_loops(cpu_static.analyse_asm(asm, 2, 4000))
+    assert any(loop.trip == 16 and not loop.element_loop for loop in loops)
+    assert all(loop.share <= 1.0 for loop in loops)
+    element = [loop for loop in loops if loop.element_loop]
+    assert len(element) == 1
+    assert cpu_static.kernel_per_element(loops) == pytest.approx(element[0].per_element, rel=0.05)

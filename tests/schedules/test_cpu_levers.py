@@ -1,0 +1,51 @@
+"""benchmarks/cpu_levers.py: each lever of the CPU schedule switched off really
+changes the kernel (on this host and in AVX-512 code), and only its speed: the
+outputs stay bit for bit those of the hand schedule."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ce_tvm.schedules.cpu_narrowing import has_bf16_rounding
+from ce_tvm.store import targets
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_levers.py"
+LEVERS = ["logits_sum_in_max_loop", "sum_with_max", "one_hot_by_chunk", "last_chunk_peeled",
+          "prefetch_next_chunk", "prefetchw_gradient", "compared_ramps_as_offsets",
+          "bf16_rounding_once", "vcvtneps2bf16", "hand_knobs"]
+
+
+def _levers(tmp_path, *extra) -> list:
+    out = tmp_path / "levers.json"
+    done = subprocess.run([sys.executable, SCRIPT, "--shapes", "64x4099", "--reps", "1",
+                           "--json", out, *extra], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())["records"]
+
+
+@pytest.mark.slow  # a process building 40 kernels
+def test_every_lever_changes_the_host_kernel_and_not_its_outputs(tmp_path):
+    records = _levers(tmp_path)
+    timed = [r for r in records if r["effect"] == "timed"]
+    host_has_bf16 = has_bf16_rounding(targets.tvm_target("llvm"))
+    assert {r["lever"] for r in timed} == set(LEVERS) - (set() if host_has_bf16
+                                                         else {"vcvtneps2bf16"})
+    for r in timed:
+        assert r["hand_ms"] > 0 and r["without_ms"] > 0
+        hand, without = r["insn_per_element"]
+        assert 0 < hand < 20 and 0 < without < 20
+        if r["lever"] == "hand_knobs":  # other accumulators: the sums' order moves
+            assert r["outputs"] == "identical" or float(r["outputs"].split()[-1]) < 1e-5
+        else:
+            assert r["outputs"] == "identical", r
+
+
+@pytest.mark.slow
+def test_every_lever_changes_the_avx512_kernel(tmp_path):
+    """Built for Zen 5 (AVX-512 with BF16) and counted, not run."""
+    records = _levers(tmp_path, "--target", "llvm -mcpu=znver5")
+    assert {r["lever"] for r in records if r["effect"] == "counted"} == set(LEVERS)
+    assert not [r for r in records if r["effect"] == "timed"]
