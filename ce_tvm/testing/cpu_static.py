@@ -389,7 +389,8 @@ def _own_insns(fn: Function, loop: Loop) -> list:
 
 def _trip(fn: Function, loop: Loop) -> int | None:
     """Iterations of ``loop``: an induction register stepped by a constant and
-    compared with a constant (or stepped down to zero), its start set before the loop."""
+    compared with a constant (or stepped to zero, from a start above or below it),
+    its start set before the loop."""
     idx = _own_insns(fn, loop)
     steps, bounds = {}, []
     for i in idx:
@@ -425,11 +426,11 @@ def _trip(fn: Function, loop: Loop) -> int | None:
         if first is not None:
             n = (bound[1] - first) / steps[bound[0]]
             return math.ceil(n) if n > 0 else None
-    for reg, step in steps.items():  # counted down to zero
-        if step < 0 and bound is None:
+    for reg, step in steps.items():  # counted to zero: down from above, or up from below
+        if bound is None:
             first = start(reg)
-            if first and first > 0:
-                return math.ceil(first / -step)
+            if first and first * step < 0:
+                return math.ceil(-first / step)
     return None
 
 

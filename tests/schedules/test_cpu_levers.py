@@ -1,6 +1,7 @@
 """benchmarks/cpu_levers.py: each lever of the CPU schedule switched off really
 changes the kernel (on this host and in AVX-512 code), and only its speed: the
-outputs stay bit for bit those of the hand schedule."""
+outputs stay bit for bit those of the hand schedule, or within a rounding where
+the lever reorders the arithmetic."""
 
 import json
 import subprocess
@@ -16,6 +17,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_levers.py"
 LEVERS = ["logits_sum_in_max_loop", "sum_with_max", "one_hot_by_chunk", "last_chunk_peeled",
           "prefetch_next_chunk", "prefetchw_gradient", "compared_ramps_as_offsets",
           "bf16_rounding_once", "vcvtneps2bf16", "hand_knobs"]
+# Levers that change the arithmetic's order: other accumulators (the sums), the
+# one-hot term subtracted by chunk (LLVM contracts it into another FMA).
+REASSOCIATING = ("hand_knobs", "one_hot_by_chunk")
 
 
 def _levers(tmp_path, *extra) -> list:
@@ -37,7 +41,7 @@ def test_every_lever_changes_the_host_kernel_and_not_its_outputs(tmp_path):
         assert r["hand_ms"] > 0 and r["without_ms"] > 0
         hand, without = r["insn_per_element"]
         assert 0 < hand < 20 and 0 < without < 20
-        if r["lever"] == "hand_knobs":  # other accumulators: the sums' order moves
+        if r["lever"] in REASSOCIATING:
             assert r["outputs"] == "identical" or float(r["outputs"].split()[-1]) < 1e-5
         else:
             assert r["outputs"] == "identical", r
