@@ -15,8 +15,9 @@ profile, say):
 - what the compute is declared with: ``forward_chunk(classes, dtype,
   target, **options)``, the chunk a row is reduced in, or ``<op>_chunk``
   for one op (ascend's ``train_chunk``, ``log_probs_chunk``); where
-  defined, ``forward_stage(classes, dtype, target, **options)`` (whether a
-  chunk is staged), ``exp_scaling(target)`` and the lowering choices
+  defined, ``stages_chunk(op, classes, dtype, target, **options)`` (whether
+  ``op``'s chunk is staged; a tuning record's summary may say otherwise:
+  ``stage``), ``exp_scaling(target)`` and the lowering choices
   ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``, ``ONE_HOT_BY_CHUNK`` and
   ``KEEPS_CHUNK_EXP`` (``kernels.fastmath``, ``kernels.choices``);
 - how it is compiled, where defined: ``PASS_CONFIG`` (pass options) and

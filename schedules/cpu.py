@@ -24,9 +24,9 @@ Strategy, forward (the compute reduces each row in chunks, see
 3. The chunk reductions move under the chunk loop of ``ce_rowstats`` (which
    merges them): a chunk is read from memory by its first reduction and from
    L1 by the others, while the ``exp`` loop prefetches the next chunk
-   (``prefetch_ahead``). For 16-bit rows (``cpu_knobs.forward_stage``) the
-   compute copies the chunk to float32 first (``ce_chunk_logits``): converted
-   once.
+   (``prefetch_ahead``). For 16-bit rows of the log-probs and of a shard's
+   statistics (``cpu_knobs.stages_chunk``) the compute copies the chunk to
+   float32 first (``ce_chunk_logits``): converted once.
    All per-row blocks move under the row loop, which runs in parallel over
    the cores.
 4. ``log_prob`` (seed API) is written in one more vectorised pass over the
@@ -109,9 +109,9 @@ from .cpu_knobs import SCHEDULE_OF, CPUKnobs, hand_knobs, vector_lanes
 
 # Entry points (``schedules/__init__.py``) that ``cpu_knobs`` declares.
 from .cpu_knobs import forward_chunk as forward_chunk
-from .cpu_knobs import forward_stage as forward_stage
 from .cpu_knobs import knob_chunk as knob_chunk
 from .cpu_knobs import knob_space as knob_space
+from .cpu_knobs import stages_chunk as stages_chunk
 from .cpu_narrowing import bf16_rounding
 
 # TVM's LoopPartition also splits constant-extent loops on ``likely``

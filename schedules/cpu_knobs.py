@@ -1,7 +1,7 @@
 """The numbers the CPU schedule (``cpu``) runs with, decided from the target
 and the shape alone (no schedule here): the vector width (``vector_lanes``),
 the chunk a row is reduced in and whether the chunk is staged in float32
-(``forward_chunk``, ``forward_stage``: what the compute is declared with),
+(``forward_chunk``, ``stages_chunk``: what the compute is declared with),
 and the tunable knobs (``CPUKnobs``): the hand schedule's values
 (``hand_knobs``) and the tuning search's choices (``knob_space``,
 ``knob_chunk``).
@@ -140,14 +140,26 @@ def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX
     return -(-per_chunk // lanes) * lanes
 
 
-def forward_stage(classes: int, dtype: str, target: Target) -> bool:
-    """Whether the forward (and a vocabulary shard's statistics) copy each chunk
-    to float32 before its reductions (``kernels.forward.forward_func``'s ``stage``):
-    when the rows are not float32 (one conversion instead of one per pass).
-    float32 rows are reduced in place, aligned or not: staging cost aligned
-    ones ~10%, and since the overlap test left all but the last chunk
-    (``cpu.PASS_CONFIG``) it costs C = 50257 more than the straddled loads do
-    (in cache, 2 cores: 0.182 vs 0.157 ns per element per core). So are the
-    probability targets' rows, which stream the targets beside the logits
-    (staging cost them 14-20%)."""
-    return dtype != "float32"
+# The ops whose 16-bit chunks are copied to float32 before their reductions.
+STAGES_16_BIT = ("shard_stats", "log_probs")
+
+
+def stages_chunk(op: str, classes: int, dtype: str, target: Target) -> bool:
+    """Whether ``op``'s compute copies each chunk to float32 before its reductions
+    (``kernels.forward.forward_func``'s ``stage``; a softcap always stages):
+    16-bit rows of a vocabulary shard's statistics and of the log-probs (one
+    conversion instead of one per pass over the chunk; unstaged, 4% and 6%
+    slower, bf16 4096 x 32000 on a 2-core Zen 3 EPYC, in-process A/B). The
+    loss forward reads its 16-bit chunk in place: since the logits' sum rides
+    the max's loop it passes over a chunk twice, and widening twice (bf16: a
+    load and a shift; fp16: one ``vcvtph2ps``) beats the copy's store and
+    reload: 7-9% faster for bf16 at the three bench shapes and 13.5% for fp16
+    on that machine (4% with the seed API's ``log_prob``, 2% weighted), the
+    outputs bit for bit the same; 5% fewer instructions on Zen 5
+    (``benchmarks/cpu_static.py``). float32 rows are reduced in place, aligned
+    or not: staging cost aligned ones ~10%, and since the overlap test left
+    all but the last chunk (``cpu.PASS_CONFIG``) it costs C = 50257 more than
+    the straddled loads do (in cache, 2 cores: 0.182 vs 0.157 ns per element
+    per core). So are the probability targets' rows, which stream the targets
+    beside the logits (staging cost them 14-20%)."""
+    return dtype != "float32" and op in STAGES_16_BIT

@@ -127,9 +127,10 @@ def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFu
     """The compute of ``spec``, unscheduled (forward rows chunked, the forward's
     chunk staged, ``exp`` scaled and NaN-tested, the overlap and one-hot tests written,
     a chunk's exponentials kept or not, as the schedule asks: ``forward_chunk``,
-    ``forward_stage``, ``exp_scaling``, ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``,
+    ``stages_chunk``, ``exp_scaling``, ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``,
     ``ONE_HOT_BY_CHUNK``, ``KEEPS_CHUNK_EXP``).
-    The row chunk is ``chunk`` if given, else the tuning record's, else the schedule's."""
+    The row chunk is ``chunk`` if given, else the tuning record's, else the schedule's;
+    the chunk staged as the tuning record's compute was, else as the schedule asks."""
     schedule = schedule_module(spec.target)
     scaling = getattr(schedule, "exp_scaling", lambda target: "bits")(spec.tvm_target())
     if chunk is None and spec.tuned:
@@ -141,8 +142,22 @@ def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFu
         return _declare(spec, schedule, chunk)
 
 
-# The ops whose compute may stage its chunk (``forward_stage`` of the schedule decides).
+# The ops whose compute may stage its chunk (``stages_chunk`` of the schedule decides).
 STAGED_OPS = ("forward", "shard_stats", "log_probs")
+
+
+def chunk_staged(spec: KernelSpec) -> bool | None:
+    """Whether ``spec``'s compute copies each chunk to float32 first: as its tuning
+    record's compute did (``records.record_stage``), else as its schedule asks
+    (``stages_chunk``); ``None`` for an op or schedule without the choice."""
+    stage_of = getattr(schedule_module(spec.target), "stages_chunk", None)
+    if spec.op not in STAGED_OPS or stage_of is None:
+        return None
+    recorded = records.record_stage(spec.tuned) if spec.tuned else None
+    if recorded is not None:
+        return recorded
+    return stage_of(spec.op, spec.classes, spec.dtype, spec.tvm_target(),
+                    **spec.schedule_options())
 
 
 def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc:
@@ -156,11 +171,8 @@ def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc
         if chunk is None:
             chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(),
                              **spec.schedule_options())
-        stage_of = getattr(schedule, "forward_stage", None)
-        staged = {"stage": stage_of(spec.classes, spec.dtype, spec.tvm_target(),
-                                    **spec.schedule_options())
-                  } if spec.op in STAGED_OPS and stage_of is not None else {}
-        return chunked[spec.op](*args, chunk, **staged)
+        stage = chunk_staged(spec)
+        return chunked[spec.op](*args, chunk, **({} if stage is None else {"stage": stage}))
     whole = {"shard_combine": shards.shard_combine_func, "backward": backward.backward_func,
              "prob_backward": prob_targets.prob_backward_func,
              "prob_target_grad": prob_targets.prob_target_grad_func,

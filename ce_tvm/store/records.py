@@ -154,6 +154,12 @@ def record_knobs(rid: str) -> dict:
     return json.loads((record_dir(rid) / "summary.json").read_text()).get("knobs", {})
 
 
+def record_stage(rid: str) -> bool | None:
+    """Whether record ``rid``'s compute staged its chunks (its summary's ``stage``;
+    ``None``: the summary does not say, the schedule decides)."""
+    return json.loads((record_dir(rid) / "summary.json").read_text()).get("stage")
+
+
 def forget() -> None:
     """Drop what ``nearest_record`` has read (after a record was written)."""
     _applicable.cache_clear()

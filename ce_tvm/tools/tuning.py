@@ -45,7 +45,13 @@ import tvm_ffi
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
-from ..compiler.build import SCHEDULE_OF_OP, KernelSpec, declared_func, schedule_module
+from ..compiler.build import (
+    SCHEDULE_OF_OP,
+    KernelSpec,
+    chunk_staged,
+    declared_func,
+    schedule_module,
+)
 from ..compiler.build import compile_scheduled as compile_executable
 from ..runtime.omp_pool import use_torch_pool
 from ..runtime.registry import configure_thread_pool
@@ -329,6 +335,9 @@ def tune(spec: KernelSpec, rows: int, trials: int, log_root: Path, retune: bool 
                "knobs": knobs, "best_ms": best_ms, "speedup": hand_ms / best_ms,
                "applied": knobs != hand and hand_ms >= records.MIN_SPEEDUP * best_ms,
                "measured": [{"knobs": dict(k), "ms": v} for k, v in cands.measured.items()]}
+    stage = chunk_staged(spec)
+    if stage is not None:  # the compute the record replays on stages its chunks or not
+        summary["stage"] = stage
     echo(f"  {spec.name()}: hand {hand_ms:.3f} ms, best {best_ms:.3f} ms ({_show(knobs)}): "
          f"{'applied' if summary['applied'] else 'not applied (hand schedule kept)'}")
     save(out, cands, summary)

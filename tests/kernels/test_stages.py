@@ -162,11 +162,12 @@ def test_cpu_reduces_the_class_weight_sum_once_before_the_parallel_rows(op):
 @pytest.mark.parametrize("dtype,classes,staged", [
     ("float32", 1024, False),  # float32 rows are reduced in place
     ("float32", 1001, False),  # aligned or not
-    ("bfloat16", 1024, True),  # 16-bit rows: converted to float32 once
+    ("bfloat16", 1024, False),  # and 16-bit rows too: two passes, each widens
+    ("float16", 1024, False),
 ])
-def test_cpu_forward_stages_the_chunk_when_rows_are_16_bit(dtype, classes, staged):
-    """The CPU asks for ``ce_chunk_logits`` (``forward_stage``) where it pays;
-    every chunk reduction (the max included) then reads it instead of ``x``."""
+def test_cpu_forward_reduces_the_chunk_in_place(dtype, classes, staged):
+    """The CPU asks for ``ce_chunk_logits`` (``stages_chunk``) where it pays, not
+    for the loss forward; unstaged, every chunk reduction reads ``x``."""
     from ce_tvm.compiler.build import KernelSpec, scheduled_func
 
     func = scheduled_func(KernelSpec("forward", dtype, classes, Variant("mean", False, False),
@@ -178,14 +179,18 @@ def test_cpu_forward_stages_the_chunk_when_rows_are_16_bit(dtype, classes, stage
         assert (stages.CHUNK_LOGITS in reads) == staged and ("x" in reads) != staged, reads
 
 
-@pytest.mark.parametrize("op,staged", [("shard_stats", True), ("prob_forward", False)])
-def test_cpu_stages_a_shards_chunk_but_not_a_probability_targets(op, staged):
-    """A vocabulary shard's statistics are staged like the forward; probability
-    targets, which stream the targets beside the logits, are not (it costs them)."""
+@pytest.mark.parametrize("op,variant,staged", [
+    ("shard_stats", Variant("mean", False, False), True),
+    ("log_probs", Variant(columns=1), True),
+    ("prob_forward", Variant("mean", False, False), False),
+])
+def test_cpu_stages_16_bit_chunks_of_a_shard_and_the_log_probs(op, variant, staged):
+    """A vocabulary shard's statistics and the log-probs (which pass over a chunk
+    more often) copy a 16-bit chunk to float32 once; probability targets, which
+    stream the targets beside the logits, do not (it costs them)."""
     from ce_tvm.compiler.build import KernelSpec, scheduled_func
 
-    sch = s_tir.Schedule(scheduled_func(KernelSpec(op, "bfloat16", 1024,
-                                                   Variant("mean", False, False), "llvm")))
+    sch = s_tir.Schedule(scheduled_func(KernelSpec(op, "bfloat16", 1024, variant, "llvm")))
     reads = {r.source.name for r in sch.get(sch.get_sblock("ce_chunk_max_rf_update")).reads}
     assert (stages.CHUNK_LOGITS in reads) == staged, reads
 

@@ -14,9 +14,9 @@ from ce_tvm.schedules.cpu_narrowing import has_bf16_rounding
 from ce_tvm.store import targets
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_levers.py"
-LEVERS = ["logits_sum_in_max_loop", "sum_with_max", "one_hot_by_chunk", "last_chunk_peeled",
-          "prefetch_next_chunk", "prefetchw_gradient", "compared_ramps_as_offsets",
-          "bf16_rounding_once", "vcvtneps2bf16", "hand_knobs"]
+LEVERS = ["chunk_in_place", "logits_sum_in_max_loop", "sum_with_max", "one_hot_by_chunk",
+          "last_chunk_peeled", "prefetch_next_chunk", "prefetchw_gradient",
+          "compared_ramps_as_offsets", "bf16_rounding_once", "vcvtneps2bf16", "hand_knobs"]
 # Levers that change the arithmetic's order: other accumulators (the sums), the
 # one-hot term subtracted by chunk (LLVM contracts it into another FMA).
 REASSOCIATING = ("hand_knobs", "one_hot_by_chunk")

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,8 @@ def test_tuning_run_reports_every_kernel_and_its_json(tuned_logs):
         summary = json.loads(_summary_path(tuned_logs, spec).read_text())
         assert len(summary["measured"]) == 3 and summary["applied"] == k["applied"]
         assert summary["applied"] == records.applies(summary)
+        # the forward's compute could stage its chunks: the record says whether it did
+        assert summary.get("stage") == (False if spec.op == "forward" else None)
 
 
 def test_exhaustive_measures_the_whole_grid(tmp_path):
@@ -400,9 +403,10 @@ def test_shipped_record_replays_on_the_current_compute(directory, tmp_path, monk
     monkeypatch.setenv("CE_TVM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("CE_TVM_TUNING_LOGS", raising=False)
     summary = json.loads((directory / "summary.json").read_text())
-    spec = record_spec(summary["kernel"])
-    func = declared_func(spec, summary.get("knobs", {}).get("chunk"))
     rid = f"{directory.parent.name}/{directory.name}"
+    spec = replace(record_spec(summary["kernel"]), tuned=rid,
+                   tuned_digest=records.record_digest(rid))
+    func = declared_func(spec)  # as the build declares it: the record's chunk and stage
     records.apply_record(rid, func, spec.tvm_target())  # raises on a stale record
 
 
