@@ -111,7 +111,7 @@ LEVERS = (
     Lever("chunk_in_place", ("forward",),
           "the forward reads a 16-bit chunk in place (no float32 copy)",
           without=_patched(cpu, "stages_chunk", lambda op, classes, dtype, target: True),
-          dtypes=("bfloat16",)),
+          dtypes=("bfloat16", "float16")),
     Lever("logits_sum_in_max_loop", ("forward",),
           "label smoothing's logits sum in the chunk max's loop",
           without=_patched(cpu, "logits_sum_in_max_loop", lambda sch, stages, outer: stages)),
