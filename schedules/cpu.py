@@ -24,7 +24,7 @@ Strategy, forward (the compute reduces each row in chunks, see
 3. The chunk reductions move under the chunk loop of ``ce_rowstats`` (which
    merges them): a chunk is read from memory by its first reduction and from
    L1 by the others, while the ``exp`` loop prefetches the next chunk
-   (``prefetch_ahead``). For 16-bit rows of the log-probs and of a shard's
+   (``prefetch_ahead``). For bfloat16 rows of the log-probs and of a shard's
    statistics (``cpu_knobs.stages_chunk``) the compute copies the chunk to
    float32 first (``ce_chunk_logits``): converted once.
    All per-row blocks move under the row loop, which runs in parallel over

@@ -140,17 +140,19 @@ def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX
     return -(-per_chunk // lanes) * lanes
 
 
-# The ops whose 16-bit chunks are copied to float32 before their reductions.
-STAGES_16_BIT = ("shard_stats", "log_probs")
+# The ops whose bfloat16 chunks are copied to float32 before their reductions.
+STAGES_BF16 = ("shard_stats", "log_probs")
 
 
 def stages_chunk(op: str, classes: int, dtype: str, target: Target) -> bool:
     """Whether ``op``'s compute copies each chunk to float32 before its reductions
     (``kernels.forward.forward_func``'s ``stage``; a softcap always stages):
-    16-bit rows of a vocabulary shard's statistics and of the log-probs (one
-    conversion instead of one per pass over the chunk; unstaged, 4% and 6%
-    slower, bf16 4096 x 32000 on a 2-core Zen 3 EPYC, in-process A/B). The
-    loss forward reads its 16-bit chunk in place: since the logits' sum rides
+    bfloat16 rows of a vocabulary shard's statistics and of the log-probs (one
+    conversion, a load and a shift, instead of one per pass over the chunk;
+    unstaged, 0-4% and 1-6% slower on a 2-core Zen 3 EPYC, in-process A/B at
+    4096 x 32000 and 2048 x 128256; float16's one ``vcvtph2ps`` per pass is
+    cheaper than the copy there: 3-7% faster in place). The loss forward
+    reads its 16-bit chunk in place: since the logits' sum rides
     the max's loop it passes over a chunk twice, and widening twice (bf16: a
     load and a shift; fp16: one ``vcvtph2ps``) beats the copy's store and
     reload: 7-9% faster for bf16 at the three bench shapes and 13.5% for fp16
@@ -162,4 +164,4 @@ def stages_chunk(op: str, classes: int, dtype: str, target: Target) -> bool:
     the straddled loads do (in cache, 2 cores: 0.182 vs 0.157 ns per element
     per core). So are the probability targets' rows, which stream the targets
     beside the logits (staging cost them 14-20%)."""
-    return dtype != "float32" and op in STAGES_16_BIT
+    return dtype == "bfloat16" and op in STAGES_BF16

@@ -179,18 +179,21 @@ def test_cpu_forward_reduces_the_chunk_in_place(dtype, classes, staged):
         assert (stages.CHUNK_LOGITS in reads) == staged and ("x" in reads) != staged, reads
 
 
-@pytest.mark.parametrize("op,variant,staged", [
-    ("shard_stats", Variant("mean", False, False), True),
-    ("log_probs", Variant(columns=1), True),
-    ("prob_forward", Variant("mean", False, False), False),
+@pytest.mark.parametrize("op,variant,dtype,staged", [
+    ("shard_stats", Variant("mean", False, False), "bfloat16", True),
+    ("log_probs", Variant(columns=1), "bfloat16", True),
+    ("shard_stats", Variant("mean", False, False), "float16", False),
+    ("log_probs", Variant(columns=1), "float16", False),
+    ("prob_forward", Variant("mean", False, False), "bfloat16", False),
 ])
-def test_cpu_stages_16_bit_chunks_of_a_shard_and_the_log_probs(op, variant, staged):
+def test_cpu_stages_bf16_chunks_of_a_shard_and_the_log_probs(op, variant, dtype, staged):
     """A vocabulary shard's statistics and the log-probs (which pass over a chunk
-    more often) copy a 16-bit chunk to float32 once; probability targets, which
-    stream the targets beside the logits, do not (it costs them)."""
+    more often) copy a bfloat16 chunk to float32 once (its widening is two
+    instructions, float16's one); probability targets, which stream the
+    targets beside the logits, do not (it costs them)."""
     from ce_tvm.compiler.build import KernelSpec, scheduled_func
 
-    sch = s_tir.Schedule(scheduled_func(KernelSpec(op, "bfloat16", 1024, variant, "llvm")))
+    sch = s_tir.Schedule(scheduled_func(KernelSpec(op, dtype, 1024, variant, "llvm")))
     reads = {r.source.name for r in sch.get(sch.get_sblock("ce_chunk_max_rf_update")).reads}
     assert (stages.CHUNK_LOGITS in reads) == staged, reads
 
