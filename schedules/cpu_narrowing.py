@@ -19,7 +19,9 @@ kernel's 2.64 instructions per element on ``znver5``).
 store and binds ``bits`` once (``Let``): the same arithmetic, bit for bit, on a
 value evaluated once. On a target with ``avx512bf16`` (Zen 4 and 5, Cooper
 Lake, Sapphire Rapids) a vector whose lanes are a multiple of 16 takes AVX-512
-BF16's ``vcvtneps2bf16`` instead, one instruction per 16 lanes. It rounds to
+BF16's ``vcvtneps2bf16`` instead, one instruction per 16 lanes, and one whose
+lanes are a multiple of 32 ``vcvtne2ps2bf16``, one per 32 (two registers
+rounded into one: no ``vinserti64x4`` to join the halves). Both round to
 nearest even as well; it differs only where bfloat16 itself is subnormal
 (|x| < 1.2e-38: the instruction flushes to zero) and in a NaN's payload (a
 quiet NaN either way). TVM's LLVM codegen crashes on the bfloat16 type when
@@ -34,6 +36,7 @@ from tvm import tirx
 from tvm.target import codegen
 
 _INSTRUCTION = "llvm.x86.avx512bf16.cvtneps2bf16.512"
+_PAIR_INSTRUCTION = "llvm.x86.avx512bf16.cvtne2ps2bf16.512"
 _LANES = 16  # float32 lanes of one zmm register
 
 
@@ -77,15 +80,24 @@ def _rounded_value(cast):
     return value
 
 
-def _by_instruction(value, lanes: int):
-    """``value`` rounded by ``vcvtneps2bf16``, 16 lanes a call. The call is typed
-    ``uint16`` as the legalised buffers are (TVM's LLVM codegen has no bfloat16
-    vectors); LLVM stores its ``<16 x bfloat>`` as it is."""
+def _by_instruction(value, lanes: int, pairs: bool = True):
+    """``value`` rounded by AVX-512 BF16: 32 lanes a ``vcvtne2ps2bf16`` (two zmm
+    registers into one) where ``lanes`` is a multiple of 32 and ``pairs``, else
+    16 a ``vcvtneps2bf16``. The calls are typed ``uint16`` as the legalised
+    buffers are (TVM's LLVM codegen has no bfloat16 vectors); LLVM stores its
+    ``<N x bfloat>`` as it is."""
     vector = tirx.Var("bf16_source", f"float32x{lanes}")
-    pieces = [tirx.call_llvm_pure_intrin(
-        f"uint16x{_LANES}", _INSTRUCTION,
-        vector if lanes == _LANES else tirx.Shuffle([vector], list(range(i, i + _LANES))))
-        for i in range(0, lanes, _LANES)]
+
+    def part(i):
+        return vector if lanes == _LANES else tirx.Shuffle([vector], list(range(i, i + _LANES)))
+
+    if pairs and lanes % (2 * _LANES) == 0:  # the second source goes to the low half
+        pieces = [tirx.call_llvm_pure_intrin(f"uint16x{2 * _LANES}", _PAIR_INSTRUCTION,
+                                             part(i + _LANES), part(i))
+                  for i in range(0, lanes, 2 * _LANES)]
+    else:
+        pieces = [tirx.call_llvm_pure_intrin(f"uint16x{_LANES}", _INSTRUCTION, part(i))
+                  for i in range(0, lanes, _LANES)]
     joined = pieces[0] if len(pieces) == 1 else tirx.Shuffle(pieces, list(range(lanes)))
     return tirx.Let(vector, value, joined)
 
@@ -115,7 +127,7 @@ def has_bf16_rounding(target) -> bool:
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
 def bf16_rounding(func, mod, ctx):
     """Stores of legalised bfloat16 roundings: the value evaluated once, by
-    ``vcvtneps2bf16`` on a target with ``avx512bf16`` (module docstring)."""
+    AVX-512 BF16's instructions on a target with ``avx512bf16`` (module docstring)."""
     target = func.attrs.get("target") if func.attrs else None
     instruction = target is not None and has_bf16_rounding(target)
     return func.with_body(tvm_ffi.structural_map(

@@ -49,7 +49,7 @@ Method:
    streaming load that only moves or widens, and the widening after it
    (``vpslld $16``, ``vpunpck*wd``) of loaded values; ``narrow`` integer
    vector work whose results only reach stores (bf16 rounding and packing:
-   ``vpsrld``/``vpaddd``/``vpmovdw``/``vpackusdw``/``vcvtneps2bf16``, and the
+   ``vpsrld``/``vpaddd``/``vpmovdw``/``vpackusdw``/``vcvtne[2]ps2bf16``, and the
    ``vinsert*`` joining narrowed halves);
    ``max`` a ``vmax`` into a loop-carried accumulator; ``sum`` an add or FMA
    into a loop-carried accumulator (a load folded into it counts here); ``exp``
@@ -102,7 +102,7 @@ _MOVE = re.compile(r"^(v?mov|vbroadcast|vpbroadcast|lea|vpmovzx|vpmovsx|vcvt|cvt
 _LEGACY_RMW = re.compile(r"^(add|sub|inc|dec|neg|not|and|or|xor|shl|shr|sar|imul|adc|sbb|rol|ror)")
 _WIDEN = re.compile(r"^(vpslld|vpunpck[lh]wd|vpmovzxwd|vpmovsxwd|vcvtph2ps|vinserti|vpermq"
                     r"|vperm2i128|vpblendw)")
-_NARROWING = re.compile(r"^(vcvtneps2bf16|vpmov[us]?dw|vpackusdw|vpackssdw)")
+_NARROWING = re.compile(r"^(vcvtne2?ps2bf16|vpmov[us]?dw|vpackusdw|vpackssdw)")
 
 
 @dataclass
@@ -234,7 +234,7 @@ def lanes(insn: Insn, operand: str, dtype_bytes: int) -> tuple:
         return 4, 1
     if re.match(r"^(vpmovzxwd|vpmovsxwd|vcvtph2ps)", op):
         return width // 2, width // 4
-    if _NARROWING.match(op) or op.startswith("vcvtneps2bf16"):
+    if _NARROWING.match(op):
         return width // 2, width // 4
     if re.match(r"^(movzw|movsw|movw|vpinsrw|vpextrw|vpbroadcastw)", op):
         return 2, 1
@@ -745,7 +745,7 @@ class Summary:
 
 
 _AVX512_ONLY = re.compile(r"%zmm|%k[0-7]|\{1to\d+\}|%[xy]mm(1[6-9]|2\d|3[01])\b|^\s*v(scalef|"
-                          r"rndscale|cvtneps2bf16|pmov[us]?[dq][wb]|pternlog|permt2|permi2|"
+                          r"rndscale|cvtne2?ps2bf16|pmov[us]?[dq][wb]|pternlog|permt2|permi2|"
                           r"extract[fi](32|64)x|insert[fi](32|64)x|broadcast[fi](32|64)x|"
                           r"movdq[au](8|16|32|64)|pcmp[a-z]*\s.*%k|getexp|getmant|fixupimm|"
                           r"compress|expand|pconflict|plzcnt|pmull[q]|cvtqq|cvtuqq)")

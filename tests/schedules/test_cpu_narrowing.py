@@ -1,5 +1,6 @@
 """bfloat16 rounding by AVX-512 BF16 (``schedules/cpu_narrowing.py``): which
-targets get ``vcvtneps2bf16`` (cross-compiled: only assembly is made), what
+targets get ``vcvtneps2bf16`` and ``vcvtne2ps2bf16`` (cross-compiled: only
+assembly is made), what
 it saves in the training kernel's budget, and, on a host that has the
 instruction, its results against torch's rounding bit for bit."""
 
@@ -45,18 +46,22 @@ def test_which_targets_round_by_instruction(mcpu):
         == ROUNDING_BY_INSTRUCTION[mcpu]
 
 
-@pytest.mark.parametrize("lanes", [16, 32])
-def test_vectors_round_by_instruction_on_avx512_bf16(lanes):
-    """16 and 32 lanes: one ``vcvtneps2bf16`` per 16, no integer rounding left."""
+@pytest.mark.parametrize("lanes, instruction", [(16, "vcvtneps2bf16"), (32, "vcvtne2ps2bf16"),
+                                                 (64, "vcvtne2ps2bf16")])
+def test_vectors_round_by_instruction_on_avx512_bf16(lanes, instruction):
+    """16 lanes: one ``vcvtneps2bf16``; a multiple of 32: one ``vcvtne2ps2bf16``
+    per 32 (two registers into one, no merge); no integer rounding left."""
     asm = _build(_scale_to_bf16(4096, lanes), "znver5").mod.inspect_source("asm")
-    assert len(re.findall(r"vcvtneps2bf16\s+%zmm", asm)) >= 2
-    assert "vpmovdw" not in asm and "vpsrld" not in asm
+    assert len(re.findall(instruction + r"\s+%zmm", asm)) >= 2
+    assert "vpmovdw" not in asm and "vpsrld" not in asm and "vinsert" not in asm
+    other = {"vcvtneps2bf16": "vcvtne2ps2bf16", "vcvtne2ps2bf16": "vcvtneps2bf16"}[instruction]
+    assert other not in asm
 
 
 @pytest.mark.parametrize("mcpu", ["icelake-server", "haswell"])
 def test_other_targets_keep_the_integer_rounding(mcpu):
     asm = _build(_scale_to_bf16(4096, 32), mcpu).mod.inspect_source("asm")
-    assert "vcvtneps2bf16" not in asm and "vpsrld" in asm
+    assert "ps2bf16" not in asm and "vpsrld" in asm
 
 
 def test_training_kernel_narrowing_budget():
@@ -69,7 +74,7 @@ def test_training_kernel_narrowing_budget():
         return asm, cpu_static.kernel_categories(loops)["narrow"]
 
     asm, by_instruction = narrow("znver5")
-    assert "vcvtneps2bf16" in asm and "vpmovdw" not in asm
+    assert "vcvtne2ps2bf16" in asm and "vpmovdw" not in asm
     _, by_integers = narrow("icelake-server")
     assert 0 < 3 * by_instruction < by_integers
 
