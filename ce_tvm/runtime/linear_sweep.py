@@ -209,8 +209,10 @@ class GradSink:
     def __init__(self, x: Tensor, W: Tensor, b: Tensor | None, needs: Needs, chunks: int):
         acc = accum_torch_dtype(W) if chunks > 1 else W.dtype
         self.dtype = W.dtype
-        self.grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if needs.input else None
-        self.grad_W = torch.empty(W.shape, dtype=acc, device=W.device) if needs.weight else None
+        # through the pool: a training loop that drops its gradients each step
+        # recycles their pages instead of faulting in new ones (runtime/pool.py)
+        self.grad_x = pool.POOL.empty(tuple(x.shape), x.dtype, x.device) if needs.input else None
+        self.grad_W = pool.POOL.empty(tuple(W.shape), acc, W.device) if needs.weight else None
         if needs.weight and acc != W.dtype:
             def rows(nbytes, dtype):
                 return max(1, min(W.shape[0], nbytes // (W.shape[1] * dtype.itemsize)))

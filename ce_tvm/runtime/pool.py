@@ -1,4 +1,5 @@
-"""Recycle large ``[N, C]`` output buffers (``x_grad``, ``log_prob``).
+"""Recycle large output buffers: ``[N, C]`` ones (``x_grad``, ``log_prob``) and
+the fused heads' ``grad_x`` and ``grad_W``.
 
 A fresh 512 MB tensor costs ~120 ms of page faults on glibc (every large
 allocation is a new ``mmap``), more than the kernels that fill it. The pool
@@ -8,7 +9,8 @@ pool's own), so a training loop touches new pages only in its first step.
 
 Outputs are ordinary tensors that share storage with a pooled buffer; they
 are never views of anything the caller owns. ``CE_TVM_POOL_BYTES`` caps the
-bytes the pool may keep (default 2 GiB; 0 turns it off). Only CPU tensors of
+bytes the pool may keep (default 4 GiB, room for the float32 gradient of a
+128256 x 4096 weight, 2.1 GB, beside the rest; 0 turns it off). Only CPU tensors of
 at least ``MIN_BYTES`` are pooled.
 """
 
@@ -65,7 +67,7 @@ class BufferPool:
         return buf
 
 
-POOL = BufferPool(int(os.environ.get("CE_TVM_POOL_BYTES", 2 << 30)))
+POOL = BufferPool(int(os.environ.get("CE_TVM_POOL_BYTES", 4 << 30)))
 
 
 def empty_like(x: torch.Tensor) -> torch.Tensor:

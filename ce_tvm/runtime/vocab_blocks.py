@@ -145,8 +145,9 @@ def policy_grads(grad_logp: Tensor, grad_entropy: Tensor, x: Tensor, W: Tensor,
     n, classes, ii = x.shape[0], W.shape[0], opts.ignore_index
     width = block_columns(rows, classes, x.dtype)
     buffer = pool.POOL.empty((rows * width,), x.dtype, x.device)
-    grad_x = torch.empty_like(x) if needs.input else None
-    grad_W = torch.empty_like(W) if needs.weight else None
+    # through the pool, as the row sweep's (linear_sweep.GradSink)
+    grad_x = pool.empty_like(x) if needs.input else None
+    grad_W = pool.empty_like(W) if needs.weight else None
     grad_b = torch.zeros_like(b) if needs.bias and b is not None else None
     if grad_W is not None and n == 0:
         grad_W.zero_()  # no rows: the gradient is 0

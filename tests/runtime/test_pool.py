@@ -72,3 +72,33 @@ def test_recycled_gradients_are_correct_step_after_step():
         seen.add(x.grad.data_ptr())
         x.grad = None
     assert len(seen) == 1  # the same memory every step: no new pages
+
+
+def _reference_head_grads(x, W, y):
+    xr, Wr = x.detach().clone().requires_grad_(), W.detach().clone().requires_grad_()
+    logp = torch.log_softmax(xr @ Wr.t(), -1).gather(1, y[:, None]).squeeze(1)
+    logp.sum().backward()
+    return xr.grad, Wr.grad
+
+
+def test_fused_head_gradients_recycled_and_never_overwritten_while_kept():
+    """The fused heads' ``grad_W`` comes from the pool: dropped after a step, the
+    same memory serves the next; one still held is not reused, and keeps the
+    values of its own step."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 64, generator=gen, requires_grad=True)
+    W = (0.1 * torch.randn(8192, 64, generator=gen)).requires_grad_()  # grad_W: 2 MiB
+    ptrs, held = [], None
+    for step in range(4):
+        y = torch.randint(0, 8192, (512,), generator=gen)
+        ce_tvm.linear_log_probs(x, W, y).sum().backward()
+        gx, gW = _reference_head_grads(x, W, y)
+        torch.testing.assert_close(x.grad, gx, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(W.grad, gW, rtol=1e-4, atol=1e-6)
+        ptrs.append(W.grad.data_ptr())
+        if step == 1:
+            held = (W.grad, gW)
+        x.grad = W.grad = None
+    assert ptrs[1] == ptrs[0]  # recycled
+    assert ptrs[2] != ptrs[1] and ptrs[3] == ptrs[2]  # the held one is left alone
+    torch.testing.assert_close(held[0], held[1], rtol=1e-4, atol=1e-6)
