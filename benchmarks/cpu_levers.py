@@ -38,7 +38,7 @@ import torch
 from ce_tvm.compiler.build import SCHEDULE_OF_OP, KernelSpec, declared_func
 from ce_tvm.runtime.registry import configure_thread_pool
 from ce_tvm.schedules import cpu, cpu_narrowing
-from ce_tvm.schedules.cpu_knobs import CPUKnobs, forward_chunk, hand_knobs, vector_lanes
+from ce_tvm.schedules.cpu_knobs import CPUKnobs, forward_chunk, hand_knobs
 from ce_tvm.store import records, targets
 from ce_tvm.testing.cpu_static import (
     DTYPE_BYTES,
@@ -84,10 +84,6 @@ def _overlapping_chunks(spec, target) -> bool:
 
 def _has_bf16_instruction(spec, target) -> bool:
     return cpu_narrowing.has_bf16_rounding(target)
-
-
-def _wider_than_256_bits(spec, target) -> bool:
-    return vector_lanes(target) > 8
 
 
 def _hand_knobs_differ(spec, target) -> bool:
@@ -152,10 +148,6 @@ LEVERS = (
           without=_patched(cpu_narrowing, "_by_instruction",
                            lambda value, lanes, pairs=True: _BY_INSTRUCTION(value, lanes, False)),
           dtypes=("bfloat16",), applies=_has_bf16_instruction),
-    Lever("zmm_vectors", ("forward", "train", "backward"),
-          "512-bit vectors where the CPU has them (without: 256-bit ones)",
-          without=_patched(cpu, "vector_lanes", lambda target, elem_bytes=4: 8 * 4 // elem_bytes),
-          applies=_wider_than_256_bits),
     Lever("hand_knobs", ("forward", "backward"),
           "the hand knobs (cpu_knobs.hand_knobs) against the defaults",
           knobs=lambda hand: CPUKnobs(), applies=_hand_knobs_differ),
