@@ -22,7 +22,7 @@ Lake, Sapphire Rapids) a vector whose lanes are a multiple of 16 takes AVX-512
 BF16's ``vcvtneps2bf16`` instead, one instruction per 16 lanes, and one whose
 lanes are a multiple of 32 ``vcvtne2ps2bf16``, one per 32 (two registers
 rounded into one: no ``vinserti64x4`` to join the halves). Both round to
-nearest even as well; it differs only where bfloat16 itself is subnormal
+nearest even as well; they differ only where bfloat16 itself is subnormal
 (|x| < 1.2e-38: the instruction flushes to zero) and in a NaN's payload (a
 quiet NaN either way). TVM's LLVM codegen crashes on the bfloat16 type when
 the legalisation is left out, hence a rewrite after it.

@@ -10,8 +10,8 @@ pool's own), so a training loop touches new pages only in its first step.
 Outputs are ordinary tensors that share storage with a pooled buffer; they
 are never views of anything the caller owns. ``CE_TVM_POOL_BYTES`` caps the
 bytes the pool may keep (default 4 GiB, room for the float32 gradient of a
-128256 x 4096 weight, 2.1 GB, beside the rest; 0 turns it off). Only CPU tensors of
-at least ``MIN_BYTES`` are pooled.
+128256 x 4096 weight, 2.1 GB, beside the rest; 0 turns it off). Only CPU
+tensors of at least ``MIN_BYTES`` are pooled.
 """
 
 from __future__ import annotations
