@@ -211,7 +211,7 @@ class GradSink:
         self.dtype = W.dtype
         # through the pool: a training loop that drops its gradients each step
         # recycles their pages instead of faulting in new ones (runtime/pool.py)
-        self.grad_x = pool.POOL.empty(tuple(x.shape), x.dtype, x.device) if needs.input else None
+        self.grad_x = pool.empty_like(x) if needs.input else None
         self.grad_W = pool.POOL.empty(tuple(W.shape), acc, W.device) if needs.weight else None
         if needs.weight and acc != W.dtype:
             def rows(nbytes, dtype):

@@ -1,8 +1,8 @@
 """bfloat16 rounding by AVX-512 BF16 (``schedules/cpu_narrowing.py``): which
 targets get ``vcvtneps2bf16`` and ``vcvtne2ps2bf16`` (cross-compiled: only
-assembly is made), what
-it saves in the training kernel's budget, and, on a host that has the
-instruction, its results against torch's rounding bit for bit."""
+assembly is made), what it saves in the training kernel's budget, and, on a
+host that has the instruction, its results against torch's rounding bit for
+bit."""
 
 import re
 
