@@ -59,11 +59,22 @@ def user_logs_dir() -> Path:
     return cache_dir() / "tuning_logs"
 
 
+# The variables ``tuning_dirs`` follows: its own and ``cache_dir``'s.
+_DIRS_ENV = ("CE_TVM_TUNING_LOGS", "CE_TVM_CACHE", "XDG_CACHE_HOME", "HOME")
+
+
 def tuning_dirs() -> list[Path]:
     """Where records are looked up, first match wins: ``$CE_TVM_TUNING_LOGS``,
     ``user_logs_dir()``, the package's records."""
-    env = os.environ.get("CE_TVM_TUNING_LOGS", "")
-    return [Path(p) for p in env.split(os.pathsep) if p] + [user_logs_dir(), PACKAGE_LOGS]
+    return list(_tuning_dirs(tuple(os.environ.get(name) for name in _DIRS_ENV)))
+
+
+@functools.lru_cache(maxsize=8)
+def _tuning_dirs(env: tuple) -> tuple[Path, ...]:
+    """``tuning_dirs`` for the values ``env`` of ``_DIRS_ENV`` (the same objects for
+    the same values: every kernel call looks records up, and paths cost microseconds)."""
+    logs = env[0] or ""
+    return (*(Path(p) for p in logs.split(os.pathsep) if p), user_logs_dir(), PACKAGE_LOGS)
 
 
 def default_log_dir() -> Path:
