@@ -37,7 +37,7 @@ import torch
 
 from ce_tvm.compiler.build import SCHEDULE_OF_OP, KernelSpec, declared_func
 from ce_tvm.runtime.registry import configure_thread_pool
-from ce_tvm.schedules import cpu, cpu_narrowing
+from ce_tvm.schedules import cpu, cpu_narrowing, cpu_widening
 from ce_tvm.schedules.cpu_knobs import CPUKnobs, forward_chunk, hand_knobs
 from ce_tvm.store import records, targets
 from ce_tvm.testing.cpu_static import (
@@ -84,6 +84,10 @@ def _overlapping_chunks(spec, target) -> bool:
 
 def _has_bf16_instruction(spec, target) -> bool:
     return cpu_narrowing.has_bf16_rounding(target)
+
+
+def _has_word_permutes(spec, target) -> bool:
+    return cpu_widening.has_word_permutes(target)
 
 
 def _hand_knobs_differ(spec, target) -> bool:
@@ -148,6 +152,11 @@ LEVERS = (
           without=_patched(cpu_narrowing, "_by_instruction",
                            lambda value, lanes, pairs=True: _BY_INSTRUCTION(value, lanes, False)),
           dtypes=("bfloat16",), applies=_has_bf16_instruction),
+    Lever("vpermt2w", ("forward", "train"),
+          "bfloat16 widened by one word permutation per 16 lanes in the streaming loop, "
+          "not a zero-extension and a shift",
+          without=_patched(cpu_widening, "has_word_permutes", lambda target: False),
+          dtypes=("bfloat16",), applies=_has_word_permutes),
     Lever("hand_knobs", ("forward", "backward"),
           "the hand knobs (cpu_knobs.hand_knobs) against the defaults",
           knobs=lambda hand: CPUKnobs(), applies=_hand_knobs_differ),

@@ -15,7 +15,8 @@
    the zmm FMA throughput, and the exp-sum loop with the polynomial of a
    float32 result (degree 5) and of a 16-bit one (degree 4,
    fastmath._POLY["half"]). A CPU that splits a zmm instruction in two 256-bit
-   halves (Zen 4) gains lanes but no FMAs per nanosecond. */
+   halves (Zen 4) gains lanes but no FMAs per nanosecond. Then the AVX-512
+   alternatives weighed for the kernels (below main's loops). */
 #include <immintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -117,6 +118,118 @@ static double fma_latency_ns(long reps) {
 EXP_LOOP(, , __m256, _mm256, 256, 8)
 EXP_LOOP(ZMM, zmm_, __m512, _mm512, 512, 16)
 
+/* AVX-512 alternatives weighed for the kernels, each timed as the loops above
+   (degree 4, two accumulators, n elements in L1, best of 10).
+   The exp's 2**k: by vscalefps on the rounded k (no conversion), by
+   vrndscaleps and vscalefps (no rounding constant), or added to the result's
+   exponent bits (vpaddd: off the FMA pipes, and 2**-126 for -inf unless masked).
+   A bfloat16 row's max and sum: each 16 words widened by a zero-extension and a
+   shift (TVM's legalised cast), by vpexpandw (in order, from memory) or by
+   vpermt2w against zero words (schedules/cpu_widening.py). */
+#define ZMM_BW __attribute__((target("avx512f,avx512bw,avx512vbmi2")))
+#define S1 _mm512_set1_ps
+ZMM static inline __m512 zmm_poly4(__m512 r) {
+  __m512 p = _mm512_fmadd_ps(S1(4.1513489222e-02f), r, S1(1.6787414118e-01f));
+  p = _mm512_fmadd_ps(p, r, S1(5.0003014061e-01f));
+  p = _mm512_fmadd_ps(p, r, S1(9.9996687006e-01f));
+  return _mm512_fmadd_ps(p, r, S1(1.0f));
+}
+ZMM static inline __m512 exp_scalef(__m512 x, __m512 top) {
+  const __m512 rounder = S1(12582912.0f); /* 1.5 * 2**23: k itself */
+  __m512 t = _mm512_max_ps(S1(-110.0f), _mm512_sub_ps(x, top));
+  __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(t, S1(1.44269504f), rounder), rounder);
+  return _mm512_scalef_ps(zmm_poly4(_mm512_fmadd_ps(k, S1(-0.693147181f), t)), k);
+}
+ZMM static inline __m512 exp_rndscale(__m512 x, __m512 top) {
+  __m512 t = _mm512_max_ps(S1(-110.0f), _mm512_sub_ps(x, top));
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, S1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  return _mm512_scalef_ps(zmm_poly4(_mm512_fmadd_ps(k, S1(-0.693147181f), t)), k);
+}
+ZMM static inline __m512 exp_exponent_add(__m512 x, __m512 top) {
+  const __m512 rounder = S1(12582912.0f);
+  __m512 t = _mm512_max_ps(S1(-87.0f), _mm512_sub_ps(x, top));
+  __m512 y = _mm512_fmadd_ps(t, S1(1.44269504f), rounder);
+  __m512 r = _mm512_fmadd_ps(_mm512_sub_ps(y, rounder), S1(-0.693147181f), t);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(zmm_poly4(r)),
+                                              _mm512_slli_epi32(_mm512_castps_si512(y), 23)));
+}
+#define ZMM_EXP_SUM(NAME, EXP)                                                   \
+  ZMM static double NAME(int n, int sweeps) {                                   \
+    float *x = aligned_alloc(64, n * sizeof(float));                            \
+    for (int i = 0; i < n; i++) x[i] = 6.0f * rand() / RAND_MAX - 3.0f;         \
+    double best = 1e30;                                                         \
+    float total = 0;                                                            \
+    for (int rep = 0; rep < 10; rep++) {                                        \
+      double t0 = now();                                                        \
+      for (int s = 0; s < sweeps; s++) {                                        \
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;                         \
+        for (int i = 0; i < n; i += 32) {                                       \
+          acc0 = _mm512_add_ps(acc0, EXP(_mm512_load_ps(x + i), S1(3.0f)));     \
+          acc1 = _mm512_add_ps(acc1, EXP(_mm512_load_ps(x + i + 16), S1(3.0f))); \
+        }                                                                       \
+        total += _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));               \
+      }                                                                         \
+      double t = (now() - t0) / ((double)sweeps * n);                           \
+      if (t < best) best = t;                                                   \
+    }                                                                           \
+    free(x);                                                                    \
+    if (total != total) printf("(nan)\n");                                      \
+    return best * 1e9;                                                          \
+  }
+ZMM_EXP_SUM(exp_scalef_ns, exp_scalef)
+ZMM_EXP_SUM(exp_rndscale_ns, exp_rndscale)
+ZMM_EXP_SUM(exp_exponent_add_ns, exp_exponent_add)
+
+/* 32 bfloat16 words at p widened to float32 into *lo (the first 16) and *hi. */
+ZMM_BW static inline void widen_shift(const unsigned short *p, __m512 *lo, __m512 *hi) {
+  *lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i *)p)), 16));
+  *hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i *)(p + 16))), 16));
+}
+ZMM_BW static inline void widen_expand(const unsigned short *p, __m512 *lo, __m512 *hi) {
+  *lo = _mm512_castsi512_ps(_mm512_maskz_expandloadu_epi16(0xAAAAAAAAu, p));
+  *hi = _mm512_castsi512_ps(_mm512_maskz_expandloadu_epi16(0xAAAAAAAAu, p + 16));
+}
+ZMM_BW static inline void widen_permute(const unsigned short *p, __m512 *lo, __m512 *hi) {
+  __m512i to_lo = _mm512_set_epi16(15, 32, 14, 32, 13, 32, 12, 32, 11, 32, 10, 32, 9, 32, 8,
+                                   32, 7, 32, 6, 32, 5, 32, 4, 32, 3, 32, 2, 32, 1, 32, 0, 32);
+  __m512i to_hi = _mm512_add_epi16(to_lo, _mm512_set_epi16(
+      16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0,
+      16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0));
+  __m512i words = _mm512_load_si512((const void *)p);
+  *lo = _mm512_castsi512_ps(_mm512_permutex2var_epi16(words, to_lo, _mm512_setzero_si512()));
+  *hi = _mm512_castsi512_ps(_mm512_permutex2var_epi16(words, to_hi, _mm512_setzero_si512()));
+}
+#define ZMM_WIDEN_MAX_SUM(NAME, WIDEN)                                           \
+  ZMM_BW static double NAME(int n, int sweeps) {                                \
+    unsigned short *x = aligned_alloc(64, n * sizeof(unsigned short));          \
+    for (int i = 0; i < n; i++) x[i] = 0x3f80 + rand() % 256; /* 1 to 2 */     \
+    double best = 1e30;                                                         \
+    float total = 0;                                                            \
+    for (int rep = 0; rep < 10; rep++) {                                        \
+      double t0 = now();                                                        \
+      for (int s = 0; s < sweeps; s++) {                                        \
+        __m512 m0 = _mm512_setzero_ps(), m1 = m0, s0 = m0, s1 = m0, lo, hi;     \
+        for (int i = 0; i < n; i += 32) {                                       \
+          WIDEN(x + i, &lo, &hi);                                               \
+          m0 = _mm512_max_ps(m0, lo); m1 = _mm512_max_ps(m1, hi);               \
+          s0 = _mm512_add_ps(s0, lo); s1 = _mm512_add_ps(s1, hi);               \
+        }                                                                       \
+        total += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))                    \
+                 + _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));                 \
+      }                                                                         \
+      double t = (now() - t0) / ((double)sweeps * n);                           \
+      if (t < best) best = t;                                                   \
+    }                                                                           \
+    free(x);                                                                    \
+    if (total != total) printf("(nan)\n");                                      \
+    return best * 1e9;                                                          \
+  }
+ZMM_WIDEN_MAX_SUM(widen_shift_ns, widen_shift)
+ZMM_WIDEN_MAX_SUM(widen_expand_ns, widen_expand)
+ZMM_WIDEN_MAX_SUM(widen_permute_ns, widen_permute)
+
 int main(void) {
   double thr = fma_throughput_ns(100000000L), lat = fma_latency_ns(100000000L);
   double loop = exp_sum_ns_per_element(4096, 4000, 0);
@@ -133,6 +246,13 @@ int main(void) {
            zmm_exp_sum_ns_per_element(4096, 4000, 0));
     printf("zmm exp-sum loop by hand, degree 4 (16-bit result): %.3f ns per element per core\n",
            zmm_exp_sum_ns_per_element(4096, 4000, 1));
+    printf("  its 2**k by vscalefps: %.3f; k by vrndscaleps, 2**k by vscalefps: %.3f; "
+           "2**k added to the exponent bits: %.3f ns\n", exp_scalef_ns(4096, 4000),
+           exp_rndscale_ns(4096, 4000), exp_exponent_add_ns(4096, 4000));
   }
+  if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2"))
+    printf("zmm bf16 max-and-sum loop, words widened by zero-extension and shift: %.4f, "
+           "vpexpandw: %.4f, vpermt2w: %.4f ns per element per core\n",
+           widen_shift_ns(8192, 4000), widen_expand_ns(8192, 4000), widen_permute_ns(8192, 4000));
   return 0;
 }

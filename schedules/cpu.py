@@ -4,8 +4,9 @@ backward (also of their gradients), the one-pass training kernel
 (``train``), the shard combine (``per_row``) and the divergence; the
 tuning search's ``schedule_knobs``; and the lowering pipeline
 (``TIR_PIPELINE``: TVM's, then the prefetches ``prefetch_ahead`` marks,
-compared ramps rewritten, below, and bfloat16 rounded once, by AVX-512 BF16
-where the CPU has it, ``cpu_narrowing``). The numbers they run with (vector width,
+compared ramps rewritten, below, bfloat16 widened by a word permutation where
+it pays and the CPU has one, ``cpu_widening``, and rounded once, by AVX-512
+BF16 where the CPU has it, ``cpu_narrowing``). The numbers they run with (vector width,
 chunk, knobs and their choices) are ``cpu_knobs``'s.
 
 Expects the blocks that ``ce_tvm.kernels`` names (see its module docstring);
@@ -113,6 +114,7 @@ from .cpu_knobs import knob_chunk as knob_chunk
 from .cpu_knobs import knob_space as knob_space
 from .cpu_knobs import stages_chunk as stages_chunk
 from .cpu_narrowing import bf16_rounding
+from .cpu_widening import bf16_widening
 
 # TVM's LoopPartition also splits constant-extent loops on ``likely``
 # conditions: the chunk loop of a row whose last chunk overlaps the one before
@@ -575,7 +577,7 @@ def compared_ramps_as_offsets(func, mod, ctx):
 def _pipeline():
     lower, finalize_host, finalize_device = tvm.tirx.compilation_pipeline.PIPELINE_MAP["s_tir"]()
     return (tvm.transform.Sequential([lower, prefetch_marked_loops, compared_ramps_as_offsets,
-                                      bf16_rounding]),
+                                      bf16_widening, bf16_rounding]),
             finalize_host, finalize_device)
 
 

@@ -101,7 +101,7 @@ _MOVE = re.compile(r"^(v?mov|vbroadcast|vpbroadcast|lea|vpmovzx|vpmovsx|vcvt|cvt
                    r"|vpunpck|vunpck)")
 _LEGACY_RMW = re.compile(r"^(add|sub|inc|dec|neg|not|and|or|xor|shl|shr|sar|imul|adc|sbb|rol|ror)")
 _WIDEN = re.compile(r"^(vpslld|vpunpck[lh]wd|vpmovzxwd|vpmovsxwd|vcvtph2ps|vinserti|vpermq"
-                    r"|vperm2i128|vpblendw)")
+                    r"|vperm2i128|vpblendw|vperm[ti]2w)")
 _NARROWING = re.compile(r"^(vcvtne2?ps2bf16|vpmov[us]?dw|vpackusdw|vpackssdw)")
 
 
@@ -114,6 +114,7 @@ class Insn:
     uses: set = field(default_factory=set)
     loads: list = field(default_factory=list)  # memory operands read
     stores: list = field(default_factory=list)  # memory operands written
+    zero: bool = False  # a zero idiom (``vpxor %x, %x, %x``): a constant, no inputs
 
 
 @dataclass
@@ -197,7 +198,8 @@ def parse_insn(line: str) -> Insn:
     has_dest = bool(operands) and not _NO_DEST.match(op) and not op.startswith("j")
     dest_reg = next((r for i, r in regs if i == last), None) if has_dest else None
     dest_mem = mems[last][1] if has_dest and operands and mems[last][1] else None
-    zero_idiom = re.match(r"^v?p?xor", op) and len({o for o in operands}) == 1 and len(operands) > 1
+    zero_idiom = bool(re.match(r"^v?p?xor", op)) and len(set(operands)) == 1 and len(operands) > 1
+    insn.zero = zero_idiom
     for i, r in regs:
         if i != last or not has_dest:
             if not zero_idiom:
@@ -208,7 +210,7 @@ def parse_insn(line: str) -> Insn:
         two_op = len(operands) <= 2 and _LEGACY_RMW.match(op) and not zero_idiom
         if merge or two_op or op.startswith("vfm") or op.startswith("vfnm"):
             insn.uses.add(dest_reg)
-        if op.startswith("vpternlog"):
+        if op.startswith(("vpternlog", "vpermt2", "vpermi2")):  # the destination is a source
             insn.uses.add(dest_reg)
     for i, m in mems:
         if m and not op.startswith(("lea", "prefetch", "nop")):
@@ -493,7 +495,11 @@ def classify(body: list, written: set) -> list:
             cat[j] = "load"
     for j, insn in enumerate(body):  # widening of loaded values (program order)
         if cat[j] is None and _WIDEN.match(insn.op) and prods[j] and all(
-                cat[p] == "load" for p in prods[j] if "v" in "".join(body[p].defs)):
+                cat[p] == "load" for p in prods[j]
+                if "v" in "".join(body[p].defs) and not body[p].zero):
+            cat[j] = "load"
+    for j, insn in enumerate(body):  # the zero words a widening interleaves
+        if cat[j] is None and insn.zero and cons[j] and all(cat[c] == "load" for c in cons[j]):
             cat[j] = "load"
     changed = True
     while changed:  # integer vector work that only reaches stores: narrowing
