@@ -2,7 +2,9 @@
 
 ``interleaved_ms``: the best of several reps of each method, timed in turn
 within every rep (this machine's bandwidth swings between runs, so only
-ratios within one run mean much).
+ratios within one run mean much), with a pause after each call
+(``SETTLE_S``) so that what one call leaves to the machine is not timed in the
+next one.
 
 Peak memory of a piece of code, from the process's RSS high-water mark
 (Linux): ``with PeakRSS() as peak: step()``, then ``peak.mb`` is how far the
@@ -21,8 +23,19 @@ import sys
 import time
 
 
-def interleaved_ms(fns: dict, reps: int = 5, warmup: int = 1) -> dict:
-    """Best milliseconds of each callable, timed in turn within every rep."""
+# A call that frees gigabytes (eager's gradient and log-softmax) leaves the
+# machine busy after it returns: on these 2-core VMs the call after it ran up to
+# twice as long (a 1.6 GB copy: 104 -> 208 ms after eager's step at 8192 x 50257,
+# with no page fault of its own), and the copy floor, timed after eager, came
+# out slow. A pause after every call, as long as the call but at most this,
+# keeps one method's aftermath out of the next one's time.
+SETTLE_S = 0.25
+
+
+def interleaved_ms(fns: dict, reps: int = 5, warmup: int = 1,
+                   settle_s: float = SETTLE_S) -> dict:
+    """Best milliseconds of each callable, timed in turn within every rep, each
+    call followed by a pause of its own duration, at most ``settle_s``."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -31,7 +44,9 @@ def interleaved_ms(fns: dict, reps: int = 5, warmup: int = 1) -> dict:
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            best[name] = min(best[name], elapsed)
+            time.sleep(min(settle_s, elapsed))
     return {name: t * 1e3 for name, t in best.items()}
 
 

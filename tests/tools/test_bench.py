@@ -2,10 +2,12 @@
 the command line's ``main``, as the ``ce-tvm`` script calls it)."""
 
 import json
+import time
 
 import pytest
 
 from ce_tvm.tools.cli import main
+from ce_tvm.tools.measure import interleaved_ms
 
 
 @pytest.mark.slow  # timing reps and a chart, not a check of the kernels
@@ -23,3 +25,24 @@ def test_bench_smoke(tmp_path, capsys):
                for r in rows)
     assert next(r for r in rows if r["mode"] == "fwd_bwd")["ms"]["ce_tvm_recompute"] > 0
     assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("settle_s, pause", [(0.25, 0.04), (0.02, 0.02), (0.0, 0.0)])
+def test_interleaved_calls_pause_after_each(settle_s, pause):
+    """Each timed call is followed by a pause of its own length, at most
+    ``settle_s``, before the next method starts; the pause is not timed."""
+    starts, ends = [], []
+
+    def slow():
+        starts.append(time.perf_counter())
+        time.sleep(0.04)
+        ends.append(time.perf_counter())
+
+    def fast():
+        starts.append(time.perf_counter())
+        ends.append(time.perf_counter())
+
+    ms = interleaved_ms({"slow": slow, "fast": fast}, reps=2, warmup=0, settle_s=settle_s)
+    assert 40 <= ms["slow"] < 40 + 30 and ms["fast"] < 5
+    gaps = [start - end for end, start in zip(ends[::2], starts[1::2])]  # slow -> fast
+    assert all(pause * 0.9 <= gap < pause + 0.03 for gap in gaps), gaps
