@@ -86,6 +86,10 @@ def _has_bf16_instruction(spec, target) -> bool:
     return cpu_narrowing.has_bf16_rounding(target)
 
 
+def _sums_ride(spec, target) -> bool:
+    return cpu.sums_ride_the_exp(target)
+
+
 def _has_word_permutes(spec, target) -> bool:
     return cpu_widening.has_word_permutes(target)
 
@@ -157,6 +161,10 @@ LEVERS = (
           "not a zero-extension and a shift",
           without=_patched(cpu_widening, "has_word_permutes", lambda target: False),
           dtypes=("bfloat16",), applies=_has_word_permutes),
+    Lever("sums_ride_the_exp", ("log_probs",),
+          "the plain log-probs' two sums in the kept exp's loop",
+          without=_patched(cpu, "sums_ride_the_exp", lambda target: False),
+          applies=_sums_ride),
     Lever("hand_knobs", ("forward", "backward"),
           "the hand knobs (cpu_knobs.hand_knobs) against the defaults",
           knobs=lambda hand: CPUKnobs(), applies=_hand_knobs_differ),
@@ -268,8 +276,8 @@ def main(argv=None) -> int:
     names = [lv.name for lv in LEVERS]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levers", nargs="+", choices=names, default=names)
-    parser.add_argument("--ops", nargs="+", choices=("forward", "train", "backward"),
-                        default=["forward", "train", "backward"])
+    parser.add_argument("--ops", nargs="+", choices=("forward", "train", "backward", "log_probs"),
+                        default=["forward", "train", "backward", "log_probs"])
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "float16"),
                         default=["float32", "bfloat16"])
     parser.add_argument("--shapes", nargs="+", type=_shape,

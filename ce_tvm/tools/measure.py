@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 
-
 # A call that frees gigabytes (eager's gradient and log-softmax) leaves the
 # machine busy after it returns: on these 2-core VMs the call after it ran up to
 # twice as long (a 1.6 GB copy: 104 -> 208 ms after eager's step at 8192 x 50257,

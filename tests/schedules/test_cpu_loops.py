@@ -1,6 +1,6 @@
 """Which of the CPU kernels' chunk reductions share a loop (``schedules/cpu.py``:
 ``logits_sum_in_max_loop`` for the forward, ``sum_with_max`` for the training
-kernel). What they compute is checked against float64 by
+kernel, ``sums_ride_the_exp`` for the log-probs). What they compute is checked against float64 by
 the loss and log-prob tests, which run these schedules."""
 
 import pytest
@@ -44,6 +44,20 @@ def test_log_prob_sum_waits_for_the_kept_exp():
     spec = KernelSpec("log_probs", "float32", 4099, Variant(columns=2))
     max_steps, sum_steps = _step_loops(spec, "znver3")
     assert not max_steps.same_as(sum_steps)
+
+
+@pytest.mark.parametrize("mcpu, rides", [("znver3", False), ("znver4", True), ("znver5", True)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_log_prob_sums_ride_the_kept_exp_on_avx512(mcpu, rides, dtype):
+    """On AVX-512 the plain log-prob kernel's two sums share the kept ``exp``'s
+    loop (``cpu.sums_ride_the_exp``); on AVX2 each keeps a loop of its own."""
+    spec = KernelSpec("log_probs", dtype, 4099, Variant(columns=2))
+    target = Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    sch = cpu.schedule_forward(s_tir.Schedule(declared_func(spec)), target,
+                               cpu.hand_knobs("log_probs", target, dtype))
+    exp_steps, sum_steps = (sch.get(sch.get_loops(sch.get_sblock(name))[-2])
+                            for name in ("ce_chunk_exp", SUM_RF))
+    assert exp_steps.same_as(sum_steps) == rides
 
 
 @pytest.mark.parametrize("op", ["forward", "train"])
