@@ -30,6 +30,30 @@ static double now(void) {
 
 #define KEEP(v) __asm__ volatile("" : "+x"(v))
 
+/* ns per element of the statements ``...`` (one sweep over N elements, adding
+   to ``total``, which is kept so that nothing is optimised away), best of 10
+   reps of SWEEPS sweeps. */
+#define BEST_NS(N, SWEEPS, ...)                                                 \
+  ({                                                                            \
+    double best = 1e30;                                                         \
+    float total = 0;                                                            \
+    for (int rep = 0; rep < 10; rep++) {                                        \
+      double t0 = now();                                                        \
+      for (int s = 0; s < (SWEEPS); s++) { __VA_ARGS__ }                        \
+      double t = (now() - t0) / ((double)(SWEEPS) * (N));                       \
+      if (t < best) best = t;                                                   \
+    }                                                                           \
+    if (total != total) printf("(nan)\n");                                      \
+    best * 1e9;                                                                 \
+  })
+
+/* n floats in [-3, 3], 64-byte aligned. */
+static float *uniform_floats(int n) {
+  float *x = aligned_alloc(64, n * sizeof(float));
+  for (int i = 0; i < n; i++) x[i] = 6.0f * rand() / RAND_MAX - 3.0f;
+  return x;
+}
+
 /* Time per FMA at full throughput: 12 independent chains, distinct inputs so
    the compiler cannot merge them. */
 #define FMA_THROUGHPUT(ATTR, NAME, T, SET1, FMADD)                              \
@@ -92,27 +116,17 @@ static double fma_latency_ns(long reps) {
     return P##_mul_ps(p, P##_castsi##SI##_ps(P##_slli_epi32(P##_castps_si##SI(y), 23))); \
   }                                                                             \
   ATTR static double PREFIX##exp_sum_ns_per_element(int n, int sweeps, int half) { \
-    float *x = aligned_alloc(64, n * sizeof(float));                            \
-    for (int i = 0; i < n; i++) x[i] = 6.0f * rand() / RAND_MAX - 3.0f;         \
+    float *x = uniform_floats(n);                                               \
     T top = P##_set1_ps(3.0f);                                                  \
-    double best = 1e30;                                                         \
-    float total = 0;                                                            \
-    for (int rep = 0; rep < 10; rep++) {                                        \
-      double t0 = now();                                                        \
-      for (int s = 0; s < sweeps; s++) {                                        \
-        T acc0 = P##_setzero_ps(), acc1 = acc0;                                 \
-        for (int i = 0; i < n; i += 2 * W) {                                    \
-          acc0 = P##_add_ps(acc0, PREFIX##exp_shifted(P##_load_ps(x + i), top, half)); \
-          acc1 = P##_add_ps(acc1, PREFIX##exp_shifted(P##_load_ps(x + i + W), top, half)); \
-        }                                                                       \
-        total += P##_add_ps(acc0, acc1)[0];                                     \
+    double ns = BEST_NS(n, sweeps,                                              \
+      T acc0 = P##_setzero_ps(), acc1 = acc0;                                   \
+      for (int i = 0; i < n; i += 2 * W) {                                      \
+        acc0 = P##_add_ps(acc0, PREFIX##exp_shifted(P##_load_ps(x + i), top, half)); \
+        acc1 = P##_add_ps(acc1, PREFIX##exp_shifted(P##_load_ps(x + i + W), top, half)); \
       }                                                                         \
-      double t = (now() - t0) / ((double)sweeps * n);                           \
-      if (t < best) best = t;                                                   \
-    }                                                                           \
+      total += P##_add_ps(acc0, acc1)[0];);                                     \
     free(x);                                                                    \
-    if (total != total) printf("(nan)\n");                                      \
-    return best * 1e9;                                                          \
+    return ns;                                                                  \
   }
 
 EXP_LOOP(, , __m256, _mm256, 256, 8)
@@ -155,26 +169,16 @@ ZMM static inline __m512 exp_exponent_add(__m512 x, __m512 top) {
 }
 #define ZMM_EXP_SUM(NAME, EXP)                                                   \
   ZMM static double NAME(int n, int sweeps) {                                   \
-    float *x = aligned_alloc(64, n * sizeof(float));                            \
-    for (int i = 0; i < n; i++) x[i] = 6.0f * rand() / RAND_MAX - 3.0f;         \
-    double best = 1e30;                                                         \
-    float total = 0;                                                            \
-    for (int rep = 0; rep < 10; rep++) {                                        \
-      double t0 = now();                                                        \
-      for (int s = 0; s < sweeps; s++) {                                        \
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;                         \
-        for (int i = 0; i < n; i += 32) {                                       \
-          acc0 = _mm512_add_ps(acc0, EXP(_mm512_load_ps(x + i), S1(3.0f)));     \
-          acc1 = _mm512_add_ps(acc1, EXP(_mm512_load_ps(x + i + 16), S1(3.0f))); \
-        }                                                                       \
-        total += _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));               \
+    float *x = uniform_floats(n);                                               \
+    double ns = BEST_NS(n, sweeps,                                              \
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;                           \
+      for (int i = 0; i < n; i += 32) {                                         \
+        acc0 = _mm512_add_ps(acc0, EXP(_mm512_load_ps(x + i), S1(3.0f)));       \
+        acc1 = _mm512_add_ps(acc1, EXP(_mm512_load_ps(x + i + 16), S1(3.0f)));  \
       }                                                                         \
-      double t = (now() - t0) / ((double)sweeps * n);                           \
-      if (t < best) best = t;                                                   \
-    }                                                                           \
+      total += _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)););               \
     free(x);                                                                    \
-    if (total != total) printf("(nan)\n");                                      \
-    return best * 1e9;                                                          \
+    return ns;                                                                  \
   }
 ZMM_EXP_SUM(exp_scalef_ns, exp_scalef)
 ZMM_EXP_SUM(exp_rndscale_ns, exp_rndscale)
@@ -205,26 +209,17 @@ ZMM_BW static inline void widen_permute(const unsigned short *p, __m512 *lo, __m
   ZMM_BW static double NAME(int n, int sweeps) {                                \
     unsigned short *x = aligned_alloc(64, n * sizeof(unsigned short));          \
     for (int i = 0; i < n; i++) x[i] = 0x3f80 + rand() % 256; /* 1 to 2 */     \
-    double best = 1e30;                                                         \
-    float total = 0;                                                            \
-    for (int rep = 0; rep < 10; rep++) {                                        \
-      double t0 = now();                                                        \
-      for (int s = 0; s < sweeps; s++) {                                        \
-        __m512 m0 = _mm512_setzero_ps(), m1 = m0, s0 = m0, s1 = m0, lo, hi;     \
-        for (int i = 0; i < n; i += 32) {                                       \
-          WIDEN(x + i, &lo, &hi);                                               \
-          m0 = _mm512_max_ps(m0, lo); m1 = _mm512_max_ps(m1, hi);               \
-          s0 = _mm512_add_ps(s0, lo); s1 = _mm512_add_ps(s1, hi);               \
-        }                                                                       \
-        total += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))                    \
-                 + _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));                 \
+    double ns = BEST_NS(n, sweeps,                                              \
+      __m512 m0 = _mm512_setzero_ps(), m1 = m0, s0 = m0, s1 = m0, lo, hi;       \
+      for (int i = 0; i < n; i += 32) {                                         \
+        WIDEN(x + i, &lo, &hi);                                                 \
+        m0 = _mm512_max_ps(m0, lo); m1 = _mm512_max_ps(m1, hi);                 \
+        s0 = _mm512_add_ps(s0, lo); s1 = _mm512_add_ps(s1, hi);                 \
       }                                                                         \
-      double t = (now() - t0) / ((double)sweeps * n);                           \
-      if (t < best) best = t;                                                   \
-    }                                                                           \
+      total += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))                      \
+               + _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)););                 \
     free(x);                                                                    \
-    if (total != total) printf("(nan)\n");                                      \
-    return best * 1e9;                                                          \
+    return ns;                                                                  \
   }
 ZMM_WIDEN_MAX_SUM(widen_shift_ns, widen_shift)
 ZMM_WIDEN_MAX_SUM(widen_expand_ns, widen_expand)
