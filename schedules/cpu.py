@@ -197,8 +197,8 @@ def sums_ride_the_exp(target: Target) -> bool:
     """Whether the plain log-prob kernels' two sums (``SWEPT``) ride the kept
     exp's loop as the stats variant's do: on AVX-512 (32 vector registers).
     In-process A/B on a 2-core Zen 4 EPYC, the same outputs bit for bit, at
-    4096 x 32000 / 8192 x 50257 / 2048 x 128256: float32 0.75x / 0.66x / 0.71x
-    the time of the separate loops, bfloat16 0.78x / 0.80x / 0.75x. The AVX2
+    4096 x 32000, 8192 x 50257 and 2048 x 128256, two runs: float32 0.66-0.76x
+    the time of the separate loops, bfloat16 0.61-0.80x. The AVX2
     build of the same kernels, run there, was 0.92-0.93x in float32 but
     2.0-2.3x in bfloat16 (16 registers for the merged loop and the staged
     chunk's widening): AVX2 keeps the loops."""
