@@ -102,6 +102,13 @@ ROW_GRAD_COEFS = (GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE)
 ROW_INDEPENDENT = (WSUM,)
 
 
+def collect_nodes(node, kind) -> list:
+    """Every node of type ``kind`` in the IR ``node``, in post-order."""
+    found = []
+    tvm_ffi.structural_map(node, [(kind, lambda n: found.append(n) or n)], order="post")
+    return found
+
+
 def sample_knobs(sch, space: dict, decisions: dict | None = None) -> dict:
     """Draw every knob of ``space`` (``{name: choices}``) with ``sample_categorical``,
     uniformly, so that the schedule's trace records each value; ``decisions``

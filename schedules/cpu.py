@@ -88,6 +88,7 @@ from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
     classes_of,
+    collect_nodes,
     divergence_row,
     has_stage,
     init_row_totals,
@@ -429,15 +430,9 @@ def _chunk(sch) -> int:
     return int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
 
 
-def _collect(node, kind) -> list:
-    found = []
-    tvm_ffi.structural_map(node, [(kind, lambda n: found.append(n) or n)], order="post")
-    return found
-
-
 def _unbound(expr, body):
     """``expr`` with the ``Bind`` variables of ``body`` substituted (CSE binds indices)."""
-    values = {b.var: b.value for b in _collect(body, tirx.Bind)}
+    values = {b.var: b.value for b in collect_nodes(body, tirx.Bind)}
     for _ in range(len(values) + 1):
         new = tvm_ffi.structural_map(expr, [(tirx.Var, lambda v: values.get(v, v))])
         if new.same_as(expr):
@@ -447,7 +442,7 @@ def _unbound(expr, body):
 
 
 def _depends_on(expr, var) -> bool:
-    return any(v.same_as(var) for v in _collect(expr, tirx.Var))
+    return any(v.same_as(var) for v in collect_nodes(expr, tirx.Var))
 
 
 def _first_index(access, buffer, body, inner=()):
@@ -465,19 +460,19 @@ def _first_index(access, buffer, body, inner=()):
 
 
 def _loads(node, name: str) -> list:
-    return [ld for ld in _collect(node, tvm.ir.expr.TensorLoad) if ld.source.name == name]
+    return [ld for ld in collect_nodes(node, tvm.ir.expr.TensorLoad) if ld.source.name == name]
 
 
 def _staged_chunk(stmt):
     """``(logits buffer, where the chunk starts in it)`` when ``stmt`` copies a
     chunk of the logits into ``ce_chunk_logits``, else ``None``."""
-    for store in _collect(stmt, tirx.BufferStore):
+    for store in collect_nodes(stmt, tirx.BufferStore):
         sources = _loads(store.value, LOGITS)
         if store.buffer.name == CHUNK_LOGITS and sources:
             logits = sources[0].source
             start = tvm.sym.Analyzer().simplify(_first_index(sources[0], logits, stmt)
                                                 - _first_index(store, store.buffer, stmt))
-            copy_loops = [f.loop_var for f in _collect(stmt, tirx.For)]
+            copy_loops = [f.loop_var for f in collect_nodes(stmt, tirx.For)]
             return None if any(_depends_on(start, v) for v in copy_loops) else (logits, start)
     return None
 
@@ -491,7 +486,7 @@ def _with_prefetch(loop, staged, grad=None):
     lines at the elements the loop reads are fetched for writing."""
     distance = int(loop.annotations[PREFETCH_ATTR])
     body, var = loop.body, loop.loop_var
-    inner = [f.loop_var for f in _collect(body, tirx.For)]
+    inner = [f.loop_var for f in collect_nodes(body, tirx.For)]
     direct = [(ld.source, first) for ld in _loads(body, LOGITS)
               if _depends_on(first := _first_index(ld, ld.source, body, inner), var)]
     reads = _loads(body, CHUNK_LOGITS)
@@ -541,9 +536,10 @@ def _prefetch_in(seq, grad=None):
 def prefetch_marked_loops(func, mod, ctx):
     """Add prefetches to the loops ``prefetch_ahead`` marked (after lowering); in
     a training kernel also of the gradient's lines (``_with_prefetch``)."""
-    if not any(PREFETCH_ATTR in f.annotations for f in _collect(func.body, tirx.For)):
+    if not any(PREFETCH_ATTR in f.annotations for f in collect_nodes(func.body, tirx.For)):
         return func
-    grads = [st.buffer for st in _collect(func.body, tirx.BufferStore) if st.buffer.name == X_GRAD]
+    grads = [st.buffer for st in collect_nodes(func.body, tirx.BufferStore)
+             if st.buffer.name == X_GRAD]
     grad = grads[0] if grads else None
     return func.with_body(tvm_ffi.structural_map(
         func.body, [(tirx.SeqStmt, lambda seq: _prefetch_in(seq, grad))], order="post"))

@@ -24,13 +24,9 @@ import tvm_ffi
 from tvm import tirx
 from tvm.target import codegen
 
+from ._common import collect_nodes
+
 _WORDS_PER_REGISTER = 32  # 16-bit lanes of one zmm register
-
-
-def _collect(node, kind) -> list:
-    found = []
-    tvm_ffi.structural_map(node, [(kind, lambda n: found.append(n) or n)], order="post")
-    return found
 
 
 def _lanes_of(ty: str, scalar: str) -> int:
@@ -74,9 +70,9 @@ def _is_plain_update(store) -> bool:
     """Whether ``store`` updates an accumulator (its value reads the buffer it
     writes) with no float32 multiplication (no ``exp``, no scaling)."""
     reads_itself = any(load.source.same_as(store.buffer)
-                       for load in _collect(store.value, tvm.ir.expr.TensorLoad))
+                       for load in collect_nodes(store.value, tvm.ir.expr.TensorLoad))
     multiplies = any(_lanes_of(str(m.ty), "float32") or str(m.ty) == "float32"
-                     for m in _collect(store.value, tirx.Mul))
+                     for m in collect_nodes(store.value, tirx.Mul))
     return reads_itself and not multiplies
 
 

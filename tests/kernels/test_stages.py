@@ -227,7 +227,8 @@ def _prefetched_buffers(func, write: bool = False) -> list[str]:
 
     from ce_tvm.schedules import cpu
 
-    return [call.args[0].args[0].source.name for call in cpu._collect(func.body, tvm.ir.expr.Call)
+    return [call.args[0].args[0].source.name
+            for call in cpu.collect_nodes(func.body, tvm.ir.expr.Call)
             if call.op.name == "tirx.prefetch" and int(call.args[1]) == int(write)]
 
 
@@ -291,11 +292,11 @@ def test_cpu_one_hot_compares_a_broadcast_plus_a_constant_ramp(op):
     after = _lowered(spec, "compared_ramps_as_offsets")
 
     def compared_ramps(func):
-        return [side for kind in cpu._COMPARISONS for cmp in cpu._collect(func.body, kind)
+        return [side for kind in cpu._COMPARISONS for cmp in cpu.collect_nodes(func.body, kind)
                 for side in (cmp.a, cmp.b) if isinstance(side, tirx.Ramp)
                 and not (isinstance(side.base, tirx.IntImm) and side.base.value == 0)]
 
     assert compared_ramps(before) and not compared_ramps(after)
-    indexed = [ld for ld in cpu._collect(after.body, tvm.ir.expr.TensorLoad)
+    indexed = [ld for ld in cpu.collect_nodes(after.body, tvm.ir.expr.TensorLoad)
                if isinstance(ld.indices[-1], tirx.Ramp)]
     assert indexed  # vector loads keep their ramp index

@@ -269,7 +269,7 @@ def test_train_record_keeps_the_prefetch_marker():
         cands.build(knobs)
         cands.traces[tuning._key(knobs)][1].apply_to_schedule(sch, remove_postproc=False)
         marks = [int(loop.annotations[CPU.PREFETCH_ATTR])
-                 for loop in CPU._collect(sch.mod["main"].body, tirx.For)
+                 for loop in CPU.collect_nodes(sch.mod["main"].body, tirx.For)
                  if CPU.PREFETCH_ATTR in loop.annotations]
         assert marks == ([knobs["chunk"] * prefetch] if prefetch else [])
         llvm_ir = tuning.compile_scheduled(sch.mod["main"], spec, entry=None).mod.inspect_source(
