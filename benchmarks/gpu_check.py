@@ -40,7 +40,7 @@ is recorded and left out):
 - ``time_log_probs``: log-probs and entropy at 8192 x 128256 bf16 against
   TRL's Triton kernel (``selective_log_softmax_and_entropy``), eager and
   torch.compile, with the copy floor;
-- ``time_distill``: the beta 0.5 divergence through both heads at 4096 x 2048
+- ``time_distill``: the beta 0.5 divergence through both heads at 4096 x 4096
   x 128256 bf16 against TRL's ``ChunkedDivergenceFunction``, eager and the
   floor of the step's four GEMMs (``distillation_bench``'s);
 - ``time_training``: the one-pass training kernel against the recompute path;
@@ -114,7 +114,7 @@ SANITIZE_GRID = [(8, 1001, torch.bfloat16), (4, 9000, torch.float32), (0, 5000, 
 CE_TIMED = [(8192, 128256, torch.bfloat16), (8192, 128256, torch.float32)]
 LINEAR_TIMED, LINEAR_HIDDEN = [(8192, 128256, torch.bfloat16)], 4096
 LOG_PROBS_TIMED = [(8192, 128256, torch.bfloat16)]
-DISTILL_TIMED, DISTILL_HIDDEN = [(4096, 128256, torch.bfloat16)], 2048
+DISTILL_TIMED, DISTILL_HIDDEN = [(4096, 128256, torch.bfloat16)], 4096
 EDGE_TIMED = [(4096, 32000, torch.bfloat16)]
 
 
