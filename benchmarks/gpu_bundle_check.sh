@@ -67,7 +67,7 @@ for d in "${dirs[@]}"; do kernels+=(--bundle "$d"); done
 [ -d "$dir/extra" ] && dirs+=("$dir/extra") && kernels+=(--modules "$dir/extra")
 # A one-call smoke test first (its own time limit): a run that fails or hangs
 # here costs a minute of device time, not the whole check.
-CE_TVM_MODULE_DIR="$(IFS=:; echo "${dirs[*]}")" timeout "${SMOKE_TIMEOUT_S:-90}" python3 -X \
+CE_TVM_MODULE_DIR="$(IFS=:; echo "${dirs[*]}")" timeout "${SMOKE_TIMEOUT_S:-90}" python3 -P -X \
   faulthandler -c "
 import faulthandler, torch, torch.nn.functional as F
 faulthandler.dump_traceback_later(30, repeat=True)
