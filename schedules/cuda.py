@@ -52,13 +52,21 @@ from ..kernels.kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES, DTYPE_BYTES
 from ..kernels.stages import (
     CHUNK_EXP,
     CHUNK_EXPSUM,
+    CHUNK_LOGITS,
     CHUNK_MAX,
     CHUNK_PSCALE,
     CHUNK_WSUM,
+    LANE_STATS,
+    LANES_EXPSUM,
+    LANES_MAX,
+    LANES_VALUES,
     LOG_PROB,
+    LOGITS,
     LSE,
     MEAN_NORMS,
     ROW_CE,
+    ROW_LOG_EXPSUM,
+    ROW_MAX,
     ROW_TARGET_LOGIT,
     ROW_Z,
     ROWSTATS,
@@ -67,12 +75,14 @@ from ..kernels.stages import (
 )
 from ._common import (
     COMBINE_ROWS,
+    ROW_FORWARD_REST,
     ROW_GRAD_COEFS,
     ROW_INDEPENDENT,
     ROW_PRODUCERS,
     ROW_TOTALS,
     SHARD_GATHERS,
     all_blocks,
+    chunk_reductions,
     classes_of,
     divergence_row,
     has_stage,
@@ -191,6 +201,47 @@ def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = C
     return -(-per_chunk // sweep) * sweep
 
 
+def forward_lanes(classes: int, dtype: str, variant, target: Target,
+                  knobs: CUDAKnobs = CUDAKnobs()) -> tuple[int | None, int]:
+    """``(chunk, lanes)`` of a forward row longer than ``max_chunk``: chunks of one
+    vector (``vector_bytes``) merged in a lane per thread of the row's block
+    (``schedule_forward_lanes``); ``(None, 0)`` (``forward_chunk``'s chunks) for
+    a row staged whole: a shorter one, or the ``log_prob`` variant's where it
+    fits (``stages_whole_row``: read once for both passes)."""
+    if stages_whole_row(classes, forward_chunk(classes, dtype, target, knobs), dtype,
+                        variant.log_prob, staged_row_bytes(target)):
+        return None, 0
+    return log_probs_lanes(classes, dtype, variant, target, knobs)
+
+
+# Per-row outputs that other per-row stages of the same kernel read.
+ROW_OUTPUTS_READ = (LSE, ROW_MAX, ROW_LOG_EXPSUM)
+
+
+def _shared_row_outputs(sch, row) -> None:
+    """After the lanes meet, TVM writes a value computed from a cross-thread
+    reduction's result from thread 0 alone: a row's ``lse`` (``row_max``,
+    ``log_expsum``) reaches global memory from thread 0, and the other threads
+    of a stage that reads it there (the z-loss, ``log_prob``, the token
+    log-probs) would race it (an H200 read garbage). Each such output is
+    written through shared memory, where its readers take it after a barrier
+    (TVM's thread sync), and copied out from there, under the row loop ``row``."""
+    for blk in present_blocks(sch, ROW_OUTPUTS_READ):
+        readers = sch.get_consumers(blk)
+        if readers:
+            sch.reverse_compute_at(sch.cache_write(blk, 0, "shared", consumer_blocks=readers),
+                                   row)
+
+
+def log_probs_lanes(classes: int, dtype: str, variant, target: Target,
+                    knobs: CUDAKnobs = CUDAKnobs()) -> tuple[int | None, int]:
+    """``forward_lanes`` of the log-prob kernels, which write no ``log_prob``:
+    a row longer than ``max_chunk`` in lanes."""
+    if classes <= knobs.max_chunk:
+        return None, 0
+    return knobs.vector_bytes // DTYPE_BYTES[dtype], knobs.row_threads
+
+
 def _vector_width(classes: int, extent: int, dtype: str, computes: bool = False,
                   vector_bytes: int = VECTOR_BYTES) -> int:
     """128-bit vectors when every row starts 16-byte aligned and ``extent`` divides evenly.
@@ -269,8 +320,72 @@ def _bind_single_block_reductions(sch, threads: int) -> None:
 
 
 def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
-    """Schedule ``forward_func`` / ``shard_stats_func`` (built with ``forward_chunk``)."""
-    return finish(schedule_forward(s_tir.Schedule(func), target, knobs).mod["main"])
+    """Schedule ``forward_func`` / ``shard_stats_func`` (built with ``forward_chunk``,
+    or ``forward_lanes``)."""
+    sch = s_tir.Schedule(func)
+    lanes = has_stage(sch, LANE_STATS)
+    return finish((schedule_forward_lanes if lanes else schedule_forward)(
+        sch, target, knobs).mod["main"])
+
+
+def schedule_forward_lanes(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+    """The forward of a row merged in lanes (``forward_lanes``), before ``finish``:
+    a block per row, a lane per thread. Each thread loads its chunk (one vector)
+    into registers, reduces it (max, exp-sum, sums), merges it into its lane and
+    goes on to the chunk ``threads`` further (coalesced: the block's threads read
+    consecutive vectors); the lanes then meet once per row, in one cross-thread
+    max and one cross-thread sum per merged value. No shared-memory staging and
+    no block-wide reduction per chunk, which the chunked schedule pays for."""
+    func = sch.mod["main"]
+    inline_row_helpers(sch)
+    dtype, classes = str(matrix_param(func).dtype), classes_of(func)
+    row, lane, chunk_loop = sch.get_loops(sch.get_sblock(LANE_STATS))
+    names = chunk_reductions(sch)
+    for name in reversed(names):
+        if name == CHUNK_MAX:  # a kept exp (the log-prob kernels) reads the max
+            for blk in present_blocks(sch, [CHUNK_EXP]):
+                sch.compute_at(blk, chunk_loop)
+        sch.compute_at(sch.get_sblock(name), chunk_loop)
+    names += [CHUNK_EXP] if has_stage(sch, CHUNK_EXP) else []
+    capped = present_blocks(sch, [CHUNK_LOGITS])
+    for blk in capped:
+        sch.compute_at(blk, chunk_loop)
+    readers = [b for b in [sch.get_sblock(n) for n in names] + capped
+               if LOGITS in [r.source.name for r in sch.get(b).reads]]
+    loaded = sch.cache_read(readers[0], _read_index(sch, readers[0], LOGITS), "local",
+                            consumer_blocks=readers)
+    sch.compute_at(loaded, chunk_loop)
+    across = present_blocks(sch, (LANES_MAX, LANES_EXPSUM, *LANES_VALUES))
+    for blk in across:
+        sch.reverse_compute_at(blk, row)
+    for blk in present_blocks(sch, [ROW_TARGET_LOGIT]):
+        sch.compute_at(blk, row)
+    for blk in present_blocks(sch, ROW_FORWARD_REST):
+        if is_per_row(sch, blk):
+            row = join_row(sch, blk, row)
+    _shared_row_outputs(sch, row)
+    per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
+    _keep_on_chip(sch, func, names + [CHUNK_LOGITS, LANE_STATS, LANES_MAX, LANES_EXPSUM,
+                                      *LANES_VALUES, ROW_TARGET_LOGIT] + per_row_only)
+    sch.bind(row, "blockIdx.x")
+    sch.bind(lane, "threadIdx.x")
+    copy = sch.get_loops(loaded)[-1]
+    if _vector_width(classes, int(sch.get(copy).extent), dtype,
+                     vector_bytes=knobs.vector_bytes) > 1:
+        sch.vectorize(copy)
+    else:
+        sch.unroll(copy)
+    for blk in [sch.get_sblock(n) for n in names] + capped:
+        for loop in sch.get_loops(blk)[3:]:
+            sch.unroll(loop)
+    for blk in across:
+        sch.bind(sch.get_loops(blk)[-1], "threadIdx.x")
+    if has_stage(sch, LOG_PROB):
+        _thread_loop(sch, _own_loop(sch, sch.get_sblock(LOG_PROB), row), knobs.row_threads,
+                     _vector_width(classes, classes, dtype, True, knobs.vector_bytes),
+                     knobs.unroll)
+    _bind_single_block_reductions(sch, knobs.threads)
+    return sch
 
 
 def _bind_row_blocks(sch, row, rows_per_block: int) -> None:

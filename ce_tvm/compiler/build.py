@@ -124,11 +124,11 @@ def ahead_of_time_specs(target: str, dtype: str, classes: int, options: tuple = 
 
 
 def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFunc:
-    """The compute of ``spec``, unscheduled (forward rows chunked, the forward's
-    chunk staged, ``exp`` scaled and NaN-tested, the overlap and one-hot tests written,
-    a chunk's exponentials kept or not, as the schedule asks: ``forward_chunk``,
-    ``stages_chunk``, ``exp_scaling``, ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``,
-    ``ONE_HOT_BY_CHUNK``, ``KEEPS_CHUNK_EXP``).
+    """The compute of ``spec``, unscheduled (forward rows chunked, and merged in
+    lanes, the forward's chunk staged, ``exp`` scaled and NaN-tested, the overlap and
+    one-hot tests written, a chunk's exponentials kept or not, as the schedule asks:
+    ``forward_chunk``, ``<op>_lanes``, ``stages_chunk``, ``exp_scaling``,
+    ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``, ``ONE_HOT_BY_CHUNK``, ``KEEPS_CHUNK_EXP``).
     The row chunk is ``chunk`` if given, else the tuning record's, else the schedule's;
     the chunk staged as the tuning record's compute was, else as the schedule asks."""
     schedule = schedule_module(spec.target)
@@ -167,12 +167,20 @@ def _declare(spec: KernelSpec, schedule, chunk: int | None) -> tvm.tirx.PrimFunc
                "prob_forward": prob_targets.prob_forward_func,
                "log_probs": log_probs.log_probs_func}
     if spec.op in chunked:
+        extra = {}
+        lanes_of = getattr(schedule, f"{spec.op}_lanes", None)
+        if chunk is None and lanes_of is not None:
+            chunk, lanes = lanes_of(spec.classes, spec.dtype, spec.variant, spec.tvm_target(),
+                                    **spec.schedule_options())
+            extra = {"lanes": lanes} if lanes else {}
         chunk_of = getattr(schedule, f"{spec.op}_chunk", schedule.forward_chunk)
         if chunk is None:
             chunk = chunk_of(spec.classes, spec.dtype, spec.tvm_target(),
                              **spec.schedule_options())
         stage = chunk_staged(spec)
-        return chunked[spec.op](*args, chunk, **({} if stage is None else {"stage": stage}))
+        if stage is not None:
+            extra["stage"] = stage
+        return chunked[spec.op](*args, chunk, **extra)
     whole = {"shard_combine": shards.shard_combine_func, "backward": backward.backward_func,
              "prob_backward": prob_targets.prob_backward_func,
              "prob_target_grad": prob_targets.prob_target_grad_func,

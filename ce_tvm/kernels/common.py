@@ -29,6 +29,10 @@ from .stages import (
     CHUNK_WSUM,
     CHUNK_WXSUM,
     CHUNK_ZSUM,
+    LANE_STATS,
+    LANES_EXPSUM,
+    LANES_MAX,
+    LANES_VALUES,
     LOGITS,
     ROW_TARGET_LOGIT,
     ROWSTATS,
@@ -184,34 +188,13 @@ def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = (),
     parts' whose max is the common one; ``NO_COLUMN`` for none).
     """
 
-    def scaled(d):
-        return d * scale[0] if scale else d
-
     def combine(a, b):
         m = tirx.max(a[0], b[0])
-
-        def rescaled(mi, si):
-            return tirx.Select(mi == m, si, si * fastmath.exp(scaled(mi - m), nonpositive=True))
-
-        def rescaled_squares(mi, qi):
-            factor = fastmath.exp(scaled(mi - m), nonpositive=True)
-            return tirx.Select(mi == m, qi, qi * factor * factor)
-
-        def first_at_max(mi, fi):
-            return tirx.Select(mi == m, fi, tirx.const(NO_COLUMN, str(fi.ty)))
-
-        def rescaled_entropy(mi, si, ai):
-            zero = tirx.const(0.0, str(si.ty))
-            moved = fastmath.exp(scaled(mi - m), nonpositive=True) * (ai + scaled(m - mi) * si)
-            return tirx.Select(mi == m, ai, tirx.Select(si == zero, zero, moved))
-
-        rest = [ai + bi for ai, bi in zip(a[2:], b[2:])]
-        if entropy:
-            rest[0] = rescaled_entropy(a[0], a[1], a[2]) + rescaled_entropy(b[0], b[1], b[2])
+        ta, tb = (merged_terms(v, m, entropy, scale, stats) for v in (a, b))
+        merged = [ai + bi for ai, bi in zip(ta, tb)]
         if stats:
-            rest[-3] = rescaled_squares(a[0], a[-3]) + rescaled_squares(b[0], b[-3])
-            rest[-1] = tirx.min(first_at_max(a[0], a[-1]), first_at_max(b[0], b[-1]))
-        return [m, rescaled(a[0], a[1]) + rescaled(b[0], b[1])] + rest
+            merged[-1] = tirx.min(ta[-1], tb[-1])
+        return [m] + merged
 
     def identity(*dtypes):
         values = [tirx.min_value(dtypes[0])] + [tirx.const(0, t) for t in dtypes[1:]]
@@ -224,6 +207,31 @@ def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = (),
                                 f"{'t' if scale else ''}{'s' if stats else ''}")
 
 
+def merged_terms(v, m, entropy: bool, scale: tuple, stats: bool) -> list:
+    """What a part ``v = (max, sum exp(x - max), ...)`` of ``softmax_merge`` adds to
+    the merged values after the max, rescaled to the common max ``m >= v[0]``
+    (``softmax_merge``'s arguments): the merged value is the sum of the parts'
+    terms, the first column's (the last with ``stats``) their minimum."""
+    mi = v[0]
+
+    def scaled(d):
+        return d * scale[0] if scale else d
+
+    def factor():
+        return fastmath.exp(scaled(mi - m), nonpositive=True)
+
+    terms = [tirx.Select(mi == m, v[1], v[1] * factor())] + list(v[2:])
+    if entropy:
+        zero = tirx.const(0.0, str(v[1].ty))
+        moved = factor() * (v[2] + scaled(m - mi) * v[1])
+        terms[1] = tirx.Select(mi == m, v[2], tirx.Select(v[1] == zero, zero, moved))
+    if stats:
+        f = factor()
+        terms[-3] = tirx.Select(mi == m, v[-3], v[-3] * f * f)
+        terms[-1] = tirx.Select(mi == m, v[-1], tirx.const(NO_COLUMN, str(v[-1].ty)))
+    return terms
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """How a row of ``classes`` is cut into ``n_chunks`` chunks of ``chunk``.
@@ -232,14 +240,24 @@ class ChunkLayout:
     ``C``, overlapping the one before, so indices stay in the row and every
     chunk is contiguous and full. Its first ``overlap`` entries belong to the
     chunk before; sums count them as 0 (the max may count them twice).
+
+    ``lanes`` (``row_stats``): the chunks are dealt round-robin to that many
+    partial merges, over ``slots`` chunk positions (``n_chunks`` rounded up to
+    a multiple of ``lanes``); a position past the row reads its last chunk
+    again, and no lane merges it.
     """
 
     classes: int
     chunk: int
+    lanes: int = 0
 
     @property
     def n_chunks(self) -> int:
         return -(-self.classes // self.chunk)
+
+    @property
+    def slots(self) -> int:
+        return -(-self.n_chunks // self.lanes) * self.lanes if self.lanes else self.n_chunks
 
     @property
     def exact(self) -> bool:
@@ -247,7 +265,7 @@ class ChunkLayout:
         return self.classes % self.chunk == 0
 
     def start(self, k):
-        if self.exact:
+        if self.exact and self.slots == self.n_chunks:
             return k * int64(self.chunk)
         return tirx.min(k * int64(self.chunk), int64(self.classes - self.chunk))
 
@@ -322,7 +340,8 @@ class RowStats:
 
 def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: int, acc: str,
                chunk: int | None, keep_exp: bool = False, target=None, shift=None,
-               stage: bool = False, entropy: bool = False, stats: bool = False) -> RowStats:
+               stage: bool = False, entropy: bool = False, stats: bool = False,
+               lanes: int = 0) -> RowStats:
     """Row statistics of the (capped) logits, reduced chunk by chunk
     (``ChunkLayout``) and merged by ``softmax_merge``.
 
@@ -363,15 +382,23 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     ``tanh`` per element; the max then still reads ``x``, the cap being
     monotone), which a schedule may keep on chip: read from memory once,
     converted once, aligned however the row is.
+
+    ``lanes``: the chunks are merged in ``lanes``
+    round-robin partial merges first (``ce_lanestats``: lane ``t`` merges
+    chunks ``t``, ``t + lanes``, ...), then across the lanes
+    (``lane_merged``): a schedule gives each lane a thread, which merges its
+    chunks alone, and the threads meet once per row in plain max, sum and min
+    reductions. ``rowmax``/``expsum``/``wxsum`` and the other merged values
+    are then stages of their own (``ce_lanes_*``).
     """
     x = logit.x
     chunk = classes if chunk is None else min(chunk, classes)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    layout = ChunkLayout(classes, chunk)
+    layout = ChunkLayout(classes, chunk, lanes)
 
     if stage or logit.cap:
-        staged = te.compute((n_rows, int64(layout.n_chunks), int64(chunk)),
+        staged = te.compute((n_rows, int64(layout.slots), int64(chunk)),
                             lambda n, k, j: logit.capped(logit.raw(n, layout.start(k) + j)),
                             name=CHUNK_LOGITS)
 
@@ -397,7 +424,7 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
                 term = tirx.Select(layout.fresh(k, j), term, pad)
             return reducer(term, axis=j)
 
-        return te.compute((n_rows, int64(layout.n_chunks)), value, name=stage)
+        return te.compute((n_rows, int64(layout.slots)), value, name=stage)
 
     zero = tirx.const(0.0, acc)
     max_read = (lambda n, c, k, j: logit.raw(n, c)) if logit.cap else xf
@@ -408,7 +435,7 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
 
     if keep_exp:
         kept = te.compute(
-            (n_rows, int64(layout.n_chunks), int64(chunk)),
+            (n_rows, int64(layout.slots), int64(chunk)),
             lambda n, k, j: fastmath.exp(logit.scaled(xf(n, layout.start(k) + j, k, j) - top(n, k)),
                                          nonpositive=True, storage=str(x.dtype)),
             name=CHUNK_EXP)
@@ -459,10 +486,14 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
         parts += [per_chunk(CHUNK_SQSUM, te.sum, zero, squared),
                   per_chunk(CHUNK_ZSUM, te.sum, zero, xf),
                   per_chunk(CHUNK_FIRST, te.min, None, first)]
-    k_axis = te.reduce_axis((int64(0), int64(layout.n_chunks)), name="k")
-    merged = te.compute(
-        (n_rows,), lambda n: softmax_merge(len(parts), entropy, logit.scale, stats)(
-            (top(n, k_axis), *(p[n, k_axis] for p in parts[1:])), axis=k_axis), name=ROWSTATS)
+    if lanes:
+        merged = lane_merged(parts, top, layout, n_rows, entropy, logit.scale, stats)
+    else:
+        k_axis = te.reduce_axis((int64(0), int64(layout.n_chunks)), name="k")
+        merged = te.compute(
+            (n_rows,), lambda n: softmax_merge(len(parts), entropy, logit.scale, stats)(
+                (top(n, k_axis), *(p[n, k_axis] for p in parts[1:])), axis=k_axis),
+            name=ROWSTATS)
     if per_row_wsum:
         weight_sum = lambda n: merged[3][n]  # noqa: E731
     elif weights is not None:
@@ -473,3 +504,55 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     return RowStats(merged[0], merged[1], merged[2], weight_sum, cmax,
                     lambda n, k: logit.scaled(top(n, k)), kept, layout,
                     merged[n_before_stats - 1] if target is not None else None, *extra)
+
+
+def _expr(value):
+    """A TE tensor element (``TensorSlice``) as the expression it reads."""
+    return value.asobject() if isinstance(value, te.TensorSlice) else value
+
+
+def lane_merged(parts: list, top, layout: ChunkLayout, n_rows, entropy: bool, scale: tuple,
+                stats: bool) -> list:
+    """``row_stats``' merge over ``layout.lanes`` lanes: per lane, ``softmax_merge``
+    of its chunks (``ce_lanestats[n, t]``; a chunk position past the row merges
+    as the identity); then the row's max of the lanes' maxima
+    (``ce_lanes_max``) and each other value as the lanes' ``merged_terms``
+    relative to it, summed (the first column: their minimum):
+    ``ce_lanes_expsum``, then ``LANES_VALUES``. The same values as merging
+    the chunks in order; returns them in ``parts``' order."""
+    if len(parts) - 2 > len(LANES_VALUES):
+        raise ValueError(f"lane_merged: at most {len(LANES_VALUES) + 2} merged values")
+    lanes = int64(layout.lanes)
+    i = te.reduce_axis((int64(0), int64(layout.slots // layout.lanes)), name="i")
+    merge = softmax_merge(len(parts), entropy, scale, stats)
+
+    identity = [tirx.min_value(parts[0].dtype)] + [tirx.const(0, p.dtype) for p in parts[1:]]
+    if stats:
+        identity[-1] = tirx.const(NO_COLUMN, parts[-1].dtype)
+
+    def lane(n, t):
+        k = i * lanes + t
+        inside = k < int64(layout.n_chunks)
+        values = [top(n, k)] + [p[n, k] for p in parts[1:]]
+        return merge([tirx.Select(inside, _expr(v), e) for v, e in zip(values, identity)],
+                     axis=i)
+
+    per_lane = te.compute((n_rows, lanes), lane, name=LANE_STATS)
+
+    def across(name, value, reducer=te.sum):
+        t = te.reduce_axis((int64(0), lanes), name="t")
+        return te.compute((n_rows,), lambda n: reducer(value(n, t), axis=t), name=name)
+
+    rowmax = across(LANES_MAX, lambda n, t: per_lane[0][n, t], te.max)
+
+    def term(j):
+        def value(n, t):
+            lane_values = [_expr(p[n, t]) for p in per_lane]
+            return merged_terms(lane_values, rowmax[n], entropy, scale, stats)[j - 1]
+        return value
+
+    def reducer(j):
+        return te.min if stats and j == len(parts) - 1 else te.sum
+
+    return [rowmax] + [across(name, term(j), reducer(j)) for j, name in
+                       zip(range(1, len(parts)), (LANES_EXPSUM, *LANES_VALUES))]

@@ -21,14 +21,15 @@ from .stages import LOG_PROB, LSE
 
 
 def forward_func(classes: int, dtype: str, variant: Variant,
-                 chunk: int | None = None, stage: bool = False) -> tirx.PrimFunc:
+                 chunk: int | None = None, stage: bool = False, lanes: int = 0) -> tirx.PrimFunc:
     """The fused forward of docs/spec.md, section 2, as a PrimFunc.
 
     A row is reduced in ``ceil(C / chunk)`` chunks of ``chunk`` classes (one
     chunk by default), merged exactly by ``softmax_merge``: a target-free
     regrouping that lets a schedule keep each chunk on chip between its max
     and its exp-sum. ``stage``: each chunk is first copied to float32
-    (``ce_chunk_logits``, see ``row_stats``).
+    (``ce_chunk_logits``, see ``row_stats``). ``lanes``: the chunks are merged
+    in that many round-robin lanes first (``row_stats``).
 
     Arguments, in order: ``x[N, C]`` (dtype), ``target[N]`` (int64),
     ``weight[C]`` (accumulation dtype, weighted variant only), ``ignore_index``,
@@ -45,7 +46,7 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     logit = loss_logits(x, acc, variant, scalars)
     mask, index = masked_target(y, ii, classes)
     st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk,
-                    target=index if variant.accuracy else None, stage=stage)
+                    target=index if variant.accuracy else None, stage=stage, lanes=lanes)
     rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
     lse = te.compute((n_rows,), lambda n: logit.scaled(rowmax[n]) + te.log(expsum[n]),
                      name=LSE)

@@ -71,9 +71,10 @@ def _columns(index, ignore_index, classes: int):
 
 
 def log_probs_func(classes: int, dtype: str, variant: Variant,
-                   chunk: int | None = None, stage: bool = False) -> tirx.PrimFunc:
+                   chunk: int | None = None, stage: bool = False,
+                   lanes: int = 0) -> tirx.PrimFunc:
     """Log-probs of ``index`` and the entropy of every row, in one sweep over
-    the logits (the forward's chunks, ``row_stats``; ``stage`` as there).
+    the logits (the forward's chunks, ``row_stats``; ``stage`` and ``lanes`` as there).
 
     Per chunk ``e = exp(z - chunk_max)`` is kept (unless the schedule asks
     otherwise, ``choices.chunk_exp_kept``) and reduced twice: its sum
@@ -102,8 +103,9 @@ def log_probs_func(classes: int, dtype: str, variant: Variant,
     acc, n_rows, x, index, scalars, logit = _inputs(classes, dtype, variant)
     live, column, inside = _columns(index, scalars[0], classes)
     zero = tirx.const(0.0, acc)
-    st = row_stats(logit, None, n_rows, classes, acc, chunk, keep_exp=chunk_exp_kept.get(),
-                   stage=stage, entropy=True, stats=variant.stats)
+    st = row_stats(logit, None, n_rows, classes, acc, chunk,
+                   keep_exp=chunk_exp_kept.get() or bool(lanes), stage=stage, entropy=True,
+                   stats=variant.stats, lanes=lanes)
     row_max = te.compute((n_rows,), lambda n: st.rowmax[n], name=ROW_MAX)
     log_s = te.compute((n_rows,), lambda n: te.log(st.expsum[n]), name=ROW_LOG_EXPSUM)
     entropy = te.compute((n_rows,), lambda n: log_s[n] + st.wxsum[n] / st.expsum[n],

@@ -15,6 +15,9 @@ chunks ``k`` of ``chunk`` classes:
 ``ce_chunk_wxsum``     ``sum_j w[kB + j] x[n, kB + j]``
 ``ce_wsum``            ``sum_c w[c]``, once for all rows (weighted only)
 ``ce_rowstats``        the chunks merged: row max, exp-sum, sum w x
+``ce_lanestats``       with lanes: the chunks ``t``, ``t + L``, ... merged (``[N, L]``)
+``ce_lanes_*``         with lanes: the lanes merged (``max``, ``expsum``, ``v2``...),
+                       in place of ``ce_rowstats``
 ``lse``                ``rowmax + log(expsum)`` (output, accumulation dtype)
 ``ce_row_mask``        ``m[n]``
 ``ce_row_ce``          ``ce[n]`` (nll and smoothing terms of docs/spec.md, section 2)
@@ -142,6 +145,12 @@ CHUNK_EXPSUM = "ce_chunk_expsum"
 CHUNK_WXSUM = "ce_chunk_wxsum"
 CHUNK_WSUM = "ce_chunk_wsum"
 ROWSTATS = "ce_rowstats"
+LANE_STATS = "ce_lanestats"
+LANES_MAX = "ce_lanes_max"
+LANES_EXPSUM = "ce_lanes_expsum"
+# the other merged values, in row_stats' order (wxsum or the entropy's sum, then
+# the accuracy's count, or the log-prob statistics' three)
+LANES_VALUES = ("ce_lanes_v2", "ce_lanes_v3", "ce_lanes_v4", "ce_lanes_v5")
 LSE = "lse"
 ROW_MASK = "ce_row_mask"
 ROW_CE = "ce_row_ce"
@@ -192,7 +201,8 @@ KL_AUX = "kl_aux"
 KL_T_PART = "kl_teacher_part"
 ROW_DIVERGENCE = "divergence"
 LOGITS = "x"  # the input logits
-STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LSE, ROW_MASK, ROW_CE,
+STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LANE_STATS, LANES_MAX,
+          LANES_EXPSUM, *LANES_VALUES, LSE, ROW_MASK, ROW_CE,
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,

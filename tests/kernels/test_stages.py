@@ -43,6 +43,10 @@ def declared_funcs():
     # columns ahead of it, the per-row hit)
     capped = dict(softcap=True, accuracy=True)
     yield forward.forward_func(10, "float32", Variant("mean", True, False, **capped), 4)
+    # the row merged in lanes (the CUDA forward's regrouping of long rows)
+    yield forward.forward_func(10, "float32", Variant("mean", True, False, **capped), 2, lanes=2)
+    yield log_probs.log_probs_func(10, "float32", Variant(columns=2, softcap=True, stats=True),
+                                   2, lanes=2)
     yield training.train_func(10, "float32", Variant("sum", False, False, **capped), 4)
     yield backward.backward_func(10, "float32", Variant("none", True, grad_source="logits",
                                                        softcap=True))

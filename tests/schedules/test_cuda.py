@@ -234,6 +234,28 @@ def test_log_prob_forward_writes_from_the_row_staged_whole_when_it_fits():
         assert len(x_reads(chunked)) > 2  # the log_prob pass reads x again
 
 
+@pytest.mark.parametrize("op, variant, outputs", [
+    ("forward", Variant("mean", True, False, accuracy=True), ["lse"]),
+    ("forward", Variant("none", False, True), ["lse"]),  # log_prob, 128256: in lanes
+    ("log_probs", Variant(columns=2, stats=True, softcap=True), ["row_max", "log_expsum"]),
+])
+def test_a_row_merged_in_lanes_reads_its_outputs_from_shared_memory(op, variant, outputs):
+    """A row merged in lanes: the values after the lanes meet are written by thread 0
+    (TVM predicates what reads a cross-thread reduction's result). The
+    stages that read ``lse`` (``row_max``, ``log_expsum``) from all threads -- the
+    z-loss, ``log_prob``, the token log-probs -- read it from shared memory after a
+    barrier, never from the global output thread 0 writes: on an H200 they read
+    garbage there (the log-probs off by 1e34). The outputs are only written."""
+    spec = KernelSpec(op, "bfloat16", 128256, variant, "cuda", (("arch", "sm_90"),))
+    source = lower_and_compile(spec).mod.imports[0].inspect_source()
+    assert "ce_lanestats" in source
+    body = source[source.index("{", source.index("__global__ void __launch_bounds__")):]
+    for name in outputs:
+        uses = [line.strip() for line in body.splitlines() if f"{name}_ptr[" in line]
+        assert uses and all(use.startswith(f"{name}_ptr[") for use in uses), uses
+        assert f"__shared__ alignas(64) float {name}_shared_ptr[1];" in source
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("classes", [1001, 32000, 50257])
