@@ -23,6 +23,7 @@ logits would replace its body.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -198,12 +199,14 @@ class GradSink:
     Over several chunks, ``grad_W`` and ``grad_b`` accumulate in float32 for
     16-bit weights and are cast once in ``finish`` (over one chunk the
     product is written in the weight's dtype: the same single rounding).
-    torch's CPU GEMM has no 16-bit-in, float32-out form, so each chunk's
-    ``G^T @ x`` goes through a scratch in the weight's dtype
-    (``SCRATCH_BYTES``), a block of classes at a time, and a smaller float32
-    copy (``CONVERT_BYTES``; adding a 16-bit tensor to a float32 one would
-    allocate that copy afresh on every call: page faults that cost more than
-    the addition, measured here).
+    On CUDA each chunk's ``G^T @ x`` is added by one GEMM with 16-bit inputs and
+    a float32 output (``addmm(..., out_dtype=float32)``, where torch has it).
+    torch's CPU GEMM has no such form, so there each chunk's product goes
+    through a scratch in the weight's dtype (``SCRATCH_BYTES``), a block of
+    classes at a time, and a smaller float32 copy (``CONVERT_BYTES``; adding a
+    16-bit tensor to a float32 one would allocate that copy afresh on every
+    call: page faults that cost more than the addition, measured here). On an
+    H200 that was some 550 launches per chunk, twice the GEMMs' own time.
     """
 
     def __init__(self, x: Tensor, W: Tensor, b: Tensor | None, needs: Needs, chunks: int):
@@ -213,7 +216,8 @@ class GradSink:
         # recycles their pages instead of faulting in new ones (runtime/pool.py)
         self.grad_x = pool.empty_like(x) if needs.input else None
         self.grad_W = pool.POOL.empty(tuple(W.shape), acc, W.device) if needs.weight else None
-        if needs.weight and acc != W.dtype:
+        self.wide_gemm = needs.weight and acc != W.dtype and _wide_gemm(W.device)
+        if needs.weight and acc != W.dtype and not self.wide_gemm:
             def rows(nbytes, dtype):
                 return max(1, min(W.shape[0], nbytes // (W.shape[1] * dtype.itemsize)))
 
@@ -228,7 +232,10 @@ class GradSink:
     def add(self, rows: slice, x_rows: Tensor, G: Tensor, W: Tensor) -> None:
         if self.grad_x is not None:
             torch.mm(G, W, out=self.grad_x[rows])
-        if self.grad_W is not None and self.scratch is None:
+        if self.grad_W is not None and self.wide_gemm:
+            torch.addmm(self.grad_W, G.t(), x_rows, beta=0.0 if self.empty else 1.0,
+                        out_dtype=self.grad_W.dtype, out=self.grad_W)
+        elif self.grad_W is not None and self.scratch is None:
             # beta 0 on the first chunk: the uninitialised buffer is not read
             self.grad_W.addmm_(G.t(), x_rows, beta=0.0 if self.empty else 1.0)
         elif self.grad_W is not None:
@@ -253,6 +260,21 @@ class GradSink:
         return (x.new_empty(0) if self.grad_x is None else self.grad_x,
                 x.new_empty(0) if self.grad_W is None else self.grad_W.to(self.dtype),
                 x.new_empty(0) if self.grad_b is None else self.grad_b.to(self.dtype))
+
+
+@functools.cache
+def _wide_gemm(device: torch.device) -> bool:
+    """Whether torch multiplies 16-bit matrices into a float32 output on ``device``
+    (``addmm(..., out_dtype=torch.float32)``: CUDA, torch 2.8 and later)."""
+    if device.type != "cuda":
+        return False
+    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+    out = torch.zeros(2, 2, device=device)
+    try:
+        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return bool((out == 2).all())
 
 
 def _reduce(bufs: _ChunkBuffers, D: Tensor | None, M: Tensor | None,

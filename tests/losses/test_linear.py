@@ -139,6 +139,31 @@ def test_half_precision(dtype, chunk_rows, monkeypatch):
                           chunk_rows=chunk_rows))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_with_a_float32_output_gemm(dtype, monkeypatch):
+    """Where torch has ``addmm(..., out_dtype=float32)`` for 16-bit matrices (CUDA),
+    each chunk's ``grad_W`` is added by that one GEMM, the first chunk with
+    beta 0 (the accumulator is not initialised): here a CPU stand-in of it."""
+    real_addmm, calls = torch.addmm, []
+
+    def addmm(input, mat1, mat2, *, beta=1.0, out_dtype=None, out=None, **kw):
+        if out_dtype is None:
+            return real_addmm(input, mat1, mat2, beta=beta, out=out, **kw)
+        calls.append(beta)
+        product = mat1.to(out_dtype) @ mat2.to(out_dtype)
+        return out.copy_(product if beta == 0 else beta * input + product)
+
+    monkeypatch.setattr(linear_sweep, "_wide_gemm", lambda device: True)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    check_case(LinearCase(lead=(16,), dtype=dtype, reduction="mean", weighted=True,
+                          label_smoothing=0.1, zloss_scale=1e-3, bias=True, chunk_rows=5))
+    assert calls[:4] == [0.0, 1.0, 1.0, 1.0]  # 16 rows in chunks of 5
+
+
+def test_the_float32_output_gemm_is_for_cuda():
+    assert not linear_sweep._wide_gemm(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 def test_all_rows_ignored(reduction):
     """mean: NaN loss (as PyTorch); every reduction: zero gradients."""
