@@ -7,11 +7,17 @@ expected. Targets outside ``[0, C)`` that are not ``ignore_index`` are
 reported with the first bad row, as a ``TargetOutOfRangeError`` (both an
 ``IndexError``, PyTorch's type, and a ``ValueError``); the kernels clamp
 indices as well, so a target is never used to read or write out of bounds.
+
+On CUDA that range check waits for the GPU (it reads the targets' verdict on
+the host). ``CE_TVM_CUDA_TARGET_CHECK=async`` (``CUDA_TARGET_CHECK``) makes it
+a device-side assertion instead, as PyTorch's own losses do on CUDA: no wait,
+but a bad target then fails later, as a CUDA error, not as this exception.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import torch
@@ -21,6 +27,12 @@ from ..runtime.tensors import TORCH_DTYPES, accum_torch_dtype
 
 TARGET_DTYPES = (torch.int64, torch.int32)
 KERNEL_DEVICES = ("cpu", "cuda")
+
+# How CUDA targets are range-checked: "sync" (a TargetOutOfRangeError, the host
+# waiting for the GPU) or "async" (a device-side assertion, no wait).
+CUDA_TARGET_CHECK = os.environ.get("CE_TVM_CUDA_TARGET_CHECK", "sync")
+if CUDA_TARGET_CHECK not in ("sync", "async"):
+    raise ValueError(f"CE_TVM_CUDA_TARGET_CHECK must be sync or async, got {CUDA_TARGET_CHECK!r}")
 
 # The dtypes the kernels take (a tuple: torch.compile traces `in` on it, on every torch
 # the package supports; not on a dict's values before 2.9).
@@ -71,6 +83,10 @@ def in_range(y: torch.Tensor, classes: int, ignore_index: int, name: str) -> tor
     if y.is_cuda and torch.cuda.is_current_stream_capturing():
         return y  # no host sync inside a CUDA graph; the kernels clamp indices anyway
     bad = (y != ignore_index) & ((y < 0) | (y >= classes))
+    if y.is_cuda and CUDA_TARGET_CHECK == "async":
+        torch._assert_async(~bad.any(), f"{name} out of range: expected class indices in "
+                                        f"[0, {classes}) or ignore_index ({ignore_index})")
+        return y
     if bool(bad.any()):
         at = tuple(int(i) for i in bad.nonzero()[0])
         raise TargetOutOfRangeError(

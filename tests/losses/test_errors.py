@@ -1,5 +1,6 @@
 """Every bad input of SPEC section 3 raises a clear TypeError / ValueError."""
 
+import os
 import sys
 
 import pytest
@@ -170,3 +171,24 @@ def test_a_bare_1d_head_weight_names_the_sharding_that_made_it(monkeypatch):
                                          r"model\.lm_head") as raised:
         ce_tvm.linear_cross_entropy(hidden, flat, target)
     assert "FSDP" not in str(raised.value)
+
+
+def test_an_unknown_cuda_target_check_mode_is_refused_when_the_losses_load():
+    """``CE_TVM_CUDA_TARGET_CHECK`` is ``sync`` (the default) or ``async``."""
+    import subprocess
+
+    env = {**os.environ, "CE_TVM_CUDA_TARGET_CHECK": "later"}
+    done = subprocess.run([sys.executable, "-c", "import ce_tvm; ce_tvm.cross_entropy"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "CE_TVM_CUDA_TARGET_CHECK must be sync or async, got 'later'" in done.stderr
+
+
+def test_cpu_targets_are_checked_on_the_host_in_either_mode(monkeypatch):
+    """The device-side assertion is for CUDA tensors only: a CPU target out of range
+    is the clear error in both modes."""
+    from ce_tvm.losses import checks
+
+    monkeypatch.setattr(checks, "CUDA_TARGET_CHECK", "async")
+    with pytest.raises(ce_tvm.TargetOutOfRangeError, match=r"target\[1\] = 7"):
+        ce_tvm.cross_entropy(torch.randn(2, 5), torch.tensor([0, 7]))
