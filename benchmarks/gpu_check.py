@@ -29,7 +29,8 @@ Timings (forward + backward; every method timed in turn within each rep after
 one warm-up call, the best rep kept; a method that fails or is not installed
 is recorded and left out):
 
-- ``time_ce``: cross entropy at 8192 x 128256, bf16 and fp32, against eager,
+- ``time_ce``: cross entropy at 8192 x 128256, bf16 and fp32 (also with the
+  targets range-checked on the device, ``CE_TVM_CUDA_TARGET_CHECK=async``), against eager,
   torch.compile, Liger (``liger_cross_entropy``) and flash-attn when
   importable, with the copy floor (one read and one write of the logits);
   where the TVM compiler is installed also the forward against dlight's
@@ -94,7 +95,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ce_tvm  # noqa: E402
-from ce_tvm.runtime import launch  # noqa: E402
+from ce_tvm.losses import checks  # noqa: E402
+from ce_tvm.runtime import launch, linear_sweep  # noqa: E402
 from ce_tvm.runtime.options import LossOptions  # noqa: E402
 from ce_tvm.tools import bench_policy  # noqa: E402
 
@@ -192,6 +194,22 @@ def _policy_inputs(plan: Plan, n: int, c: int, dtype):
     mask[5::11] = False
     a, b = (torch.randn(n, device=plan.device, generator=gen) for _ in range(2))
     return x, index, mask, a, b
+
+
+@contextlib.contextmanager
+def _several_chunks(n: int):
+    """The fused heads' row sweeps in three chunks of ``n`` rows (one chunk by
+    default at the checks' sizes): a 16-bit head's gradient then accumulates
+    over chunks in float32 (``linear_sweep.GradSink``)."""
+    kept = os.environ.get(linear_sweep.CHUNK_ROWS_ENV)
+    os.environ[linear_sweep.CHUNK_ROWS_ENV] = str(max(1, -(-n // 3)))
+    try:
+        yield
+    finally:
+        if kept is None:
+            del os.environ[linear_sweep.CHUNK_ROWS_ENV]
+        else:
+            os.environ[linear_sweep.CHUNK_ROWS_ENV] = kept
 
 
 def _head_logits(x, W, dtype):
@@ -377,11 +395,14 @@ def _policy_rows(plan: Plan, n: int, c: int, dtype):
                        lambda t, call=call: _policy_outputs(a, b, *ce_tvm.log_probs(t, index,
                                                                                   **call)),
                        reference, [x], ACC_TOL, 2 * TOL[dtype], softcap=softcap, **fields)
-        yield _compare(f"linear_log_probs {n}x{c} {dtype} softcap {softcap}",
-                       lambda t, V, call=call: _policy_outputs(
-                           a, b, *ce_tvm.linear_log_probs(t, V, index, **call)),
-                       lambda t, V, reference=reference: reference(_head_logits(t, V, dtype)),
-                       [h, W], TOL[dtype], 2 * TOL[dtype], softcap=softcap, **fields)
+        with _several_chunks(n):
+            row = _compare(f"linear_log_probs {n}x{c} {dtype} softcap {softcap}",
+                           lambda t, V, call=call: _policy_outputs(
+                               a, b, *ce_tvm.linear_log_probs(t, V, index, **call)),
+                           lambda t, V, reference=reference: reference(
+                               _head_logits(t, V, dtype)),
+                           [h, W], TOL[dtype], 2 * TOL[dtype], softcap=softcap, **fields)
+        yield row
 
 
 def log_probs(plan: Plan):
@@ -490,13 +511,15 @@ def _distill_rows(plan: Plan, n: int, c: int, dtype):
                            z, t, y, return_entropy=True, **case)),
                        lambda z, case=case: _divergence_reference(z, t.double(), kept, **case),
                        [s], ACC_TOL, 2 * TOL[dtype], **case, **fields)
-        yield _compare(f"linear_distillation_loss {n}x{c} {dtype} {case}",
-                       lambda u, V, case=case: ours(*ce_tvm.linear_distillation_loss(
-                           u, V, ht, Wt, y, return_entropy=True, **case)),
-                       lambda u, V, case=case: _divergence_reference(
-                           _head_logits(u, V, dtype), _head_logits(ht, Wt, dtype), kept,
-                           **case),
-                       [hs, Ws], TOL[dtype], 2 * TOL[dtype], **case, **fields)
+        with _several_chunks(n):
+            row = _compare(f"linear_distillation_loss {n}x{c} {dtype} {case}",
+                           lambda u, V, case=case: ours(*ce_tvm.linear_distillation_loss(
+                               u, V, ht, Wt, y, return_entropy=True, **case)),
+                           lambda u, V, case=case: _divergence_reference(
+                               _head_logits(u, V, dtype), _head_logits(ht, Wt, dtype), kept,
+                               **case),
+                           [hs, Ws], TOL[dtype], 2 * TOL[dtype], **case, **fields)
+        yield row
 
 
 def distill(plan: Plan):
@@ -665,6 +688,18 @@ def dlight_forward(x, y):
     return run
 
 
+def _async_target_check(f):
+    """``f`` with CUDA targets range-checked by a device-side assertion
+    (``checks.CUDA_TARGET_CHECK = "async"``): no host wait."""
+    def run(*args):
+        kept, checks.CUDA_TARGET_CHECK = checks.CUDA_TARGET_CHECK, "async"
+        try:
+            return f(*args)
+        finally:
+            checks.CUDA_TARGET_CHECK = kept
+    return run
+
+
 def time_ce(plan: Plan):
     from ce_tvm.store.tvmlib import compiler_installed
 
@@ -672,7 +707,9 @@ def time_ce(plan: Plan):
         "compile": lambda: torch.compile(F.cross_entropy),
         "liger": lambda: _liger("liger_cross_entropy"),
         "flash_attn": _flash_attn_cross_entropy})
-    losses = {"ce_tvm": ce_tvm.cross_entropy, "eager": F.cross_entropy, **losses}
+    losses = {"ce_tvm": ce_tvm.cross_entropy,
+              "ce_tvm_async_check": _async_target_check(ce_tvm.cross_entropy),
+              "eager": F.cross_entropy, **losses}
     for n, c, dtype in plan.cases(CE_TIMED):
         x, y, _ = _inputs(plan, n, c, dtype)
         fns = {name: _fwd_bwd(lambda t, f=f: f(t, y), [x]) for name, f in losses.items()}
@@ -721,7 +758,9 @@ def time_log_probs(plan: Plan):
     for n, c, dtype in plan.cases(LOG_PROBS_TIMED):
         x, index, _, a, b = _policy_inputs(plan, n, c, dtype)
         index = index.clamp(min=0)
-        methods = {**bench_policy.methods((n, c), with_compile=False, with_trl=False), **peers}
+        methods = bench_policy.methods((n, c), with_compile=False, with_trl=False)
+        methods = {**methods, "ce_tvm_async_check": _async_target_check(methods["ce_tvm"]),
+                   **peers}
         fns = {name: _fwd_bwd(lambda t, f=f: sum((u * o).sum() for u, o in zip((a, b),
                                                                                  f(t, index))),
                               [x]) for name, f in methods.items()}
@@ -753,7 +792,8 @@ def time_training(plan: Plan):
     row ignored): the one-pass kernel alone and with the in-place scaling its
     autograd backward makes on CUDA (``ForwardGradients``: the upstream gradient
     cannot be read there without a host sync), the recompute path
-    (forward, then the backward from the logits), and the copy floor."""
+    (forward, then the backward from the logits), the forward alone with its
+    floor (one read of the logits), and the copy floor."""
     options = LossOptions(reduction="mean", label_smoothing=0.1)
     for n, c, dtype in plan.cases(CE_TIMED):
         x, y, _ = _inputs(plan, n, c, dtype)
@@ -768,7 +808,9 @@ def time_training(plan: Plan):
         yield _timing_row(plan, f"training step {n}x{c} {dtype}", {
             "one_pass": lambda: launch.train(x, y, None, options),
             "one_pass_scaled": lambda: launch.train(x, y, None, options)[1].mul_(one),
-            "recompute": recompute, "copy": lambda: copy.copy_(x)},
+            "recompute": recompute,
+            "forward": lambda: launch.forward(x, y, None, options, log_prob=False),
+            "read": lambda: x.sum(dtype=torch.float32), "copy": lambda: copy.copy_(x)},
             {}, "copy", n=n, c=c, dtype=str(dtype))
 
 

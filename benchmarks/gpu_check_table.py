@@ -1,0 +1,67 @@
+"""The timings of a GPU check (``benchmarks/gpu_check.py --json``) as Markdown
+tables: per row, each method's milliseconds, its bandwidth counted at the
+floor's bytes, the floor's time over its time, and the peers' times over
+ce-tvm's (above 1: ce-tvm is faster).
+
+    python benchmarks/gpu_check_table.py gpu_check.jsonl [...]
+
+Floors: ``copy`` (one read and one write of the logits: the training step and
+the log-probs' step), ``gemm3`` / ``gemm`` (the fused heads' GEMMs alone).
+Several files: one table each, in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+BYTES = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
+OURS = ("ce_tvm", "ce_tvm_async_check", "one_pass", "one_pass_scaled", "recompute", "forward")
+PEERS = ("liger", "trl", "eager", "compile")
+
+
+def timing_rows(path: str) -> list[dict]:
+    """The timed rows of one check's JSON lines (those with ``ms`` and a floor)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if "ms" in r and r.get("over") in ("copy", "gemm3", "gemm")]
+
+
+def _floor_gbps(row: dict, ms: float) -> str:
+    """The copy floor's bytes (read + write of the logits) over ``ms``, GB/s."""
+    if row["over"] != "copy":
+        return ""
+    return f"{2 * row['n'] * row['c'] * BYTES[row['dtype']] / ms / 1e6:.0f}"
+
+
+def table(rows: list[dict]) -> str:
+    """One Markdown table of ``timing_rows``."""
+    out = ["| case | method | ms | GB/s at the floor's bytes | floor / method "
+           "| liger / method | trl / method | eager / method | compile / method |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        ms = row["ms"]
+        floor = ms[row["over"]]
+        for name in [m for m in ms if m in OURS] + [row["over"]]:
+            t = ms[name]
+            peers = [f"{ms[p] / t:.2f}" if p in ms and name in OURS else "" for p in PEERS]
+            case = row["case"].replace("torch.", "")
+            out.append(f"| {case} | {name} | {t:.3f} | {_floor_gbps(row, t)} | "
+                       f"{floor / t:.2f} | " + " | ".join(peers) + " |")
+        for peer in [p for p in PEERS if p in ms]:
+            out.append(f"| | {peer} | {ms[peer]:.3f} | {_floor_gbps(row, ms[peer])} | "
+                       f"{floor / ms[peer]:.2f} | | | | |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+", help="gpu_check.py --json files")
+    args = p.parse_args(argv)
+    for path in args.files:
+        print(f"{path}:\n\n{table(timing_rows(path))}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
