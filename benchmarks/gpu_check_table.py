@@ -16,7 +16,8 @@ import argparse
 import json
 
 BYTES = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
-OURS = ("ce_tvm", "ce_tvm_async_check", "one_pass", "one_pass_scaled", "recompute", "forward")
+OURS = ("ce_tvm", "ce_tvm_async_check", "ce_tvm_sync_check", "one_pass", "one_pass_scaled",
+        "recompute", "forward")
 PEERS = ("liger", "trl", "eager", "compile")
 
 

@@ -8,10 +8,12 @@ reported with the first bad row, as a ``TargetOutOfRangeError`` (both an
 ``IndexError``, PyTorch's type, and a ``ValueError``); the kernels clamp
 indices as well, so a target is never used to read or write out of bounds.
 
-On CUDA that range check waits for the GPU (it reads the targets' verdict on
-the host). ``CE_TVM_CUDA_TARGET_CHECK=async`` (``CUDA_TARGET_CHECK``) makes it
-a device-side assertion instead, as PyTorch's own losses do on CUDA: no wait,
-but a bad target then fails later, as a CUDA error, not as this exception.
+On CUDA the range check is a device-side assertion (``torch._assert_async``), as
+PyTorch's own losses do there: the host does not wait for the GPU, and a bad
+target fails a later synchronising call as a CUDA error naming the check. Reading
+the verdict on the host instead cost an H200 0.73 ms of a 2.53 ms training step
+(8192 x 128256 bf16). ``CE_TVM_CUDA_TARGET_CHECK=sync`` (``CUDA_TARGET_CHECK``)
+gives the ``TargetOutOfRangeError`` there too, at that cost.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from ..runtime.tensors import TORCH_DTYPES, accum_torch_dtype
 TARGET_DTYPES = (torch.int64, torch.int32)
 KERNEL_DEVICES = ("cpu", "cuda")
 
-# How CUDA targets are range-checked: "sync" (a TargetOutOfRangeError, the host
-# waiting for the GPU) or "async" (a device-side assertion, no wait).
-CUDA_TARGET_CHECK = os.environ.get("CE_TVM_CUDA_TARGET_CHECK", "sync")
+# How CUDA targets are range-checked: "async" (a device-side assertion, no wait) or
+# "sync" (a TargetOutOfRangeError, the host waiting for the GPU).
+CUDA_TARGET_CHECK = os.environ.get("CE_TVM_CUDA_TARGET_CHECK", "async")
 if CUDA_TARGET_CHECK not in ("sync", "async"):
     raise ValueError(f"CE_TVM_CUDA_TARGET_CHECK must be sync or async, got {CUDA_TARGET_CHECK!r}")
 

@@ -174,7 +174,7 @@ def test_a_bare_1d_head_weight_names_the_sharding_that_made_it(monkeypatch):
 
 
 def test_an_unknown_cuda_target_check_mode_is_refused_when_the_losses_load():
-    """``CE_TVM_CUDA_TARGET_CHECK`` is ``sync`` (the default) or ``async``."""
+    """``CE_TVM_CUDA_TARGET_CHECK`` is ``async`` (the default) or ``sync``."""
     import subprocess
 
     env = {**os.environ, "CE_TVM_CUDA_TARGET_CHECK": "later"}
