@@ -515,15 +515,36 @@ def schedule_backward(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     func = sch.mod["main"]
     inline_row_helpers(sch)
     grad, row = place_grad_coefficients(sch)
+    _row_values_in_registers(sch, grad)
     col = sch.get_loops(grad)[-1]
     _keep_on_chip(sch, func, ROW_GRAD_COEFS)
     _bind_row_blocks(sch, row, knobs.rows_per_block)
-    dtype = str(sch.get(grad).writes[0].source.dtype)
-    classes = classes_of(func)
+    written = sch.get(grad).writes[0].source
+    dtype, classes = str(written.dtype), int(written.shape[1])
     _thread_loop(sch, col, knobs.row_threads, _vector_width(
         classes, classes, dtype, True, knobs.vector_bytes), knobs.unroll)
     _bind_single_block_reductions(sch, knobs.threads)
     return sch
+
+
+def _row_values_in_registers(sch, grad) -> None:
+    """The per-row inputs the gradient reads for every element (the log-prob
+    gradient's ``row_max``, ``log_expsum``, ``entropy``, upstream gradients and
+    indices: ``[N]`` or ``[N, K]`` parameters), copied into registers once per
+    row: nvcc re-read them from global memory per element (it cannot tell them
+    from the gradient's stores)."""
+    rows = sch.get(grad).writes[0].source.shape[0]
+    params = {p.name for p in sch.mod["main"].params if hasattr(p, "shape")}
+    for i, region in reversed(list(enumerate(sch.get(grad).reads))):
+        buf = region.source
+        if buf.name in params and buf.shape[0].same_as(rows) and (len(buf.shape) == 1 or (
+                len(buf.shape) == 2 and int(buf.shape[1]) <= MAX_ROW_VALUES)):
+            copy = sch.cache_read(grad, i, "local", consumer_blocks=[grad])
+            sch.compute_at(copy, sch.get_loops(grad)[0])
+
+
+# The widest ``[N, K]`` input held in registers per row (``_row_values_in_registers``).
+MAX_ROW_VALUES = 8
 
 
 def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
