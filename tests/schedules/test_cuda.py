@@ -256,6 +256,19 @@ def test_a_row_merged_in_lanes_reads_its_outputs_from_shared_memory(op, variant,
         assert f"__shared__ alignas(64) float {name}_shared_ptr[1];" in source
 
 
+def test_the_log_prob_gradient_loads_vectors_and_reads_its_row_values_once():
+    """The log-prob gradient takes its width from the gradient it writes (not from
+    ``grad_logp [N, K]``, which left it one bf16 per load), and holds its per-row
+    inputs in registers: each is read once per row, not per element."""
+    spec = KernelSpec("log_probs_grad", "bfloat16", 128256, Variant(columns=1), "cuda",
+                      (("arch", "sm_90"),))
+    source = lower_and_compile(spec).mod.imports[0].inspect_source()
+    body = source[source.index("{", source.index("__global__ void __launch_bounds__")):]
+    assert "nv_bfloat164" in body  # 4 logits per load, 4 gradients per store
+    for name in ("row_max", "log_expsum", "grad_entropy"):
+        assert body.count(f"{name}_ptr[") == 1, name
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("classes", [1001, 32000, 50257])

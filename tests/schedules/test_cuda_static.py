@@ -52,7 +52,9 @@ share their element loops).
   reduction per chunk): the forward took 16.6/20.8 per element (bf16/fp32,
   C = 128256, unweighted), the log-probs 29.4/38.0, their stats variant
   39.1/52.5 (2026-12-04), well inside the budgets below, which the chunked
-  schedule set; the history of the chunked kernels follows.
+  schedule set; the log-prob gradient, its per-row values held in registers and
+  its logits loaded in vectors, 20.3/18.3. The history of the chunked kernels
+  follows.
 - The log-prob kernels (SPEC section 6, one index per row): the
   forward evaluates ``exp`` in each of a chunk's two sums (``KEEPS_CHUNK_EXP``
   is off on CUDA) and adds the entropy term: 47-51 per element (bf16/fp32,
