@@ -161,20 +161,27 @@ def chunk_reductions(sch) -> list:
 
 
 def place_row_stages(sch, lanes: int):
-    """The forward phase every schedule shares (``forward_func`` and ``shard_stats_func``).
-
-    Each chunk reduction is split by ``lanes`` and rfactored
-    (``split_reduction``) and moved, with its rfactor block, under the chunk
-    loop of ``ce_rowstats``, which merges them: a chunk is read from memory by
-    the first reduction and from cache by the others; a kept
-    ``ce_chunk_exp`` (the log-prob kernels) is computed once per chunk before
-    the sums that read it. The per-row stages after it move under its row
-    loop. Returns ``(row loop, chunk loop, {reduction: its blocks, producer
-    first})``.
+    """The forward phase every schedule shares (``forward_func`` and ``shard_stats_func``):
+    ``place_chunk_stages`` under the chunk loop of ``ce_rowstats``, which merges
+    them, then ``place_row_rest`` under its row loop. Returns ``(row loop, chunk
+    loop, {reduction: its blocks, producer first})``.
     """
+    row, chunk_loop = sch.get_loops(sch.get_sblock(ROWSTATS))
+    stages = place_chunk_stages(sch, chunk_loop, lanes)
+    row = place_row_rest(sch, row)
+    return row, sch.get_loops(sch.get_sblock(ROWSTATS))[1], stages
+
+
+def place_chunk_stages(sch, chunk_loop, lanes: int) -> dict:
+    """Each chunk reduction split by ``lanes`` and rfactored (``split_reduction``)
+    and moved, with its rfactor block, under ``chunk_loop`` (the loop of the merge
+    over chunks): a chunk is read from memory by the first reduction and from
+    cache by the others; a kept ``ce_chunk_exp`` (the log-prob kernels) is
+    computed once per chunk before the sums that read it, and a staged
+    ``ce_chunk_logits`` once per chunk. Returns ``{reduction: its blocks,
+    producer first}``."""
     names = chunk_reductions(sch)
     stages = {name: split_reduction(sch, name, lanes) for name in names}
-    row, chunk_loop = sch.get_loops(sch.get_sblock(ROWSTATS))
     for name in reversed(names):  # consumers first
         if name == CHUNK_MAX:  # a kept exp (the log-prob kernels) reads the max
             for blk in present_blocks(sch, [CHUNK_EXP]):
@@ -183,6 +190,14 @@ def place_row_stages(sch, lanes: int):
             sch.compute_at(blk, chunk_loop)
     for blk in present_blocks(sch, [CHUNK_LOGITS]):  # the staged chunk, once per chunk
         sch.compute_at(blk, chunk_loop)
+    return stages
+
+
+def place_row_rest(sch, row):
+    """The per-row stages around a row's statistics under its row loop ``row``: the
+    target's logit (read by every chunk), the stages after the statistics
+    (``ROW_FORWARD_REST``), the per-row values the chunks read
+    (``ROW_PRODUCERS``). Returns the row loop."""
     for blk in present_blocks(sch, [ROW_TARGET_LOGIT]):  # read by every chunk of the row
         sch.compute_at(blk, row)
     for blk in present_blocks(sch, ROW_FORWARD_REST):
@@ -190,7 +205,7 @@ def place_row_stages(sch, lanes: int):
             row = join_row(sch, blk, row)
     for blk in present_blocks(sch, ROW_PRODUCERS):  # its consumers are under the row now
         sch.compute_at(blk, row)
-    return row, sch.get_loops(sch.get_sblock(ROWSTATS))[1], stages
+    return row
 
 
 def join_row(sch, block, row):

@@ -82,14 +82,12 @@ from ..kernels.stages import (
 )
 from ._common import (
     COMBINE_ROWS,
-    ROW_FORWARD_REST,
     ROW_GRAD_COEFS,
     ROW_INDEPENDENT,
     ROW_PRODUCERS,
     ROW_TOTALS,
     SHARD_GATHERS,
     all_blocks,
-    chunk_reductions,
     classes_of,
     divergence_row,
     has_stage,
@@ -97,7 +95,9 @@ from ._common import (
     inline_row_helpers,
     is_per_row,
     join_row,
+    place_chunk_stages,
     place_grad_coefficients,
+    place_row_rest,
     place_row_stages,
     present_blocks,
     row_sweep,
@@ -221,25 +221,6 @@ def forward_lanes(classes: int, dtype: str, variant, target: Target,
     return log_probs_lanes(classes, dtype, variant, target, knobs)
 
 
-# Per-row outputs that other per-row stages of the same kernel read.
-ROW_OUTPUTS_READ = (LSE, ROW_MAX, ROW_LOG_EXPSUM)
-
-
-def _shared_row_outputs(sch, row) -> None:
-    """After the lanes meet, TVM writes a value computed from a cross-thread
-    reduction's result from thread 0 alone: a row's ``lse`` (``row_max``,
-    ``log_expsum``) reaches global memory from thread 0, and the other threads
-    of a stage that reads it there (the z-loss, ``log_prob``, the token
-    log-probs) would race it (an H200 read garbage). Each such output is
-    written through shared memory, where its readers take it after a barrier
-    (TVM's thread sync), and copied out from there, under the row loop ``row``."""
-    for blk in present_blocks(sch, ROW_OUTPUTS_READ):
-        readers = sch.get_consumers(blk)
-        if readers:
-            sch.reverse_compute_at(sch.cache_write(blk, 0, "shared", consumer_blocks=readers),
-                                   row)
-
-
 def log_probs_lanes(classes: int, dtype: str, variant, target: Target,
                     knobs: CUDAKnobs = CUDAKnobs()) -> tuple[int | None, int]:
     """``forward_lanes`` of the log-prob kernels, which write no ``log_prob``:
@@ -347,16 +328,9 @@ def schedule_forward_lanes(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     inline_row_helpers(sch)
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
     row, lane, chunk_loop = sch.get_loops(sch.get_sblock(LANE_STATS))
-    names = chunk_reductions(sch)
-    for name in reversed(names):
-        if name == CHUNK_MAX:  # a kept exp (the log-prob kernels) reads the max
-            for blk in present_blocks(sch, [CHUNK_EXP]):
-                sch.compute_at(blk, chunk_loop)
-        sch.compute_at(sch.get_sblock(name), chunk_loop)
+    names = list(place_chunk_stages(sch, chunk_loop, lanes=1))
     names += [CHUNK_EXP] if has_stage(sch, CHUNK_EXP) else []
     capped = present_blocks(sch, [CHUNK_LOGITS])
-    for blk in capped:
-        sch.compute_at(blk, chunk_loop)
     readers = [b for b in [sch.get_sblock(n) for n in names] + capped
                if LOGITS in [r.source.name for r in sch.get(b).reads]]
     loaded = sch.cache_read(readers[0], _read_index(sch, readers[0], LOGITS), "local",
@@ -365,11 +339,7 @@ def schedule_forward_lanes(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     across = present_blocks(sch, (LANES_MAX, LANES_EXPSUM, *LANES_VALUES))
     for blk in across:
         sch.reverse_compute_at(blk, row)
-    for blk in present_blocks(sch, [ROW_TARGET_LOGIT]):
-        sch.compute_at(blk, row)
-    for blk in present_blocks(sch, ROW_FORWARD_REST):
-        if is_per_row(sch, blk):
-            row = join_row(sch, blk, row)
+    row = place_row_rest(sch, row)
     _shared_row_outputs(sch, row)
     per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
     _keep_on_chip(sch, func, names + [CHUNK_LOGITS, LANE_STATS, LANES_MAX, LANES_EXPSUM,
@@ -393,6 +363,25 @@ def schedule_forward_lanes(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
                      knobs.unroll)
     _bind_single_block_reductions(sch, knobs.threads)
     return sch
+
+
+# Per-row outputs that other per-row stages of the same kernel read.
+ROW_OUTPUTS_READ = (LSE, ROW_MAX, ROW_LOG_EXPSUM)
+
+
+def _shared_row_outputs(sch, row) -> None:
+    """After the lanes meet, TVM writes a value computed from a cross-thread
+    reduction's result from thread 0 alone: a row's ``lse`` (``row_max``,
+    ``log_expsum``) reaches global memory from thread 0, and the other threads
+    of a stage that reads it there (the z-loss, ``log_prob``, the token
+    log-probs) would race it (an H200 read garbage). Each such output is
+    written through shared memory, where its readers take it after a barrier
+    (TVM's thread sync), and copied out from there, under the row loop ``row``."""
+    for blk in present_blocks(sch, ROW_OUTPUTS_READ):
+        readers = sch.get_consumers(blk)
+        if readers:
+            sch.reverse_compute_at(sch.cache_write(blk, 0, "shared", consumer_blocks=readers),
+                                   row)
 
 
 def _bind_row_blocks(sch, row, rows_per_block: int) -> None:
