@@ -2,7 +2,8 @@
 
 For one shape (op, dtype, C, arch) this builds the kernel exactly as the
 runtime would (``build.lower_and_compile``), compiles TVM's
-CUDA source with ``nvcc -cubin -Xptxas -v`` and disassembles the cubin with
+CUDA source with ``nvcc -cubin -Xptxas -v`` and the flags TVM's own CUDA build
+passes (``nvcc_flags``: fast math among them) and disassembles the cubin with
 ``nvdisasm`` (pip ``nvidia-cuda-nvdisasm``; or ``cuobjdump -sass``). It prints,
 per kernel: registers, shared memory per block, spill bytes (ptxas), and per
 element loop: SASS instructions per element, shared loads per element, and
@@ -40,7 +41,8 @@ Method (how element loops are found and counted):
    smallest of the global kinds and the staging stores when the loop has
    any (a per-chunk scalar read from shared memory at the chunk's index is
    not a stream); in a loop over a row staged before it (no staging stores
-   in the loop), also the distinct addresses read off one base register:
+   and no global stores in the loop), also the distinct loop-varying
+   addresses read off one base register:
    each pass (max, exp-sum, ...) reads the same staged elements, the
    reductions' scratch is read off others. Shared stores count only when they store a value loaded
    in the loop (staging a chunk), not a computed one (reduction scratch).
@@ -260,7 +262,7 @@ def _loop(kernel: str, body: list, dtype_bytes: int) -> Loop | None:
         if kind == "LDS":
             lds += 1
             broadcast += not per_thread
-        if kind == "LDS" and per_thread:
+        if kind == "LDS" and per_thread and varying:
             base = re.search(r"\bR\d+", address).group(0)
             read_at.setdefault(base, {})[address] = _width(op)
         if varying or (kind in ("LDS", "STS") and per_thread):
@@ -269,13 +271,16 @@ def _loop(kernel: str, body: list, dtype_bytes: int) -> Loop | None:
     # when there are any: a per-chunk scalar read from shared memory at a
     # loop-varying address (the chunk index) would otherwise count as a
     # stream of its own.
-    # A row staged in shared memory before the loop (no staging stores in it)
-    # is a stream too: the distinct addresses read off its base register (every
-    # pass reads the same ones; the reductions' scratch is read off others), as
-    # float32 weights read next to 16-bit logits would otherwise count double.
+    # A row staged in shared memory before the loop (no staging stores in it,
+    # and no global stores: a loop that stores its elements is counted by them)
+    # is a stream too: the distinct loop-varying addresses read off its base
+    # register (every pass reads the same ones; the reductions' scratch is read
+    # off others), as float32 weights read next to 16-bit logits would
+    # otherwise count double.
     main = [moved[k] / dtype_bytes for k in ("LDG", "STG", "STS") if moved[k]]
     staged = max((sum(reads.values()) for reads in read_at.values()), default=0)
-    streams = main + ([staged / dtype_bytes] if staged and not moved["STS"] else [])
+    row_pass = staged and not (moved["STS"] or moved["STG"])
+    streams = main + ([staged / dtype_bytes] if row_pass else [])
     if not streams:
         return None
     return Loop(kernel, len(body), min(streams), lds, broadcast, moved)
@@ -348,6 +353,17 @@ def dynamic_shared_bytes(op: str, dtype: str, classes: int, arch: str = "sm_90",
                for blk in blocks for buf in blk.alloc_buffers if buf.scope() == "shared.dyn")
 
 
+def nvcc_flags() -> list:
+    """The code-generation flags ``tvm.support.nvcc`` compiles a kernel with
+    (``-O3``, ``--use_fast_math`` unless ``TVM_CUDA_NVCC_NO_FAST_MATH`` is set,
+    its ptxas options, ``-v`` among them): the machine code counted is the
+    machine code that runs."""
+    from tvm.support import nvcc
+
+    fast_math = [] if os.environ.get("TVM_CUDA_NVCC_NO_FAST_MATH") else ["--use_fast_math"]
+    return ["-O3", *fast_math, f"--ptxas-options={','.join(nvcc._ptxas_option_flags())}"]
+
+
 @functools.cache
 def analyse(op: str, dtype: str, classes: int, arch: str = "sm_90", weighted: bool = False,
             reduction: str = "mean") -> dict:
@@ -359,8 +375,8 @@ def analyse(op: str, dtype: str, classes: int, arch: str = "sm_90", weighted: bo
     with tempfile.TemporaryDirectory() as tmp:
         cu, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
         Path(cu).write_text(source)
-        ptxas = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v",
-                                cu, "-o", cubin], capture_output=True, text=True, check=True)
+        ptxas = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", *nvcc_flags(), cu,
+                                "-o", cubin], capture_output=True, text=True, check=True)
         sass = subprocess.run(disasm + [cubin], capture_output=True, text=True,
                               check=True).stdout
     kernels = parse_ptxas(ptxas.stderr + ptxas.stdout)
