@@ -41,7 +41,8 @@ left out):
   floor of three GEMMs;
 - ``time_log_probs``: log-probs and entropy at 8192 x 128256 bf16 against
   TRL's Triton kernel (``selective_log_softmax_and_entropy``), eager and
-  torch.compile, with the copy floor;
+  torch.compile, with the copy floor; then its forward and gradient kernels
+  alone, with the read and copy floors;
 - ``time_distill``: the beta 0.5 divergence through both heads at 4096 x 4096
   x 128256 bf16 against TRL's ``ChunkedDivergenceFunction``, eager and the
   floor of the step's four GEMMs (``distillation_bench``'s);
@@ -780,6 +781,30 @@ def time_log_probs(plan: Plan):
         yield _timing_row(plan, f"log-probs + entropy {n}x{c} {dtype} "
                           f"(temperature {bench_policy.TEMPERATURE})", fns, left_out, "copy",
                           n=n, c=c, dtype=str(dtype), trl_note=stand_in)
+        yield _timing_row(plan, f"log-prob kernels {n}x{c} {dtype}",
+                          _log_prob_kernels(x, index, a, b), {}, "copy",
+                          n=n, c=c, dtype=str(dtype))
+
+
+def _log_prob_kernels(x, index, a, b) -> dict:
+    """The log-prob forward kernel alone with its floor (one read of the logits),
+    its gradient kernel alone and the two in turn (what a step launches), beside
+    the copy floor: where a log-probs step's time goes."""
+    options = LossOptions(temperature=bench_policy.TEMPERATURE)
+    index = index[:, None].contiguous()
+    _, entropy, row_max, log_expsum = launch.log_probs(x, index, options)
+    grad_logp = a[:, None].contiguous()
+    copy = torch.empty_like(x)
+
+    def both():
+        _, ent, top, lse = launch.log_probs(x, index, options)
+        return launch.log_probs_backward(grad_logp, b, x, index, top, lse, ent, options)
+
+    return {"forward": lambda: launch.log_probs(x, index, options),
+            "backward": lambda: launch.log_probs_backward(grad_logp, b, x, index, row_max,
+                                                          log_expsum, entropy, options),
+            "both": both, "read": lambda: x.sum(dtype=torch.float32),
+            "copy": lambda: copy.copy_(x)}
 
 
 def time_distill(plan: Plan):
