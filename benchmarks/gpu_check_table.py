@@ -6,7 +6,8 @@ ce-tvm's (above 1: ce-tvm is faster).
     python benchmarks/gpu_check_table.py gpu_check.jsonl [...]
 
 Floors: ``copy`` (one read and one write of the logits: the training step and
-the log-probs' step), ``gemm3`` / ``gemm`` (the fused heads' GEMMs alone).
+the log-probs' step), ``gemm3`` / ``gemm`` (the fused heads' GEMMs alone);
+``read`` (one read of the logits, a forward's floor) is listed beside them.
 Several files: one table each, in order.
 """
 
@@ -17,7 +18,8 @@ import json
 
 BYTES = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
 OURS = ("ce_tvm", "ce_tvm_async_check", "ce_tvm_sync_check", "one_pass", "one_pass_scaled",
-        "recompute", "forward")
+        "recompute", "forward", "backward", "both")
+OTHER_FLOORS = ("read",)  # shown beside the row's own floor
 PEERS = ("liger", "trl", "eager", "compile")
 
 
@@ -43,7 +45,7 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         ms = row["ms"]
         floor = ms[row["over"]]
-        for name in [m for m in ms if m in OURS] + [row["over"]]:
+        for name in [m for m in ms if m in OURS + OTHER_FLOORS] + [row["over"]]:
             t = ms[name]
             peers = [f"{ms[p] / t:.2f}" if p in ms and name in OURS else "" for p in PEERS]
             case = row["case"].replace("torch.", "")
