@@ -462,3 +462,19 @@ def test_log_probs_and_tempered_loss_on_gpu(dtype, classes):
     loss = ce_tvm.cross_entropy(x.cuda(), y.cuda(), temperature=1.5)
     expected = torch.nn.functional.cross_entropy(x.float() / 1.5, y)
     torch.testing.assert_close(loss.float().cpu(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("op, variant", [("forward", Variant("mean", False, False)),
+                                         ("log_probs", Variant(columns=1))])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_lane_reduces_two_vectors_before_it_merges(op, variant, dtype):
+    """In lanes, a thread loads ``lane_vectors`` (2) 16-byte vectors of its chunk,
+    reduces them, then merges once into its lane: the chunk loop holds two
+    vector loads of the logits, each the full width."""
+    spec = KernelSpec(op, dtype, 128256, variant, "cuda", (("arch", "sm_90"),))
+    source = lower_and_compile(spec).mod.imports[0].inspect_source()
+    assert "ce_lanestats" in source
+    loads = [line for line in source.splitlines()
+             if "x_local_ptr" in line and "x_ptr" in line
+             and ("*(uint4*)" in line or "*(float4*)" in line)]
+    assert len(loads) == 2, loads
