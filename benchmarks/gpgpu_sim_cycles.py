@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--arch", default="sm_80", help="the schedule's arch")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--families", nargs="+", default=sorted({f for f, _ in TABLE}),
+                        help="only these families' rows of the table")
     args = parser.parse_args(argv)
     reason = gpgpu_sim.unavailable()
     if reason:
@@ -62,7 +64,8 @@ def main(argv=None) -> int:
     print(f"device: {sim.name}; C = {args.classes}, N = {args.rows}, schedule {args.arch}")
     print(f"{'kernel':42} {'dtype':8} {'launches':>8} {'ce-tvm':>9} {'floor':>9} {'ratio':>6}")
     records = []
-    for (family, index), dtype in [(k, d) for k in TABLE for d in args.dtypes]:
+    for (family, index), dtype in [(k, d) for k in TABLE for d in args.dtypes
+                                   if k[0] in args.families]:
         kernel = KERNELS[family][index]
         case = _case(family, kernel, dtype, args.classes, args.rows)
         case = replace(case, arch=args.arch)
