@@ -153,7 +153,8 @@ class CUDAKnobs:
     the forward bf16 12.3 -> 10.2, fp32 15.2 -> 10.9, the log-probs 23.5 -> 19.1
     and 29.0 -> 20.6) and keep as many bytes in flight per SM, the bf16 log-probs
     at 48 registers (5 blocks of 256 threads per SM) instead of 32 (8 blocks);
-    four took 80 registers there for 17.1."""
+    four took 80 registers there for 17.1. A short row keeps one vector
+    (``LANE_PADDING``)."""
 
     threads: int = 256
     max_chunk: int = 4096
@@ -235,7 +236,22 @@ def log_probs_lanes(classes: int, dtype: str, variant, target: Target,
     a row longer than ``max_chunk`` in lanes."""
     if classes <= knobs.max_chunk:
         return None, 0
-    return knobs.lane_vectors * knobs.vector_bytes // DTYPE_BYTES[dtype], knobs.row_threads
+    vector, lanes = knobs.vector_bytes // DTYPE_BYTES[dtype], knobs.row_threads
+
+    def padded(chunk):  # the elements the lanes' rounds span
+        return -(-classes // (chunk * lanes)) * chunk * lanes
+
+    chunk = knobs.lane_vectors * vector
+    if padded(chunk) > LANE_PADDING * padded(vector):
+        chunk = vector
+    return chunk, lanes
+
+
+# Several vectors per lane step unless their rounds span this much more of the row
+# than one vector's: at C = 5003 (bf16) two vectors' rounds span 8192 elements
+# against one's 6144, and one vector ran 13-15% faster in GPGPU-Sim (forward and
+# log-probs, 92 rows); at C = 32000 both span 32768, and two ran 11-13% faster.
+LANE_PADDING = 1.10
 
 
 def _vector_width(classes: int, extent: int, dtype: str, computes: bool = False,

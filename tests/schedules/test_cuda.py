@@ -467,14 +467,17 @@ def test_log_probs_and_tempered_loss_on_gpu(dtype, classes):
 @pytest.mark.parametrize("op, variant", [("forward", Variant("mean", False, False)),
                                          ("log_probs", Variant(columns=1))])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_lane_reduces_two_vectors_before_it_merges(op, variant, dtype):
+@pytest.mark.parametrize("classes, vectors", [(128256, 2), (5008, 1)])
+def test_a_lane_reduces_two_vectors_before_it_merges(op, variant, dtype, classes, vectors):
     """In lanes, a thread loads ``lane_vectors`` (2) 16-byte vectors of its chunk,
     reduces them, then merges once into its lane: the chunk loop holds two
-    vector loads of the logits, each the full width."""
-    spec = KernelSpec(op, dtype, 128256, variant, "cuda", (("arch", "sm_90"),))
+    vector loads of the logits, each the full width. A short row keeps one
+    (``LANE_PADDING``: at C = 5008 two vectors' rounds would span 33% (bf16)
+    and 20% (fp32) more of the row than one's)."""
+    spec = KernelSpec(op, dtype, classes, variant, "cuda", (("arch", "sm_90"),))
     source = lower_and_compile(spec).mod.imports[0].inspect_source()
     assert "ce_lanestats" in source
     loads = [line for line in source.splitlines()
              if "x_local_ptr" in line and "x_ptr" in line
              and ("*(uint4*)" in line or "*(float4*)" in line)]
-    assert len(loads) == 2, loads
+    assert len(loads) == vectors, loads

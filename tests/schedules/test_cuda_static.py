@@ -57,7 +57,8 @@ share their element loops).
   reduction per chunk): the forward took 16.6/20.8 per element (bf16/fp32,
   C = 128256, unweighted), the log-probs 29.4/38.0, their stats variant
   39.1/52.5 (2026-12-04, without fast math; with it 12.3/15.2, 23.5/29.0,
-  31.5/40.8), well inside the budgets below, which the chunked
+  31.5/40.8; a lane reducing two vectors before it merges, ``lane_vectors``:
+  10.2/10.9, 19.1/20.6, 25.9/29.1), well inside the budgets below, which the chunked
   schedule set; the log-prob gradient, its per-row values held in registers and
   its logits loaded in vectors, 20.3/18.3 (with fast math 17.3/15.3). The
   history of the chunked kernels follows.
