@@ -110,3 +110,88 @@ def test_numpy_scalars_are_real_numbers_everywhere(make):
     for bad in (True, "0.5"):
         with pytest.raises(TypeError, match="beta must be a real number"):
             ce_tvm.distillation_loss(s, t, beta=bad)
+
+
+# --- Eager calls: the implementation and autograd directly, else the dispatcher ---------
+
+
+def _step(x, y):
+    loss = ce_tvm.cross_entropy(x, y, label_smoothing=0.1)
+    loss.backward()
+    return loss
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(12, 50, generator=g, requires_grad=True), torch.randint(0, 50, (12,),
+                                                                                generator=g)
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda op: op._name)
+def test_every_op_is_an_eager_custom_op(op):
+    from ce_tvm.losses.autograd import EagerCustomOp
+
+    assert isinstance(op, EagerCustomOp) and isinstance(op, torch.library.CustomOpDef)
+
+
+class _Counted:
+    """An op's ``_opoverload`` (the dispatcher's entry point), its calls counted."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.real(*args, **kwargs)
+
+
+def test_an_eager_call_on_plain_tensors_skips_the_dispatcher(monkeypatch):
+    """The training step gives torch's loss and gradient without entering the
+    dispatcher for any op of the step."""
+    counted = []
+    for op in (cross_entropy.cross_entropy_train, cross_entropy.cross_entropy_forward):
+        counted.append(_Counted(op._opoverload))
+        monkeypatch.setattr(op, "_opoverload", counted[-1])
+    x, y = _inputs()
+    loss = _step(x, y)
+    ref_x = x.detach().clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_x, y, label_smoothing=0.1)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    assert [c.calls for c in counted] == [0, 0]
+
+
+def test_modes_and_subclasses_go_through_the_dispatcher(monkeypatch):
+    """Under a dispatch mode the step is the registered op (the mode sees
+    ``ce_tvm::cross_entropy_train``, not its inner kernels), and under the
+    profiler (its trace names the op); a tensor subclass goes through the
+    dispatcher too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Seen.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, y = _inputs()
+    with Seen():
+        ce_tvm.cross_entropy(x, y, label_smoothing=0.1)
+    assert any("ce_tvm.cross_entropy_train" in n for n in Seen.names), Seen.names
+    with torch.profiler.profile() as trace:  # a profiler's trace names the op
+        _step(x, y)
+    assert "ce_tvm::cross_entropy_train" in {e.key for e in trace.key_averages()}
+
+    class Marked(torch.Tensor):
+        pass
+
+    counted = _Counted(cross_entropy.cross_entropy_train._opoverload)
+    monkeypatch.setattr(cross_entropy.cross_entropy_train, "_opoverload", counted)
+    _step(x.detach().as_subclass(Marked).requires_grad_(), y)
+    _step(x, y)
+    assert counted.calls == 1  # the subclass only
