@@ -8,9 +8,10 @@
 # DIR/extra every other kernel gpu_check.py loads (found by a rehearsal of all
 # its sections on the CPU, which must pass), and the wheels of apache-tvm-ffi
 # (for the host's Python, PY, default 3.12), liger-kernel and trl (the timed
-# peers). The device run takes the working tree and DIR (carry it: git
-# ignores .gpu/), at most 64 MiB together: prepare prints both sizes
-# and fails above that.
+# peers). The kernels travel packed (DIR/kernels.tar.gz: a module keeps its
+# CUDA source, some hundreds of KB, which packs tenfold); run unpacks them.
+# The device run takes the working tree and DIR (carry it: git ignores .gpu/),
+# at most 64 MiB together: prepare prints both sizes and fails above that.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 step="${1:?prepare or run}"
@@ -30,6 +31,9 @@ if [ "$step" = prepare ]; then
     --implementation cp --platform manylinux_2_28_x86_64 -d "$dir/whl" \
     "apache-tvm-ffi==0.1.14.post1" "liger-kernel==0.8.5" "trl==1.16.0"
   du -sh "$dir"/*
+  kernels=(bf16 fp32 fp16 extra)
+  tar -C "$dir" -czf "$dir/kernels.tar.gz" "${kernels[@]}"
+  (cd "$dir" && rm -rf "${kernels[@]}")
   mib() { echo $((($1 + 1048575) / 1048576)); }
   prepared=$(du -sb "$dir" | cut -f1)
   tree=$(git ls-files -z -co --exclude-standard | grep -zv "^${dir#./}/" |
@@ -60,6 +64,7 @@ cudart=$(python3 -c "import glob, os, site; print(':'.join(sorted({os.path.dirna
   site.getsitepackages() + ['/usr/local/cuda'] for p in glob.glob(d + '/**/libcudart.so.13*',
   recursive=True)})))")
 export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+[ -f "$dir/kernels.tar.gz" ] && tar -C "$dir" -xzf "$dir/kernels.tar.gz"
 chmod -R go-w "$dir"
 dirs=() kernels=()
 for b in "$dir"/*/bundle.json; do dirs+=("$(dirname "$b")"); done
