@@ -100,6 +100,9 @@ ROW_GRAD_COEFS = (GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE)
 # Stages over the classes only, that per-row stages read (weighted only): reduced
 # once per launch at the root, outside the rows.
 ROW_INDEPENDENT = (WSUM,)
+# The training kernel's mean normalisers D and M: from the targets alone, before
+# its rows (``kernels.training``).
+TOTALS_BEFORE_ROWS = (TOTAL_WEIGHT, TOTAL_COUNT)
 
 
 def collect_nodes(node, kind) -> list:
@@ -193,14 +196,18 @@ def place_chunk_stages(sch, chunk_loop, lanes: int) -> dict:
     return stages
 
 
-def place_row_rest(sch, row):
+def place_row_rest(sch, row, then: tuple = ()):
     """The per-row stages around a row's statistics under its row loop ``row``: the
     target's logit (read by every chunk), the stages after the statistics
-    (``ROW_FORWARD_REST``), the per-row values the chunks read
-    (``ROW_PRODUCERS``). Returns the row loop."""
+    (``ROW_FORWARD_REST``, and ``then``: the training kernel's gradient
+    coefficients and gradient), joined in program order, the per-row values
+    the chunks read (``ROW_PRODUCERS``). Returns the row loop."""
     for blk in present_blocks(sch, [ROW_TARGET_LOGIT]):  # read by every chunk of the row
         sch.compute_at(blk, row)
-    for blk in present_blocks(sch, ROW_FORWARD_REST):
+    order = [sch.get(b).name_hint for b in all_blocks(sch)]
+    after = sorted(present_blocks(sch, ROW_FORWARD_REST + tuple(then)),
+                   key=lambda b: order.index(sch.get(b).name_hint))
+    for blk in after:
         if is_per_row(sch, blk):
             row = join_row(sch, blk, row)
     for blk in present_blocks(sch, ROW_PRODUCERS):  # its consumers are under the row now
@@ -212,24 +219,30 @@ def join_row(sch, block, row):
     """Move the per-row ``block`` (its own row loop at the root) under the row
     loop ``row``, after what is there; returns the row loop.
 
-    ``reverse_compute_at``, unless ``block`` reads a row-independent stage
-    (``ROW_INDEPENDENT``: at the root, once), which that primitive refuses (it
-    wants every producer under the loop): then the two row loops are merged,
-    and the merged loop takes the place of ``block``'s, after the stage.
+    ``reverse_compute_at``, unless ``block`` reads a stage computed at the root,
+    once, before the rows (``ROW_INDEPENDENT``; the training kernel's mean
+    normalisers, ``TOTALS_BEFORE_ROWS``), which that primitive refuses (it
+    wants every producer under the loop), or shares its row loop with its
+    producers (a gradient with its coefficients, ``place_grad_coefficients``):
+    then the two row loops are merged, and the merged loop takes the place of
+    ``block``'s, after the stage.
     """
     reads = {region.source.name for region in sch.get(block).reads}
-    if not reads & set(ROW_INDEPENDENT):
+    own_row = sch.get_loops(block)[0]
+    along = {sch.get(b).name_hint for b in sch.get_child_blocks(own_row)}
+    if len(along) == 1 and not reads & set(ROW_INDEPENDENT + TOTALS_BEFORE_ROWS):
         sch.reverse_compute_at(block, row)
         return row
     children = sch.get_child_blocks(sch.get_sblock("root"))
     names = [sch.get(b).name_hint for b in children]
     rows = [i for i, b in enumerate(children)
             if any(sch.get(loop).same_as(sch.get(row)) for loop in sch.get_loops(b))]
-    between = names[max(rows) + 1:names.index(sch.get(block).name_hint)]
+    between = [name for name in names[max(rows) + 1:names.index(sch.get(block).name_hint)]
+               if name not in along]
     if not set(between) <= set(ROW_INDEPENDENT):  # they would run before the merged rows
         raise ValueError(f"cannot merge the rows of {names[rows[0]]} and "
                          f"{sch.get(block).name_hint}: {between} lie between them")
-    return sch.merge(row, sch.get_loops(block)[0])
+    return sch.merge(row, own_row)
 
 
 def place_grad_coefficients(sch):

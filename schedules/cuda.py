@@ -162,6 +162,7 @@ class CUDAKnobs:
     rows_per_block: int = 1
     vector_bytes: int = VECTOR_BYTES
     lane_vectors: int = 2
+    gradient_backwards: bool = False
 
     @property
     def row_threads(self) -> int:
@@ -269,10 +270,11 @@ def _vector_width(classes: int, extent: int, dtype: str, computes: bool = False,
     return lanes if aligned and extent % lanes == 0 else 1
 
 
-def _thread_loop(sch, loop, threads: int, lanes: int = 1, unroll: int = 1) -> None:
+def _thread_loop(sch, loop, threads: int, lanes: int = 1, unroll: int = 1):
     """Spread ``loop`` over ``threadIdx.x`` (coalesced), vectorising ``lanes`` per
     thread; ``unroll`` consecutive sweeps of the block per iteration (their
-    loads independent, so in flight together)."""
+    loads independent, so in flight together). Returns the loop over the
+    iterations."""
     factors = [None] + ([unroll] if unroll > 1 else []) + [threads] + ([lanes] if lanes > 1 else [])
     loops = sch.split(loop, factors)
     if lanes > 1:
@@ -280,6 +282,7 @@ def _thread_loop(sch, loop, threads: int, lanes: int = 1, unroll: int = 1) -> No
     if unroll > 1:
         sch.unroll(loops[1])
     sch.bind(loops[-2] if lanes > 1 else loops[-1], "threadIdx.x")
+    return loops[0]
 
 
 def _bind_rows(sch, loop, threads: int) -> None:
@@ -348,7 +351,11 @@ def schedule_forward_lanes(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     (coalesced: the block's threads read consecutive chunks); the lanes then
     meet once per row, in one cross-thread max and one cross-thread sum per
     merged value. No shared-memory staging and no block-wide reduction per
-    chunk, which the chunked schedule pays for."""
+    chunk, which the chunked schedule pays for.
+
+    The training kernel in lanes (``train_lanes``) is the same sweep, then its
+    per-row gradient coefficients (in registers, every thread) and the
+    gradient, streamed over the row as ``log_prob`` is (``_row_output``)."""
     func = sch.mod["main"]
     inline_row_helpers(sch)
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
@@ -364,11 +371,14 @@ def schedule_forward_lanes(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     across = present_blocks(sch, (LANES_MAX, LANES_EXPSUM, *LANES_VALUES))
     for blk in across:
         sch.reverse_compute_at(blk, row)
-    row = place_row_rest(sch, row)
+    if has_stage(sch, X_GRAD):  # the training kernel
+        place_grad_coefficients(sch)
+    row = place_row_rest(sch, row, then=(X_GRAD,))
     _shared_row_outputs(sch, row)
     per_row_only = [] if present_blocks(sch, ROW_TOTALS) else [ROW_CE, ROW_Z]
     _keep_on_chip(sch, func, names + [CHUNK_LOGITS, LANE_STATS, LANES_MAX, LANES_EXPSUM,
-                                      *LANES_VALUES, ROW_TARGET_LOGIT] + per_row_only)
+                                      *LANES_VALUES, ROW_TARGET_LOGIT, *ROW_GRAD_COEFS]
+                  + per_row_only)
     sch.bind(row, "blockIdx.x")
     sch.bind(lane, "threadIdx.x")
     copy = sch.get_loops(loaded)[-1]
@@ -386,10 +396,12 @@ def schedule_forward_lanes(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
             sch.unroll(loop)
     for blk in across:
         sch.bind(sch.get_loops(blk)[-1], "threadIdx.x")
-    if has_stage(sch, LOG_PROB):
-        _thread_loop(sch, _own_loop(sch, sch.get_sblock(LOG_PROB), row), knobs.row_threads,
-                     _vector_width(classes, classes, dtype, True, knobs.vector_bytes),
-                     knobs.unroll)
+    for blk in present_blocks(sch, [LOG_PROB, X_GRAD]):
+        sweep = _thread_loop(sch, _own_loop(sch, blk, row), knobs.row_threads,
+                             _vector_width(classes, classes, dtype, True, knobs.vector_bytes),
+                             knobs.unroll)
+        if sch.get(blk).name_hint == X_GRAD and knobs.gradient_backwards:
+            sch.annotate(sweep, BACKWARDS, 1)
     _bind_single_block_reductions(sch, knobs.threads)
     return sch
 
@@ -579,9 +591,18 @@ def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
 train_chunk = forward_chunk
 
 
+def train_lanes(classes: int, dtype: str, variant, target: Target,
+                knobs: CUDAKnobs = CUDAKnobs()) -> tuple[int | None, int]:
+    """``forward_lanes`` of the training kernel: a row longer than ``max_chunk``
+    is merged in lanes (``schedule_forward_lanes``), and its gradient reads the
+    row again; a shorter one is staged whole (``train``: read once)."""
+    return log_probs_lanes(classes, dtype, variant, target, knobs)
+
+
 def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
-    """Schedule ``train_func`` (built with ``train_chunk``): a block per row, one
-    sweep (``row_sweep``).
+    """Schedule ``train_func``: in lanes where it was built with ``train_lanes``'s
+    (``schedule_forward_lanes``), else (built with ``train_chunk``) a block per
+    row, one sweep (``row_sweep``).
 
     The chunk loop is the forward's (chunk staged in shared memory once, its
     reductions cross-thread, results in registers). ``ce_chunk_exp`` is
@@ -597,6 +618,8 @@ def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     registers.
     """
     sch = s_tir.Schedule(func)
+    if has_stage(sch, LANE_STATS):
+        return finish(schedule_forward_lanes(sch, target, knobs).mod["main"])
     inline_row_helpers(sch)
     inline_capped_chunk(sch)  # softcap: tanh per read, as the exp is recomputed
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
@@ -660,9 +683,31 @@ def _blocks_writing(sch, buffer: str) -> list:
 
 
 def finish(func):
-    """What every CUDA kernel gets after scheduling (a function transform, not a
-    schedule step, so also after a tuning trace): ``scratch_as_params``."""
-    return scratch_as_params(func)
+    """What every CUDA kernel gets after scheduling (function transforms, not
+    schedule steps, so also after a tuning trace): ``run_backwards`` and
+    ``scratch_as_params``."""
+    return scratch_as_params(run_backwards(func))
+
+
+# A loop annotated so runs its iterations last to first (``run_backwards``).
+BACKWARDS = "ce_tvm.backwards"
+
+
+def run_backwards(func):
+    """Every loop annotated ``BACKWARDS`` (independent iterations) runs from its
+    last iteration to its first: its variable ``i`` reads ``extent - 1 - i`` in
+    its body. TVM has no schedule primitive that reverses a loop."""
+    def flip(loop):
+        if BACKWARDS not in loop.annotations:
+            return loop
+        last = loop.min + loop.extent - 1
+        body = tvm_ffi.structural_map(loop.body, [(tirx.Var, lambda v: (
+            last - (loop.loop_var - loop.min) if v.same_as(loop.loop_var) else v))])
+        annotations = {k: v for k, v in loop.annotations.items() if k != BACKWARDS}
+        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body,
+                        loop.thread_binding, annotations)
+
+    return func.with_body(tvm_ffi.structural_map(func.body, [(tirx.For, flip)], order="post"))
 
 
 def scratch_as_params(func):

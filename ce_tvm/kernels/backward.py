@@ -17,7 +17,7 @@ from .common import (
     weight_total,
 )
 from .kinds import Variant, accum_dtype
-from .loss_terms import grad_coefficients, mean_totals
+from .loss_terms import grad_coefficients, logit_grad, mean_totals
 from .stages import X_GRAD
 
 
@@ -108,8 +108,7 @@ def backward_func(classes: int, dtype: str, variant: Variant) -> tirx.PrimFunc:
         # x - lse <= 0 for a logits source; a caller's log_prob gets the full clamps.
         p = fastmath.exp(logp(n, c), nonpositive=variant.grad_source != "log_prob",
                          storage=dtype)
-        return logit.scaled_by_slope(n, c, p * p_scale[n] - onehot - smooth[n] * wc(c)).astype(
-            dtype)
+        return logit_grad(logit, n, c, p * p_scale[n], onehot, smooth[n] * wc(c), dtype)
 
     x_grad = te.compute((n_rows, int64(classes)), grad, name=X_GRAD)
     args = ([g, gzl, src, lse, y] + ([w] if w is not None else []) + shard_args

@@ -160,3 +160,11 @@ def grad_coefficients(n_rows, acc, eps, s, mask, lse, target_weight, total_w, c_
         + tirx.Select(s != zero, masked(n, tirx.const(2.0, acc) * s * lse[n] * row_zgrad(n)), zero),
     )
     return hot, smooth, p_scale
+
+
+def logit_grad(logit, n, c, p_scaled, onehot, smooth_w, dtype: str):
+    """``x_grad[n, c]`` of ``grad_coefficients``' formula, rounded to ``dtype``:
+    ``p * pscale - [c == y] hot - smooth * w[c]`` (given as ``p_scaled``,
+    ``onehot`` and ``smooth_w``), through the slope of the logit as the loss
+    sees it (``Logits.scaled_by_slope``)."""
+    return logit.scaled_by_slope(n, c, p_scaled - onehot - smooth_w).astype(dtype)

@@ -19,12 +19,12 @@ from .common import (
     scalar_args,
 )
 from .kinds import Variant
-from .loss_terms import grad_coefficients, reduce_forward, row_hits, row_losses
+from .loss_terms import grad_coefficients, logit_grad, reduce_forward, row_hits, row_losses
 from .stages import CHUNK_PSCALE, LSE, MEAN_NORMS, X_GRAD
 
 
 def train_func(classes: int, dtype: str, variant: Variant,
-               chunk: int | None = None) -> tirx.PrimFunc:
+               chunk: int | None = None, lanes: int = 0) -> tirx.PrimFunc:
     """The forward (docs/spec.md, section 2) and, in the same sweep over each row,
     the logits gradient (section 3) for a unit upstream gradient
     (``grad_loss = 1``, no ``grad_zloss``): what autograd needs in training.
@@ -36,6 +36,11 @@ def train_func(classes: int, dtype: str, variant: Variant,
     ``exp`` per chunk, not per element). ``D`` and ``M`` of the mean come
     from the targets alone. ``sum`` and ``mean`` only: ``none`` needs an
     upstream gradient per row, so its gradient waits for the backward.
+
+    ``lanes``: the chunks are merged in that many lanes first (``row_stats``)
+    and nothing is kept: the gradient recomputes ``exp(z - lse)`` from the
+    logits read again after the row's ``lse``, as the backward does (a
+    schedule keeps that second read in a cache).
 
     Arguments: those of ``forward_func``; outputs (``mean`` only) ``norms[2]``
     = ``(D, M)`` (accumulation dtype), ``x_grad[N, C]`` (dtype, rounded once),
@@ -49,8 +54,8 @@ def train_func(classes: int, dtype: str, variant: Variant,
     logit = loss_logits(x, acc, variant, scalars)
     mask, index = masked_target(y, ii, classes)
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
-    st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk, keep_exp=True,
-                    target=index if variant.accuracy else None)
+    st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk, keep_exp=not lanes,
+                    target=index if variant.accuracy else None, lanes=lanes)
     lse = te.compute((n_rows,), lambda n: logit.scaled(st.rowmax[n]) + te.log(st.expsum[n]),
                      name=LSE)
 
@@ -78,6 +83,28 @@ def train_func(classes: int, dtype: str, variant: Variant,
     hot, smooth, p_scale = grad_coefficients(
         n_rows, acc, eps, s, mask, lse, target_weight, st.weight_sum,
         tirx.const(float(classes), acc), row_grad, row_zgrad)
+    if lanes:
+        def grad(n, c):
+            onehot = tirx.Select(same_class(c, index(n)), hot[n], zero)
+            p = fastmath.exp(logit(n, c) - lse[n], nonpositive=True, storage=dtype)
+            return logit_grad(logit, n, c, p * p_scale[n], onehot, smooth[n] * wc(c), dtype)
+    else:
+        grad = _kept_exp_grad(logit, st, lse, p_scale, hot, smooth, index, wc, classes, dtype)
+    x_grad = te.compute((n_rows, int64(classes)), grad, name=X_GRAD)
+    # Outputs in dependence order (the kernel's stages follow them): the mean's
+    # D and M before the row sweep, the sweep's x_grad before the sums over rows.
+    args = ([x, y] + ([w] if w is not None else []) + list(scalars) + norms + [x_grad, lse]
+            + outs)
+    if variant.accuracy:
+        args.append(row_hits(n_rows, acc, mask, st.beats))
+    return te.create_prim_func(args).with_attr("global_symbol", "main")
+
+
+def _kept_exp_grad(logit, st, lse, p_scale, hot, smooth, index, wc, classes: int, dtype: str):
+    """The gradient of ``train_func``'s chunked rows, from the kept ``e`` scaled per
+    chunk by ``exp(chunk_max - lse) * pscale`` (``ce_chunk_pscale``)."""
+    zero = tirx.const(0.0, logit.acc)
+    n_rows = lse.shape[0]
     lay, kept = st.layout, st.chunk_exp
     chunk_scale = te.compute(
         (n_rows, int64(lay.n_chunks)),
@@ -96,14 +123,7 @@ def train_func(classes: int, dtype: str, variant: Variant,
         if one_hot_by_chunk.get():  # see choices.one_hot_by_chunk
             onehot = tirx.if_then_else(
                 tirx.floordiv(c, size) == tirx.floordiv(index(n), size), onehot, zero)
-        return logit.scaled_by_slope(
-            n, c, kept[n, k, j] * chunk_scale[n, k] - onehot - smooth[n] * wc(c)).astype(dtype)
+        return logit_grad(logit, n, c, kept[n, k, j] * chunk_scale[n, k], onehot,
+                          smooth[n] * wc(c), dtype)
 
-    x_grad = te.compute((n_rows, int64(classes)), grad, name=X_GRAD)
-    # Outputs in dependence order (the kernel's stages follow them): the mean's
-    # D and M before the row sweep, the sweep's x_grad before the sums over rows.
-    args = ([x, y] + ([w] if w is not None else []) + list(scalars) + norms + [x_grad, lse]
-            + outs)
-    if variant.accuracy:
-        args.append(row_hits(n_rows, acc, mask, st.beats))
-    return te.create_prim_func(args).with_attr("global_symbol", "main")
+    return grad

@@ -237,6 +237,7 @@ def test_log_prob_forward_writes_from_the_row_staged_whole_when_it_fits():
 @pytest.mark.parametrize("op, variant, outputs", [
     ("forward", Variant("mean", True, False, accuracy=True), ["lse"]),
     ("forward", Variant("none", False, True), ["lse"]),  # log_prob, 128256: in lanes
+    ("train", Variant("mean", True, False), ["lse"]),  # the gradient reads lse
     ("log_probs", Variant(columns=2, stats=True, softcap=True), ["row_max", "log_expsum"]),
 ])
 def test_a_row_merged_in_lanes_reads_its_outputs_from_shared_memory(op, variant, outputs):
@@ -245,7 +246,8 @@ def test_a_row_merged_in_lanes_reads_its_outputs_from_shared_memory(op, variant,
     stages that read ``lse`` (``row_max``, ``log_expsum``) from all threads -- the
     z-loss, ``log_prob``, the token log-probs -- read it from shared memory after a
     barrier, never from the global output thread 0 writes: on an H200 they read
-    garbage there (the log-probs off by 1e34). The outputs are only written."""
+    garbage there (the log-probs off by 1e34). The outputs are only written. The
+    training kernel's gradient reads ``lse`` so too."""
     spec = KernelSpec(op, "bfloat16", 128256, variant, "cuda", (("arch", "sm_90"),))
     source = lower_and_compile(spec).mod.imports[0].inspect_source()
     assert "ce_lanestats" in source
@@ -481,3 +483,28 @@ def test_a_lane_reduces_two_vectors_before_it_merges(op, variant, dtype, classes
              if "x_local_ptr" in line and "x_ptr" in line
              and ("*(uint4*)" in line or "*(float4*)" in line)]
     assert len(loads) == vectors, loads
+
+
+def test_a_loop_marked_backwards_runs_last_to_first():
+    """``run_backwards``: a loop annotated ``BACKWARDS`` runs its iterations from the
+    last to the first, each computing what it did: the last one to write ``last``
+    is iteration 0 (forwards it would be 7)."""
+    import numpy as np
+    import tvm
+    from tvm.script import tirx as T
+
+    from ce_tvm.schedules.cuda import BACKWARDS, run_backwards
+
+    @T.prim_func
+    def doubled(a: T.Buffer((8,), "float32"), b: T.Buffer((8,), "float32"),
+                last: T.Buffer((1,), "float32")):
+        for i in T.serial(8, annotations={BACKWARDS: 1}):
+            b[i] = a[i] * T.float32(2)
+            last[0] = T.Cast("float32", i)
+
+    func = run_backwards(doubled)
+    assert BACKWARDS not in str(func)
+    a = tvm.runtime.tensor(np.arange(8, dtype="float32"))
+    b, last = (tvm.runtime.tensor(np.full(n, -1, "float32")) for n in (8, 1))
+    tvm.compile(func, target="llvm")(a, b, last)
+    assert b.numpy().tolist() == [2.0 * i for i in range(8)] and last.numpy()[0] == 0.0
