@@ -154,7 +154,8 @@ class CUDAKnobs:
     and 29.0 -> 20.6) and keep as many bytes in flight per SM, the bf16 log-probs
     at 48 registers (5 blocks of 256 threads per SM) instead of 32 (8 blocks);
     four took 80 registers there for 17.1. A short row keeps one vector
-    (``LANE_PADDING``)."""
+    (``LANE_PADDING``). ``gradient_backwards``: the training kernel in lanes
+    sweeps its gradient from the row's end (``TRAIN_LANES_KNOBS``)."""
 
     threads: int = 256
     max_chunk: int = 4096
@@ -591,35 +592,53 @@ def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
 train_chunk = forward_chunk
 
 
+# The training kernel in lanes reads its row twice: for its statistics, then for
+# its gradient, which should find the row still in L2. A block of 1024 threads
+# per row holds 2 rows per SM on an H200 (264 rows, 67 MB of bf16 at C = 128256,
+# against its 50 MB of L2) where 256 threads held 8 (270 MB); and the gradient
+# sweeps the row from its end, so its first reads are of the lines the
+# statistics read last (the lines L2 evicts last). In GPGPU-Sim's sm_86 model
+# (46 SMs, 4 MB of L2, C = 32000 bf16: a row per SM takes as large a share
+# of L2 as on the H200), 184 rows: 256 threads forwards 114071 cycles, 1024
+# threads backwards 97761.
+TRAIN_LANES_KNOBS = CUDAKnobs(threads=1024, gradient_backwards=True)
+
+
 def train_lanes(classes: int, dtype: str, variant, target: Target,
-                knobs: CUDAKnobs = CUDAKnobs()) -> tuple[int | None, int]:
-    """``forward_lanes`` of the training kernel: a row longer than ``max_chunk``
-    is merged in lanes (``schedule_forward_lanes``), and its gradient reads the
-    row again; a shorter one is staged whole (``train``: read once)."""
-    return log_probs_lanes(classes, dtype, variant, target, knobs)
+                knobs: CUDAKnobs | None = None) -> tuple[int | None, int]:
+    """``forward_lanes`` of the training kernel (``TRAIN_LANES_KNOBS`` by default):
+    a row longer than ``max_chunk`` is merged in lanes
+    (``schedule_forward_lanes``), and its gradient reads the row again; a
+    shorter one is staged whole (``train``: read once)."""
+    return log_probs_lanes(classes, dtype, variant, target, knobs or TRAIN_LANES_KNOBS)
 
 
-def train(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
-    """Schedule ``train_func``: in lanes where it was built with ``train_lanes``'s
-    (``schedule_forward_lanes``), else (built with ``train_chunk``) a block per
-    row, one sweep (``row_sweep``).
+def train(func, target: Target, knobs: CUDAKnobs | None = None):
+    """Schedule ``train_func``.
 
-    The chunk loop is the forward's (chunk staged in shared memory once, its
-    reductions cross-thread, results in registers). ``ce_chunk_exp`` is
-    inlined: a row of an LM vocabulary (256 KB of bfloat16 at C = 128256) fits
-    neither registers nor shared memory, and keeping ``e`` in global memory
-    would cost a float32 write and read per element. So the gradient, after the
-    row's ``lse``, recomputes ``exp(x - chunk_max)`` from the logits read again
-    from global memory (2 reads + 1 write, as the forward and the recompute
-    backward together), chunk by chunk (``_gradient_by_chunk``); when the row
-    is one chunk (``C <= max_chunk``) it reads the staged row from shared
-    memory instead (1 read + 1 write). The chunk maxima and per-chunk scales
-    live in shared memory (``C / chunk`` floats), the other per-row values in
-    registers.
+    A row longer than ``max_chunk`` (built with ``train_lanes``'s lanes) is the
+    forward's lane sweep (``schedule_forward_lanes``) followed, in the same
+    block, by its gradient coefficients and its gradient, which recomputes
+    ``exp(z - lse)`` from the logits read again: a row of an LM vocabulary
+    (256 KB of bfloat16 at C = 128256) fits neither registers nor shared
+    memory, so the second read is meant to come from L2
+    (``TRAIN_LANES_KNOBS``), where the recompute path (forward, then backward)
+    reads the row from memory twice.
+
+    Otherwise (built with ``train_chunk``) a block per row, one sweep
+    (``row_sweep``): the chunk loop is the forward's (chunk staged in shared
+    memory once, its reductions cross-thread, results in registers), and
+    ``ce_chunk_exp`` is inlined: the gradient, after the row's ``lse``,
+    recomputes ``exp(x - chunk_max)`` chunk by chunk (``_gradient_by_chunk``)
+    from the staged row when the row is one chunk (``C <= max_chunk``: 1 read
+    + 1 write), else (a tuning record's chunk) from the logits read again. The
+    chunk maxima and per-chunk scales live in shared memory (``C / chunk``
+    floats), the other per-row values in registers.
     """
     sch = s_tir.Schedule(func)
     if has_stage(sch, LANE_STATS):
-        return finish(schedule_forward_lanes(sch, target, knobs).mod["main"])
+        return finish(schedule_forward_lanes(sch, target, knobs or TRAIN_LANES_KNOBS).mod["main"])
+    knobs = knobs or CUDAKnobs()
     inline_row_helpers(sch)
     inline_capped_chunk(sch)  # softcap: tanh per read, as the exp is recomputed
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)

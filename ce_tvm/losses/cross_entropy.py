@@ -46,7 +46,8 @@ from .outputs import accuracy_like, loss_like, with_extras
 ONE_PASS_TRAINING = os.environ.get("CE_TVM_TRAINING", "one_pass") != "recompute"
 # Devices whose tensors take the one-pass kernel. CUDA recomputes: on an H200 the
 # forward (in lanes) and the backward took 1.67 ms at 8192 x 128256 bf16, the CUDA
-# one-pass kernel 2.17 ms (fp32: 3.14 ms each; docs/targets.md).
+# one-pass kernel of then 2.17 ms (fp32: 3.14 ms each); the kernel in lanes that
+# replaced it is not yet timed on a GPU (docs/targets.md).
 TRAINING_KERNEL_DEVICES = ("cpu",)
 
 

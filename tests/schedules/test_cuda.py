@@ -1,5 +1,6 @@
 """CUDA kernels: build-checked with nvcc on any machine; run only where a GPU is."""
 
+import re
 import shutil
 
 import pytest
@@ -508,3 +509,19 @@ def test_a_loop_marked_backwards_runs_last_to_first():
     b, last = (tvm.runtime.tensor(np.full(n, -1, "float32")) for n in (8, 1))
     tvm.compile(func, target="llvm")(a, b, last)
     assert b.numpy().tolist() == [2.0 * i for i in range(8)] and last.numpy()[0] == 0.0
+
+
+def test_the_training_kernel_in_lanes_reads_its_row_again_backwards():
+    """A long row's training kernel is the forward's lane sweep (1024 threads a row:
+    ``TRAIN_LANES_KNOBS``), then its gradient from the logits read again, its
+    sweep from the row's end: each iteration's stores step back by a sweep of
+    the block (4 unrolled sweeps of 1024 threads, 4 bf16 each), so the row is
+    read again from the lines read last."""
+    spec = KernelSpec("train", "bfloat16", 128256, Variant("mean", True, False), "cuda",
+                      (("arch", "sm_90"),))
+    source = lower_and_compile(spec).mod.imports[0].inspect_source()
+    row = next(k for k in source.split("extern \"C\" __global__")[1:]
+               if "ce_lanestats" in k and "x_grad_ptr" in k and "{" in k)
+    assert row.startswith(" void __launch_bounds__(1024)")
+    stores = re.findall(r"\*\(nv_bfloat164\*\)\(x_grad_ptr \+ (.*)\) = ", row)
+    assert stores and all(re.search(r" - \(\w+ \* \(int64_t\)16384\)\)$", s) for s in stores)
