@@ -199,14 +199,16 @@ def place_chunk_stages(sch, chunk_loop, lanes: int) -> dict:
 def place_row_rest(sch, row, then: tuple = ()):
     """The per-row stages around a row's statistics under its row loop ``row``: the
     target's logit (read by every chunk), the stages after the statistics
-    (``ROW_FORWARD_REST``, and ``then``: the training kernel's gradient
-    coefficients and gradient), joined in program order, the per-row values
-    the chunks read (``ROW_PRODUCERS``). Returns the row loop."""
+    (``ROW_FORWARD_REST``; with ``then``, the training kernel's gradient, both
+    joined in program order), the per-row values the chunks read
+    (``ROW_PRODUCERS``). Returns the row loop."""
     for blk in present_blocks(sch, [ROW_TARGET_LOGIT]):  # read by every chunk of the row
         sch.compute_at(blk, row)
-    order = [sch.get(b).name_hint for b in all_blocks(sch)]
-    after = sorted(present_blocks(sch, ROW_FORWARD_REST + tuple(then)),
-                   key=lambda b: order.index(sch.get(b).name_hint))
+    after = present_blocks(sch, ROW_FORWARD_REST)
+    if then:  # in program order: a stage of the rest may come after the gradient
+        order = [sch.get(b).name_hint for b in all_blocks(sch)]
+        after = sorted(after + present_blocks(sch, then),
+                       key=lambda b: order.index(sch.get(b).name_hint))
     for blk in after:
         if is_per_row(sch, blk):
             row = join_row(sch, blk, row)
