@@ -46,6 +46,16 @@ def bytes_moved(kernels, case, prob) -> tuple[int, int]:
     return reads, writes
 
 
+def cycle_model() -> gpgpu_sim.Simulator | None:
+    """The simulator in its cycle model, launch latency 0; ``None`` (the reason
+    printed) where it is not installed."""
+    reason = gpgpu_sim.unavailable()
+    if reason:
+        print(reason, file=sys.stderr)
+        return None
+    return gpgpu_sim.Simulator.find(perf=True, launch_latency=0)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--classes", type=int, default=32000)
@@ -56,11 +66,9 @@ def main(argv=None) -> int:
     parser.add_argument("--families", nargs="+", default=sorted({f for f, _ in TABLE}),
                         help="only these families' rows of the table")
     args = parser.parse_args(argv)
-    reason = gpgpu_sim.unavailable()
-    if reason:
-        print(reason, file=sys.stderr)
+    sim = cycle_model()
+    if sim is None:
         return 2
-    sim = gpgpu_sim.Simulator.find(perf=True, launch_latency=0)
     print(f"device: {sim.name}; C = {args.classes}, N = {args.rows}, schedule {args.arch}")
     print(f"{'kernel':42} {'dtype':8} {'launches':>8} {'ce-tvm':>9} {'floor':>9} {'ratio':>6}")
     records = []

@@ -22,10 +22,9 @@ from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
-from gpgpu_sim_cycles import bytes_moved
+from gpgpu_sim_cycles import bytes_moved, cycle_model
 
 import ce_tvm.schedules.cuda as cuda
-from ce_tvm.testing import gpgpu_sim
 from ce_tvm.testing.cuda_cases import KERNELS, _case, problem
 
 # (family, index in KERNELS[family]): the training kernel (sum), and the recompute pair
@@ -45,11 +44,9 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default="sm_80", help="the schedule's arch")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    reason = gpgpu_sim.unavailable()
-    if reason:
-        print(reason, file=sys.stderr)
+    sim = cycle_model()
+    if sim is None:
         return 2
-    sim = gpgpu_sim.Simulator.find(perf=True, launch_latency=0)
     records = []
 
     def run(family_index, label, **fields):
