@@ -356,7 +356,7 @@ def schedule_forward_lanes(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
 
     The training kernel in lanes (``train_lanes``) is the same sweep, then its
     per-row gradient coefficients (in registers, every thread) and the
-    gradient, streamed over the row as ``log_prob`` is (``_row_output``)."""
+    gradient, streamed over the row as ``log_prob`` is."""
     func = sch.mod["main"]
     inline_row_helpers(sch)
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
