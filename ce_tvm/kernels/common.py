@@ -447,8 +447,11 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
 
     def weighted(n, c, k, j):
         if entropy:
-            e = exp_term(n, c, k, j)
-            return tirx.Select(e == zero, zero, e * logit.scaled(top(n, k) - xf(n, c, k, j)))
+            # e (top - x)' as -(e max(s, lowest)), s = (x - top)' the exp's own
+            # argument (computed once): a masked class (x = -inf, e = 0) adds 0,
+            # not 0 * inf, with no branch.
+            s = logit.scaled(xf(n, c, k, j) - top(n, k))
+            return -(exp_term(n, c, k, j) * tirx.max(s, tirx.min_value(acc)))
         if weights is not None:
             return weights.of(n, c) * shifted(n, c, k, j)
         return shifted(n, c, k, j)

@@ -73,6 +73,7 @@ class Case:
     zloss: float = 0.0
     ignore: str = "some"  # "none", "some" (every third row), "all"
     inplace: bool = False  # the gradient written over the logits
+    masked: bool = False  # log-probs: every fifth class -inf (a masked vocabulary)
     knobs: CUDAKnobs | None = None
     repeats: int = 1
     seed: int = 0
@@ -158,6 +159,8 @@ KERNELS = {
         ("log_probs_grad", Variant(columns=2), "K=2 ignored", {}),
         ("log_probs_grad", Variant(columns=1, softcap=True), "K=1 softcap in place",
          dict(inplace=True, ignore="none")),
+        ("log_probs", Variant(columns=1), "K=1 masked", dict(ignore="none", masked=True)),
+        ("log_probs_grad", Variant(columns=2), "K=2 masked", dict(masked=True)),
     ],
     "temperature": [
         (*_loss("forward", "mean", True, tempered=True), "mean w T smooth z",
@@ -400,11 +403,18 @@ def _shard_problem(case: Case, rng) -> Problem:
     return Problem(arrays, scalars, {"x_grad": grad}, {"x_grad": "x"} if case.inplace else {})
 
 
+MASK_STRIDE = 5
+
+
 def _policy_problem(case: Case, rng) -> Problem:
     """log_probs and log_probs_grad (temperature from the family)."""
     n, c, k = case.rows, case.classes, case.variant.columns
-    xk, x = store(rng.standard_normal((n, c)) * SCALE, case.dtype)
+    values = rng.standard_normal((n, c)) * SCALE
     index = rng.integers(0, c, (n, k))
+    if case.masked:  # classes 1, 6, 11, ... masked; the indices on classes 0, 5, 10, ...
+        values[:, 1::MASK_STRIDE] = -np.inf
+        index -= index % MASK_STRIDE
+    xk, x = store(values, case.dtype)
     if case.ignore != "none":
         index[::3, -1] = IGNORE
     live = index != IGNORE
