@@ -111,6 +111,7 @@ POLICY_GRID = [(256, 32000, dtype) for dtype in TOL] + [(64, 128256, torch.bfloa
 HEAD_GRID = [(256, 32000, torch.bfloat16), (256, 32000, torch.float32)]  # shards, distillation
 HIDDEN = 256  # the LM heads' width in the checks
 SOFTCAP = 30.0
+MASK_STRIDE = 5  # the masked vocabulary's: classes 1, 6, 11, ... -inf
 # Softcaps with reverse KL: the capped JSD's CPU build (the rehearsal's) takes minutes
 DISTILL_CASES = ({"beta": 0.0}, {"beta": 0.5, "temperature": 2.0},
                  {"beta": 1.0, "student_softcap": SOFTCAP, "teacher_softcap": 50.0})
@@ -269,7 +270,9 @@ def _policy_reference(z, index, live, a, b, *, stats: bool, temperature: float,
     z = _capped(z, softcap) / temperature
     logp_all = torch.log_softmax(z, -1)
     logp = torch.where(live, logp_all.gather(-1, index.clamp(min=0)[:, None])[:, 0], 0.0)
-    out = _policy_outputs(a, b, logp, -(logp_all.exp() * logp_all).sum(-1))
+    # p log p is 0 where p is (a -inf logit): log p read as 0 there, for the gradient too
+    finite = torch.where(logp_all.isfinite(), logp_all, 0.0)
+    out = _policy_outputs(a, b, logp, -(logp_all.exp() * finite).sum(-1))
     if stats:
         out.update(log_sum_sq_probs=torch.logsumexp(2 * logp_all, -1), mean_logits=z.mean(-1),
                    is_top1=live & (index == z.argmax(-1)))
@@ -413,6 +416,16 @@ def _policy_rows(plan: Plan, n: int, c: int, dtype):
                                _head_logits(t, V, dtype)),
                            [h, W], TOL[dtype], 2 * TOL[dtype], softcap=softcap, **fields)
         yield row
+    # A masked vocabulary: every fifth class -inf, the live indices on others
+    x = x.clone()
+    x[:, 1::MASK_STRIDE] = float("-inf")
+    index = torch.where(index >= 0, index - index % MASK_STRIDE, index)
+    opts = dict(temperature=bench_policy.TEMPERATURE)
+    yield _compare(f"log_probs {n}x{c} {dtype} masked vocabulary",
+                   lambda t: _policy_outputs(a, b, *ce_tvm.log_probs(
+                       t, index, row_mask=mask, return_entropy=True, **opts)),
+                   lambda z: _policy_reference(z, index, live, a, b, stats=False, **opts),
+                   [x], ACC_TOL, 2 * TOL[dtype], softcap=0.0, **fields)
 
 
 def log_probs(plan: Plan):
