@@ -8,6 +8,9 @@ against an answer computed here, independently of the simulator:
   to float32 bit for bit; every finite value, every tie between neighbours and
   the float32 values just beside each tie narrowed with round to nearest even
   (the unpatched simulator had no bf16 and rounded half ties away from zero);
+- ``bf16 pairs``: the same values narrowed two at a time (``cvt.rn.bf16x2.f32``,
+  Triton's stores; the first operand goes to the high half), each in its half
+  (the patch's first bf16 support wrote one value, the high one, to the low half);
 - ``64-bit integer conversions``: int64 and uint64 to float32 and float64,
   rounded to nearest even (the unpatched simulator converted an unset register:
   TVM's ``(float)N`` for a mean over rows gave 0);
@@ -143,16 +146,23 @@ __global__ void narrow(const float *x, unsigned short *b, unsigned short *h, int
   b[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[i]));
   h[i] = __half_as_ushort(__float2half_rn(x[i]));
 }
+__global__ void narrow_pairs(const float *x, __nv_bfloat162 *b2, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x; if (2 * i + 1 >= n) return;
+  b2[i] = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);  // cvt.rn.bf16x2.f32
+}
 int main() {
   FILE *F = fopen("n.txt", "r"); int m; if (!F || fscanf(F, "%d", &m) != 1) return 2;
   const int p = 65536;
   unsigned short *bits = load<unsigned short>("bits.bin", p);
   float *bf = alloc<float>(p), *hf = alloc<float>(p), *x = load<float>("x.bin", m);
   unsigned short *b = alloc<unsigned short>(m), *h = alloc<unsigned short>(m);
+  __nv_bfloat162 *b2 = alloc<__nv_bfloat162>(m / 2);
   widen<<<p / 256, 256>>>(bits, bf, hf, p); CK(cudaGetLastError());
   narrow<<<(m + 255) / 256, 256>>>(x, b, h, m); CK(cudaGetLastError());
+  narrow_pairs<<<(m / 2 + 255) / 256, 256>>>(x, b2, m); CK(cudaGetLastError());
   save("out_bf.bin", bf, p); save("out_hf.bin", hf, p); save("out_b.bin", b, m);
-  save("out_h.bin", h, m); printf("CE_CHECK_DONE\n"); return 0; }
+  save("out_h.bin", h, m); save("out_b2.bin", b2, m / 2); printf("CE_CHECK_DONE\n");
+  return 0; }
 """
 
 
@@ -180,6 +190,7 @@ def check_conversions(sim) -> list[Check]:
     hf = np.frombuffer(out["out_hf.bin"], np.float32)
     b = np.frombuffer(out["out_b.bin"], np.uint16)
     h = np.frombuffer(out["out_h.bin"], np.uint16)
+    pairs = np.frombuffer(out["out_b2.bin"], np.uint16)  # element 2i low, 2i + 1 high
     # the answers: a bf16 pattern widened is its bits << 16; narrowing rounds to
     # nearest even (torch's bfloat16 and NumPy's float16 conversions)
     want_b = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
@@ -199,6 +210,10 @@ def check_conversions(sim) -> list[Check]:
             i = narrow_bad[0]
             detail += f" (first: {x[i]!r} gave {(b if 'bf16' in name else h)[i]:#06x})"
         checks.append(Check(name, widen_ok and not narrow_bad.size, detail))
+    pairs_bad = np.flatnonzero(pairs != want_b[:pairs.size])
+    checks.append(Check("bf16 pairs", not pairs_bad.size,
+                        f"{pairs.size} values narrowed two at a time (cvt.rn.bf16x2.f32), "
+                        f"{pairs_bad.size} wrong or in the wrong half"))
     return checks
 
 

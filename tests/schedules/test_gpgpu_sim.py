@@ -45,8 +45,8 @@ def sim():
 def test_the_patched_simulator_passes_its_self_check(sim):
     checks = gpgpu_sim_checks.run_all(sim)
     assert {c.name for c in checks} == {
-        "warp shuffles", "bf16 conversions", "half conversions", "64-bit integer conversions",
-        "exp2f and __expf", "dynamic shared memory"}
+        "warp shuffles", "bf16 conversions", "bf16 pairs", "half conversions",
+        "64-bit integer conversions", "exp2f and __expf", "dynamic shared memory"}
     failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
     assert not failed, failed
 
