@@ -151,9 +151,11 @@ class CUDAKnobs:
     instructions per element than one (the merge's two ``exp`` and selects
     amortised over twice the elements; sm_90 machine code, C = 128256:
     the forward bf16 12.3 -> 10.2, fp32 15.2 -> 10.9, the log-probs 23.5 -> 19.1
-    and 29.0 -> 20.6) and keep as many bytes in flight per SM, the bf16 log-probs
-    at 48 registers (5 blocks of 256 threads per SM) instead of 32 (8 blocks);
-    four took 80 registers there for 17.1. A short row keeps one vector
+    and 29.0 -> 20.6, before their branch-free entropy term: 13.9 and 16.8) and
+    keep as many bytes in flight per SM, the bf16 log-probs at 39 registers (6
+    blocks of 256 threads per SM) instead of 32 (8 blocks); four took 80
+    registers there (1.34x the cycles of two in GPGPU-Sim: fewer blocks per
+    SM). A short row keeps one vector
     (``LANE_PADDING``). ``gradient_backwards``: the training kernel in lanes
     sweeps its gradient from the row's end (``TRAIN_LANES_KNOBS``)."""
 
