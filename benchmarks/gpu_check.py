@@ -794,8 +794,10 @@ def time_log_probs(plan: Plan):
         yield _timing_row(plan, f"log-probs + entropy {n}x{c} {dtype} "
                           f"(temperature {bench_policy.TEMPERATURE})", fns, left_out, "copy",
                           n=n, c=c, dtype=str(dtype), trl_note=stand_in)
-        yield _timing_row(plan, f"log-prob kernels {n}x{c} {dtype}",
-                          _log_prob_kernels(x, index, a, b), {}, "copy",
+        kernels = _log_prob_kernels(x, index, a, b)
+        if "trl" in peers:  # its forward kernel alone: no input asks for a gradient
+            kernels["trl_forward"] = lambda f=peers["trl"]: f(x, index)
+        yield _timing_row(plan, f"log-prob kernels {n}x{c} {dtype}", kernels, {}, "copy",
                           n=n, c=c, dtype=str(dtype))
 
 
