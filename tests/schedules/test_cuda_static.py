@@ -150,7 +150,8 @@ def test_log_prob_forward_entropy_term_has_no_branch(dtype, budget):
     a max and an FMA per element. Written as a select on ``e == 0`` (a masked
     class gives ``0 * inf``) nvcc made it predicated instructions after a second
     ``x - top``: 19.1 (bf16) and 20.6 (fp32) instructions per element, where
-    the branch-free term takes 13.9 and 16.8."""
+    the branch-free term takes 13.9 and 16.8 (bf16 13.2 since its lane loop
+    takes two rounds an iteration: ``LOG_PROBS_KNOBS``)."""
     _, s = _summary("log_probs", dtype, 128256)
     assert s.kernel.loops and s.insn_per_element <= budget, f"{s.insn_per_element:.1f} insn/el"
 
