@@ -20,10 +20,12 @@ pytestmark = pytest.mark.slow  # processes: every page's blocks in a fresh inter
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 TORCHRUN = {"docs/distributed.md": 2}
-# A rank that tears gloo down while its peer exits can abort at interpreter exit, after
-# the page's code ran (a PyTorch race: seen in about one run in six under load, with
-# destroy_process_group called); a page that fails for itself fails the second run too.
+# A gloo worker thread can free the last collective's tensors while the interpreter
+# finalises: it cannot take the GIL and the rank aborts with this line, after the page
+# ran (a PyTorch race, about one run in five here). A rank that printed END finished
+# the page; the run counts when every rank did.
 EXIT_RACE = "terminate called without an active exception"
+END = "ce-tvm page: every block ran"
 
 
 def python_blocks(page: str) -> list[str]:
@@ -45,13 +47,18 @@ def test_python_blocks_run_as_written(page, tmp_path):
     code = "\n".join(python_blocks(page))
     script = tmp_path / f"page_{Path(page).stem}.py"  # not a package's name (trl.py)
     script.write_text(code)
-    command = [sys.executable, str(script)]
     if page in TORCHRUN:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                   str(TORCHRUN[page]), "--master-port", str(_free_port()), str(script)]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    if page in TORCHRUN and EXIT_RACE in done.stderr:  # once more: gloo's race, not the page's
+        script.write_text(f"{code}\nprint({END!r}, flush=True)\n")
+    for _ in range(5):  # a torchrun page again only after gloo's exit race
+        command = [sys.executable, str(script)]
+        if page in TORCHRUN:
+            command[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node",
+                            str(TORCHRUN[page]), "--master-port", str(_free_port())]
         done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        if page not in TORCHRUN or EXIT_RACE not in done.stderr:
+            break
+        if done.stdout.count(END) == TORCHRUN[page]:  # every rank ran the page to its end
+            return
     numbered = "\n".join(f"{i:4} {line}" for i, line in enumerate(code.splitlines(), 1))
     assert done.returncode == 0, (
         f"{page}'s python blocks failed (exit {done.returncode}).\n"
