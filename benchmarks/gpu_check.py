@@ -85,7 +85,7 @@ import sys
 import time
 import traceback
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # Every GPU_CHECK_TRACE_EVERY_S seconds, every thread's stack on stderr: device
@@ -121,6 +121,16 @@ LINEAR_TIMED, LINEAR_HIDDEN = [(8192, 128256, torch.bfloat16)], 4096
 LOG_PROBS_TIMED = [(8192, 128256, torch.bfloat16)]
 DISTILL_TIMED, DISTILL_HIDDEN = [(4096, 128256, torch.bfloat16)], 4096
 EDGE_TIMED = [(4096, 32000, torch.bfloat16)]
+# Knobs of the CUDA schedule timed beside its own (``ce_tvm.schedule("cuda", ...)``),
+# by op, at the shapes timed for it (``KNOB_TIMED``): what a GPU settles that GPGPU-Sim
+# could not (its sm_86 model has 46 SMs and 4 MB of L2; an H200 132 and 50 MB): the
+# training kernel's blocks per SM and gradient order (its second read of the row from
+# L2), and one vector per lane or two rounds of the lane loop.
+KNOB_VARIANTS = {"train": ({"threads": 512}, {"gradient_backwards": False},
+                           {"lane_vectors": 1}),
+                 "forward": ({"lane_rounds": 2}, {"lane_vectors": 1}),
+                 "log_probs": ({"lane_rounds": 1}, {"lane_vectors": 1})}
+KNOB_TIMED = {"train": CE_TIMED, "forward": CE_TIMED, "log_probs": LOG_PROBS_TIMED}
 
 
 @dataclass(frozen=True)
@@ -816,6 +826,7 @@ def _log_prob_kernels(x, index, a, b) -> dict:
         return launch.log_probs_backward(grad_logp, b, x, index, top, lse, ent, options)
 
     return {"forward": lambda: launch.log_probs(x, index, options),
+            **_knob_variants("log_probs", "forward", lambda: launch.log_probs(x, index, options)),
             "backward": lambda: launch.log_probs_backward(grad_logp, b, x, index, row_max,
                                                           log_expsum, entropy, options),
             "both": both, "read": lambda: x.sum(dtype=torch.float32),
@@ -859,10 +870,37 @@ def time_training(plan: Plan):
         yield _timing_row(plan, f"training step {n}x{c} {dtype}", {
             "one_pass": lambda: launch.train(x, y, None, options),
             "one_pass_scaled": lambda: launch.train(x, y, None, options)[1].mul_(one),
+            **_knob_variants("train", "one_pass", lambda: launch.train(x, y, None, options)),
             "recompute": recompute,
             "forward": lambda: launch.forward(x, y, None, options, log_prob=False),
+            **_knob_variants("forward", "forward",
+                             lambda: launch.forward(x, y, None, options, log_prob=False)),
             "read": lambda: x.sum(dtype=torch.float32), "copy": lambda: copy.copy_(x)},
             {}, "copy", n=n, c=c, dtype=str(dtype))
+
+
+def _knob_variants(op: str, name: str, fn) -> dict:
+    """``fn`` (a call of ``op``'s kernel) in the scope of each of ``op``'s
+    ``KNOB_VARIANTS``, named ``"<name> knob=value"``. On the CPU the knobs
+    change nothing: a rehearsal runs the calls, ``cuda_builds`` builds their
+    kernels."""
+    def scoped(knobs):
+        with ce_tvm.schedule("cuda", **knobs):
+            return fn()
+
+    return {f"{name} " + ",".join(f"{k}={v}" for k, v in knobs.items()):
+            lambda knobs=knobs: scoped(knobs) for knobs in KNOB_VARIANTS[op]}
+
+
+def knob_specs(specs) -> list:
+    """The CUDA kernels ``_knob_variants`` asks for: each of ``specs`` (CUDA
+    kernels) of an op and a shape in ``KNOB_TIMED``, with each of its op's
+    ``KNOB_VARIANTS`` among its options."""
+    timed = {(op, str(dtype).removeprefix("torch."), c)
+             for op, grid in KNOB_TIMED.items() for _, c, dtype in grid}
+    return [replace(s, options=s.options + tuple(sorted((k, str(v)) for k, v in knobs.items())))
+            for s in specs if (s.op, s.dtype, s.classes) in timed
+            for knobs in KNOB_VARIANTS[s.op]]
 
 
 def time_edge(plan: Plan):
@@ -941,8 +979,9 @@ def cuda_builds(dirs: list, arch: str, export: str | None, path: str) -> bool:
     from ce_tvm.store.files import make_private_dir
     from ce_tvm.store.spec import KernelSpec
 
-    specs = sorted({KernelSpec(s.op, s.dtype, s.classes, s.variant, "cuda", (("arch", arch),))
-                    for s in loaded_specs()}, key=KernelSpec.name)
+    specs = {KernelSpec(s.op, s.dtype, s.classes, s.variant, "cuda", (("arch", arch),))
+             for s in loaded_specs()}
+    specs = sorted(specs | set(knob_specs(specs)), key=KernelSpec.name)
     places = [Path(d) for d in dirs + ([export] if export else [])]
     missing = [s for s in specs
                if all(cache.check_module(d / s.file_name(), s) is not None for d in places)]

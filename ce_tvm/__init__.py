@@ -17,7 +17,8 @@ The contract is docs/spec.md. Public surface (each name imported on first use):
 - ``cross_entropy_loss`` / ``cross_entropy_loss_grad``: the seed-compatible pair;
 - ``TargetOutOfRangeError``: what every entry point raises for a class index
   outside ``[0, C)`` (an ``IndexError`` and a ``ValueError``);
-- ``schedule("ascend", profile=...)``: run CPU calls with another schedule;
+- ``schedule("ascend", profile=...)``: run CPU calls with another schedule, and
+  ``schedule("cuda", threads=512)`` CUDA calls with other CUDA schedule knobs;
 - ``use_bundle(DIR)``: run kernels from a bundle (``ce-tvm bundle``), no compiler needed;
 - ``ce_tvm.distributed``: the vocabulary-parallel losses (tensor parallelism);
 - ``ce_tvm.integrations.transformers``: Hugging Face causal LMs on the loss

@@ -48,7 +48,7 @@ global memory for every reduction.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import tvm_ffi
 from tvm import s_tir, tirx
@@ -175,6 +175,27 @@ class CUDAKnobs:
         return self.threads // self.rows_per_block
 
 
+def with_options(knobs: CUDAKnobs, options: dict) -> CUDAKnobs:
+    """``knobs`` with a call scope's schedule options over them
+    (``ce_tvm.schedule("cuda", threads=512)``: the options name ``CUDAKnobs``
+    fields, their values strings, as a kernel's spec keeps them)."""
+    names = [f.name for f in fields(CUDAKnobs)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ValueError(f"unknown CUDA schedule options {unknown}; the knobs are {names}")
+    return replace(knobs, **{k: _knob_value(k, v, type(getattr(knobs, k)))
+                             for k, v in options.items()})
+
+
+def _knob_value(name: str, text: str, kind: type):
+    words = {"true": True, "1": True, "false": False, "0": False} if kind is bool else {}
+    try:
+        return words[str(text).lower()] if kind is bool else kind(text)
+    except (KeyError, ValueError):
+        expected = "true or false" if kind is bool else "an integer"
+        raise ValueError(f"CUDA schedule option {name}={text!r}: expected {expected}") from None
+
+
 def knob_space(op: str, classes: int, dtype: str, target: Target) -> dict:
     """The knobs of ``op``'s schedule and their choices, the hand schedule's first.
     ``max_chunk`` (the forward's only) sizes the chunk the compute is declared
@@ -213,9 +234,11 @@ def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | 
     return schedule(sch, target, knobs)
 
 
-def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = CUDAKnobs()) -> int:
+def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = CUDAKnobs(),
+                  **options) -> int:
     """The whole row when it fits ``max_chunk``; else the smallest number of
     equal chunks, each a multiple of one vectorised sweep of the block."""
+    knobs = with_options(knobs, options)
     if classes <= knobs.max_chunk:
         return classes
     sweep = knobs.row_threads * knobs.vector_bytes // DTYPE_BYTES[dtype]
@@ -225,12 +248,13 @@ def forward_chunk(classes: int, dtype: str, target: Target, knobs: CUDAKnobs = C
 
 
 def forward_lanes(classes: int, dtype: str, variant, target: Target,
-                  knobs: CUDAKnobs = CUDAKnobs()) -> tuple[int | None, int]:
+                  knobs: CUDAKnobs = CUDAKnobs(), **options) -> tuple[int | None, int]:
     """``(chunk, lanes)`` of a forward row longer than ``max_chunk``: chunks of
     ``lane_vectors`` vectors (``vector_bytes``) merged in a lane per thread of the row's block
     (``schedule_forward_lanes``); ``(None, 0)`` (``forward_chunk``'s chunks) for
     a row staged whole: a shorter one, or the ``log_prob`` variant's where it
     fits (``stages_whole_row``: read once for both passes)."""
+    knobs = with_options(knobs, options)
     if stages_whole_row(classes, forward_chunk(classes, dtype, target, knobs), dtype,
                         variant.log_prob, staged_row_bytes(target)):
         return None, 0
@@ -238,9 +262,10 @@ def forward_lanes(classes: int, dtype: str, variant, target: Target,
 
 
 def log_probs_lanes(classes: int, dtype: str, variant, target: Target,
-                    knobs: CUDAKnobs = CUDAKnobs()) -> tuple[int | None, int]:
+                    knobs: CUDAKnobs = CUDAKnobs(), **options) -> tuple[int | None, int]:
     """``forward_lanes`` of the log-prob kernels, which write no ``log_prob``:
     a row longer than ``max_chunk`` in lanes."""
+    knobs = with_options(knobs, options)
     if classes <= knobs.max_chunk:
         return None, 0
     vector, lanes = knobs.vector_bytes // DTYPE_BYTES[dtype], knobs.row_threads
@@ -340,9 +365,10 @@ def _bind_single_block_reductions(sch, threads: int) -> None:
                 sch.set_scope(block, 0, "local")
 
 
-def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+def forward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs(), **options):
     """Schedule ``forward_func`` / ``shard_stats_func`` (built with ``forward_chunk``,
     or ``forward_lanes``)."""
+    knobs = with_options(knobs, options)
     sch = s_tir.Schedule(func)
     lanes = has_stage(sch, LANE_STATS)
     return finish((schedule_forward_lanes if lanes else schedule_forward)(
@@ -546,9 +572,10 @@ def _read_index(sch, block, buffer: str) -> int:
     return [r.source.name for r in sch.get(block).reads].index(buffer)
 
 
-def backward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+def backward(func, target: Target, knobs: CUDAKnobs = CUDAKnobs(), **options):
     """Schedule ``backward_func``: a block per row, coalesced element loop."""
-    return finish(schedule_backward(s_tir.Schedule(func), target, knobs).mod["main"])
+    return finish(schedule_backward(s_tir.Schedule(func), target,
+                                    with_options(knobs, options)).mod["main"])
 
 
 def schedule_backward(sch, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
@@ -588,8 +615,9 @@ def _row_values_in_registers(sch, grad) -> None:
 MAX_ROW_VALUES = 8
 
 
-def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs(), **options):
     """Schedule ``shard_combine_func``: one row per thread."""
+    knobs = with_options(knobs, options)
     sch = s_tir.Schedule(func)
     inline_row_helpers(sch)
     for blk in [sch.get_sblock(name) for name in COMBINE_ROWS]:
@@ -611,9 +639,9 @@ def per_row(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
 LOG_PROBS_KNOBS = CUDAKnobs(lane_rounds=2)
 
 
-def log_probs(func, target: Target, knobs: CUDAKnobs | None = None):
+def log_probs(func, target: Target, knobs: CUDAKnobs | None = None, **options):
     """Schedule ``log_probs_func``: ``forward``, with ``LOG_PROBS_KNOBS`` by default."""
-    return forward(func, target, knobs or LOG_PROBS_KNOBS)
+    return forward(func, target, knobs or LOG_PROBS_KNOBS, **options)
 
 
 train_chunk = forward_chunk
@@ -632,15 +660,15 @@ TRAIN_LANES_KNOBS = CUDAKnobs(threads=1024, gradient_backwards=True)
 
 
 def train_lanes(classes: int, dtype: str, variant, target: Target,
-                knobs: CUDAKnobs | None = None) -> tuple[int | None, int]:
+                knobs: CUDAKnobs | None = None, **options) -> tuple[int | None, int]:
     """``forward_lanes`` of the training kernel (``TRAIN_LANES_KNOBS`` by default):
     a row longer than ``max_chunk`` is merged in lanes
     (``schedule_forward_lanes``), and its gradient reads the row again; a
     shorter one is staged whole (``train``: read once)."""
-    return log_probs_lanes(classes, dtype, variant, target, knobs or TRAIN_LANES_KNOBS)
+    return log_probs_lanes(classes, dtype, variant, target, knobs or TRAIN_LANES_KNOBS, **options)
 
 
-def train(func, target: Target, knobs: CUDAKnobs | None = None):
+def train(func, target: Target, knobs: CUDAKnobs | None = None, **options):
     """Schedule ``train_func``.
 
     A row longer than ``max_chunk`` (built with ``train_lanes``'s lanes) is the
@@ -664,8 +692,9 @@ def train(func, target: Target, knobs: CUDAKnobs | None = None):
     """
     sch = s_tir.Schedule(func)
     if has_stage(sch, LANE_STATS):
-        return finish(schedule_forward_lanes(sch, target, knobs or TRAIN_LANES_KNOBS).mod["main"])
-    knobs = knobs or CUDAKnobs()
+        knobs = with_options(knobs or TRAIN_LANES_KNOBS, options)
+        return finish(schedule_forward_lanes(sch, target, knobs).mod["main"])
+    knobs = with_options(knobs or CUDAKnobs(), options)
     inline_row_helpers(sch)
     inline_capped_chunk(sch)  # softcap: tanh per read, as the exp is recomputed
     dtype, classes = str(matrix_param(func).dtype), classes_of(func)
@@ -794,7 +823,7 @@ def _buffer_params(func) -> list:
     return [p for p in func.params if hasattr(p, "shape")]
 
 
-def divergence(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
+def divergence(func, target: Target, knobs: CUDAKnobs = CUDAKnobs(), **options):
     """Schedule ``ce_tvm.kernels.divergence_func``: one thread block per row
     (``divergence_row`` puts every stage under the row loop); each row
     reduction spread over the block's threads (a cross-thread reduction: warp
@@ -804,6 +833,7 @@ def divergence(func, target: Target, knobs: CUDAKnobs = CUDAKnobs()):
     row reduction reads its rows from global memory again (up to seven passes
     over the student row, five over the teacher's): the simple nest, built
     with nvcc here and not yet run or timed on a GPU."""
+    knobs = with_options(knobs, options)
     sch = s_tir.Schedule(func)
     order = list(sch.get_child_blocks(sch.get_sblock("root")))
     outputs = {sch.get(b).name_hint for b in sch.get_output_blocks(sch.get_sblock("root"))}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.kinds import DTYPES, accum_dtype
-from ..store.targets import cpu_schedule
+from ..store.targets import cpu_schedule, cuda_options
 
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
@@ -31,7 +31,7 @@ def kernel_target(t: torch.Tensor) -> tuple:
     here and now (a device ``losses.checks.check_device`` accepted: CPU or CUDA)."""
     if t.device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(t.device)
-        return "cuda", (("arch", f"sm_{major}{minor}"),)
+        return "cuda", (("arch", f"sm_{major}{minor}"), *cuda_options())
     return cpu_schedule()
 
 

@@ -33,6 +33,11 @@ TUNED_OPS = ("forward", "train", "backward", *LOG_PROB_OPS)  # the kernels tunin
 log = logging.getLogger("ce_tvm")
 
 
+# Options whose value alone names them in a kernel's name (``sm_90``, ``910b``); a
+# schedule knob is named with its value (``threads512``).
+NAMED_BY_VALUE = ("arch", "profile")
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One compiled kernel: op x target x storage dtype x C x variant."""
@@ -71,7 +76,7 @@ class KernelSpec:
             tag = tag.rsplit("-", 1)[0]
         else:  # nor does log_prob the backward
             tag = tag.replace("-lp-", "-").replace("-nolp-", "-")
-        opts = "".join(f"-{v}" for _, v in self.options)
+        opts = "".join(f"-{v}" if k in NAMED_BY_VALUE else f"-{k}{v}" for k, v in self.options)
         return f"{self.target}{opts}-{self.op}-{self.dtype}-C{self.classes}-{tag}"
 
     def key(self) -> dict:

@@ -123,25 +123,37 @@ def write_host_descriptor(directory: Path, cpu: str | None = None) -> Path:
 
 
 _CPU_SCHEDULE = contextvars.ContextVar("ce_tvm_cpu_schedule", default=("llvm", ()))
+_CUDA_OPTIONS = contextvars.ContextVar("ce_tvm_cuda_options", default=())
 
 
 @contextlib.contextmanager
 def schedule(name: str, **options):
-    """Run CPU kernels with schedule ``name`` inside the block.
+    """Run kernels with schedule ``name`` and its ``options`` inside the block.
 
     ``with ce_tvm.schedule("ascend", profile="910b"): ...`` makes CPU calls of
     every ce_tvm op use the Ascend-style tiled schedule (compiled through
-    LLVM); ``"llvm"`` is the default CPU schedule.
+    LLVM); ``"llvm"`` is the default CPU schedule. ``"cuda"`` sets knobs of the
+    CUDA schedule for CUDA calls (``ce_tvm.schedules.cuda.CUDAKnobs``:
+    ``with ce_tvm.schedule("cuda", threads=512): ...``): each set of options is
+    a kernel of its own, compiled (or loaded) once like any other.
     """
-    if name not in ("llvm", "ascend"):
-        raise ValueError(f"CPU tensors can use the 'llvm' or 'ascend' schedule, got {name!r}")
-    token = _CPU_SCHEDULE.set((name, tuple(sorted((k, str(v)) for k, v in options.items()))))
+    if name not in ("llvm", "ascend", "cuda"):
+        raise ValueError(f"a schedule is 'llvm' or 'ascend' (CPU tensors) or 'cuda' (the CUDA "
+                         f"schedule's knobs), got {name!r}")
+    chosen = tuple(sorted((k, str(v)) for k, v in options.items()))
+    var, value = (_CUDA_OPTIONS, chosen) if name == "cuda" else (_CPU_SCHEDULE, (name, chosen))
+    token = var.set(value)
     try:
         yield
     finally:
-        _CPU_SCHEDULE.reset(token)
+        var.reset(token)
 
 
 def cpu_schedule() -> tuple:
     """``(target name, schedule options)`` that CPU tensors use here and now."""
     return _CPU_SCHEDULE.get()
+
+
+def cuda_options() -> tuple:
+    """The CUDA schedule's options (``(name, value)`` pairs) here and now."""
+    return _CUDA_OPTIONS.get()

@@ -38,6 +38,8 @@ def test_cpu_rehearsal_runs_every_section_and_records_each_row(tmp_path):
     assert {r["section"] for r in timings} == set(SECTIONS[6:])
     for row in timings:  # each timed against its floor in the same reps
         assert row["ms"] and row["ratio"][row["over"]] == 1.0
+    training = next(r for r in timings if r["section"] == "time_training")
+    assert {"one_pass threads=512", "forward lane_rounds=2"} <= set(training["ms"])
     ce = next(r for r in timings if r["section"] == "time_ce")
     assert {"ce_tvm", "eager", "copy"} <= set(ce["ms"])
     assert ce["left_out"]["compile"] == "CUDA only in this check"
@@ -78,3 +80,25 @@ def test_a_failing_case_is_recorded_and_the_next_runs(gpu_check):
     got = list(gpu_check._each(plan, [(4, 8, torch.float16), (4, 8, torch.float32)], rows))
     assert [(r["ok"], r.get("error")) for r in got] == [(False, "RuntimeError: no kernel"),
                                                        (True, None)]
+
+
+def test_knob_variants_are_the_kernels_a_gpu_asks_for(gpu_check, monkeypatch):
+    """``knob_specs`` (what a rehearsal builds for the knobs timed) are the very
+    kernels CUDA calls ask for in ``ce_tvm.schedule("cuda", ...)``, at the timed
+    shapes only."""
+    from dataclasses import replace
+
+    import ce_tvm
+    from ce_tvm.kernels.kinds import Variant
+    from ce_tvm.runtime.tensors import kernel_target
+    from ce_tvm.store.spec import KernelSpec
+
+    timed = KernelSpec("train", "bfloat16", 128256, Variant("mean", True, False), "cuda",
+                       (("arch", "sm_90"),))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    on_gpu = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+    asked = []
+    for knobs in gpu_check.KNOB_VARIANTS["train"]:
+        with ce_tvm.schedule("cuda", **knobs):
+            asked.append(replace(timed, options=kernel_target(on_gpu)[1]))
+    assert gpu_check.knob_specs([timed, replace(timed, classes=32000)]) == asked

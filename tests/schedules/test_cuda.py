@@ -2,6 +2,8 @@
 
 import re
 import shutil
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +12,10 @@ import ce_tvm
 from ce_tvm.compiler.build import compile_spec, cuda_binary, lower_and_compile, scheduled_func
 from ce_tvm.kernels.kinds import CUDA_SCRATCH_ROWS, CUDA_SCRATCH_SINGLES, Variant
 from ce_tvm.runtime import launch
+from ce_tvm.runtime.tensors import kernel_target
+from ce_tvm.schedules import cuda
 from ce_tvm.store.spec import KernelSpec
+from ce_tvm.store.targets import cpu_schedule
 
 pytestmark = pytest.mark.slow  # nvcc builds (the GPU runs skip without one)
 
@@ -528,3 +533,50 @@ def test_the_training_kernel_in_lanes_reads_its_row_again_backwards():
     assert row.startswith(" void __launch_bounds__(1024)")
     stores = re.findall(r"\*\(nv_bfloat164\*\)\(x_grad_ptr \+ (.*)\) = ", row)
     assert stores and all(re.search(r" - \(\w+ \* \(int64_t\)16384\)\)$", s) for s in stores)
+
+
+def _block_threads(spec: KernelSpec) -> set[int]:
+    text = scheduled_func(spec).script()
+    return {int(n) for n in re.findall(r'T\.int64\((\d+)\), thread="threadIdx\.x"', text)}
+
+
+def test_cuda_schedule_options_are_kernels_of_their_own(monkeypatch):
+    """``ce_tvm.schedule("cuda", knob=value)``: CUDA calls in the block ask for
+    kernels with those knobs over the schedule's own (a name and a file of their
+    own), built with them; CPU calls and calls outside the block are untouched."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    on_gpu = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    plain = kernel_target(on_gpu)
+    with ce_tvm.schedule("cuda", threads=512, gradient_backwards=False):
+        knobbed = kernel_target(on_gpu)
+        assert cpu_schedule() == ("llvm", ())
+    assert plain == ("cuda", (("arch", "sm_90"),)) == kernel_target(on_gpu)
+    assert knobbed == ("cuda", (("arch", "sm_90"), ("gradient_backwards", "False"),
+                                ("threads", "512")))
+    base = KernelSpec("train", "bfloat16", 128256, Variant("mean", True, False), *plain)
+    spec = replace(base, options=knobbed[1])
+    assert "sm_90-gradient_backwardsFalse-threads512-train" in spec.name()
+    assert spec.file_name() != base.file_name()
+    assert _block_threads(base) == {cuda.TRAIN_LANES_KNOBS.threads}
+    assert _block_threads(spec) == {512}
+    # lane_vectors sizes the compute's chunk (bf16: a 16-byte vector is 8 logits)
+    variant, target = base.variant, base.tvm_target()
+    assert cuda.train_lanes(128256, "bfloat16", variant, target) == (16, 1024)
+    assert cuda.train_lanes(128256, "bfloat16", variant, target, lane_vectors="1") == (8, 1024)
+
+
+def test_cuda_schedule_options_are_checked():
+    """An option that is no knob, or a value of the wrong kind, names the knobs."""
+    assert cuda.with_options(cuda.CUDAKnobs(), {"gradient_backwards": "true", "unroll": "2"}
+                             ) == cuda.CUDAKnobs(gradient_backwards=True, unroll=2)
+    with pytest.raises(ValueError, match=r"unknown CUDA schedule options \['thread'\]; "
+                                         r"the knobs are \['threads'"):
+        cuda.with_options(cuda.CUDAKnobs(), {"thread": "512"})
+    with pytest.raises(ValueError, match="threads='many': expected an integer"):
+        cuda.with_options(cuda.CUDAKnobs(), {"threads": "many"})
+    with pytest.raises(ValueError, match="gradient_backwards='yes': expected true or false"):
+        cuda.with_options(cuda.CUDAKnobs(), {"gradient_backwards": "yes"})
+    spec = KernelSpec("log_probs", "float32", 32000, Variant(columns=1), "cuda",
+                      (("arch", "sm_90"), ("lane_width", "2")))
+    with pytest.raises(ValueError, match="unknown CUDA schedule options"):
+        scheduled_func(spec)
