@@ -44,17 +44,19 @@ Use it on a host with torch, `apache-tvm-ffi` and ce_tvm (`pip install
 
     export CE_TVM_MODULE_DIR={out}     # or: ce_tvm.use_bundle("{out}")
 
-Check it with `ce-tvm cache verify --dir {out}`. Keep its files private
+{knobs_note}Check it with `ce-tvm cache verify --dir {out}`. Keep its files private
 (0600, directories 0700): ce_tvm refuses files others can write.
 """
 
 
 def make_bundle(out: Path, *, target: str, dtype: str, classes: list[int],
-                arch: str | None = None, progress=print, extras: Extras = Extras()) -> dict:
+                arch: str | None = None, knobs: tuple = (), progress=print,
+                extras: Extras = Extras()) -> dict:
     """Build the bundle in ``out`` (kernels already there or in the cache, and
-    verified, are reused) with the variants ``extras`` asks for; returns its
-    manifest."""
-    options = (("arch", arch),) if target == "cuda" else ()
+    verified, are reused) with the variants ``extras`` asks for, and for CUDA
+    with the schedule ``knobs`` (``(name, value)`` pairs, as
+    ``ce_tvm.schedule("cuda", ...)`` asks for them); returns its manifest."""
+    options = (("arch", arch), *knobs) if target == "cuda" else ()
     make_private_dir(out)
     kernels = []
     for c in classes:
@@ -74,10 +76,14 @@ def make_bundle(out: Path, *, target: str, dtype: str, classes: list[int],
     for name in ("LICENSE", "NOTICE"):
         copy_file(directory.parent / name, out / "licenses" / f"apache-tvm-{name}")
     manifest = {"ce_tvm": __version__, "tvm": version, "target": target, "arch": arch,
+                **({"knobs": dict(knobs)} if knobs else {}),
                 "dtype": dtype, "classes": classes, "kernels": kernels, "runtime_libs": sums}
     write_file(out / BUNDLE_MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    knob_text = ", ".join(f"{k}={v}" for k, v in knobs)
     write_file(out / "README.md", README.format(
-        target=target + (f" ({arch})" if arch else ""), dtype=dtype, classes=classes,
-        ce_tvm=__version__, tvm=version, out=out.resolve()).encode())
+        target=target + (f" ({', '.join(filter(None, [arch, knob_text]))})" if arch else ""),
+        dtype=dtype, classes=classes, ce_tvm=__version__, tvm=version, out=out.resolve(),
+        knobs_note=(f'Its kernels serve the calls inside `ce_tvm.schedule("cuda", {knob_text})`.'
+                    "\n\n" if knobs else "")).encode())
     return manifest
 

@@ -29,8 +29,8 @@ TRAINING_DTYPES = tuple(d for d in DTYPES if d != "float64")
 def cmd_compile(args) -> int:
     from ..compiler.build import ahead_of_time_specs
 
-    options = {"ascend": (("profile", args.profile),), "cuda": (("arch", args.arch),)}.get(
-        args.target, ())
+    options = {"ascend": (("profile", args.profile),),
+               "cuda": (("arch", args.arch), *knob_options(args))}.get(args.target, ())
     specs = ahead_of_time_specs(args.target, args.dtype, args.classes, options, _extras(args))
     out = Path(args.out) if args.out else None
     t0 = time.perf_counter()
@@ -64,6 +64,34 @@ def cmd_bench(args) -> int:
     from .bench import run  # torch
 
     return run(args)
+
+
+def knob_options(args) -> tuple:
+    """``--knob NAME=VALUE`` (``--target cuda``) as the options of the kernels CUDA
+    calls ask for in ``ce_tvm.schedule("cuda", NAME=VALUE)``: checked against
+    ``CUDAKnobs`` and written as Python writes the typed value (``False``, ``512``)."""
+    if not args.knob:
+        return ()
+    if args.target != "cuda":
+        raise SystemExit(f"--knob sets CUDA schedule knobs: it needs --target cuda, "
+                         f"not {args.target}")
+    bad = [k for k in args.knob if "=" not in k]
+    if bad:
+        raise SystemExit(f"--knob takes NAME=VALUE, got {bad}")
+    from ..schedules.cuda import CUDAKnobs, with_options
+
+    pairs = dict(k.split("=", 1) for k in args.knob)
+    try:
+        knobs = with_options(CUDAKnobs(), pairs)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    return tuple(sorted((k, str(getattr(knobs, k))) for k in pairs))
+
+
+def _add_knob_flag(parser) -> None:
+    parser.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                        help="a CUDA schedule knob (--target cuda; repeatable): the kernels "
+                             "CUDA calls load in ce_tvm.schedule('cuda', NAME=VALUE)")
 
 
 def _extras(args):
@@ -100,7 +128,7 @@ def cmd_bundle(args) -> int:
     t0 = time.perf_counter()
     manifest = make_bundle(out, target=args.target, dtype=args.dtype, classes=args.classes,
                            arch=args.arch if args.target == "cuda" else None,
-                           extras=_extras(args))
+                           knobs=knob_options(args), extras=_extras(args))
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"{len(manifest['kernels'])} kernels for {args.target}/{args.dtype}/C={args.classes} "
           f"and the TVM runtime ({', '.join(manifest['runtime_libs'])}), {size / 1e6:.1f} MB, "
@@ -287,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="write a precompiled directory here instead of the cache")
     c.add_argument("--profile", default="910b", help="Ascend profile (--target ascend)")
     c.add_argument("--arch", default="sm_90", help="CUDA architecture (--target cuda)")
+    _add_knob_flag(c)
     _add_variant_flags(c)
     c.set_defaults(func=cmd_compile)
 
@@ -298,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--classes", type=int, action="append", required=True,
                    help="C (repeat for several)")
     b.add_argument("--out", required=True, help="the bundle directory")
+    _add_knob_flag(b)
     _add_variant_flags(b)
     b.set_defaults(func=cmd_bundle)
 

@@ -116,3 +116,36 @@ def test_compile_distill_serves_the_distillation_losses(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "distill probe ok" in done.stdout
     assert list((tmp_path / "empty").glob("*.so")) == []  # nothing built or copied there
+
+
+def test_knobs_build_the_kernels_a_cuda_scope_loads(tmp_path, monkeypatch):
+    """``ce-tvm compile|bundle --target cuda --knob NAME=VALUE``: every kernel with
+    the options CUDA calls ask for inside ``ce_tvm.schedule("cuda", NAME=VALUE)``
+    (values written as the typed knob is), checked against the knobs."""
+    from types import SimpleNamespace
+
+    from ce_tvm.runtime.tensors import kernel_target
+    from ce_tvm.tools import bundle, cli
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    with ce_tvm.schedule("cuda", threads=512, gradient_backwards=False):
+        asked = kernel_target(SimpleNamespace(device=SimpleNamespace(type="cuda")))[1]
+    built = []
+    monkeypatch.setattr(cache, "export_module",
+                        lambda spec, out: (built.append(spec), (out / spec.file_name(), True))[1])
+    args = ["--target", "cuda", "--arch", "sm_90", "--dtype", "bfloat16", "--classes", "17",
+            "--knob", "threads=512", "--knob", "gradient_backwards=false"]
+    assert cli.main(["compile", *args, "--out", str(tmp_path / "m")]) == 0
+    assert built and {s.options for s in built} == {asked}
+    monkeypatch.setattr(bundle, "RUNTIME_LIBS", {"cuda": []})
+    built.clear()
+    assert cli.main(["bundle", *args, "--out", str(tmp_path / "b")]) == 0
+    assert built and {s.options for s in built} == {asked}
+    assert 'ce_tvm.schedule("cuda", gradient_backwards=False, threads=512)' in (
+        tmp_path / "b" / "README.md").read_text()
+    for knob, why in [("threads", "NAME=VALUE"), ("thread=512", "unknown CUDA schedule option"),
+                      ("threads=many", "expected an integer")]:
+        with pytest.raises(SystemExit, match=why):
+            cli.main(["compile", "--target", "cuda", "--classes", "17", "--knob", knob])
+    with pytest.raises(SystemExit, match="needs --target cuda"):
+        cli.main(["compile", "--classes", "17", "--knob", "threads=512"])
