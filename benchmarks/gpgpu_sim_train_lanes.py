@@ -20,19 +20,18 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 from gpgpu_sim_cycles import bytes_moved, cycle_model
 
-import ce_tvm.schedules.cuda as cuda
 from ce_tvm.testing.cuda_cases import KERNELS, _case, problem
 
 # (family, index in KERNELS[family]): the training kernel (sum), and the recompute pair
 TRAIN, FORWARD, BACKWARD = ("train", 1), ("forward", 1), ("backward", 1)
 
 
-def knobs_of(choice: str) -> cuda.CUDAKnobs:
-    return cuda.CUDAKnobs(threads=int(choice.rstrip("b")), gradient_backwards=choice.endswith("b"))
+def knobs_of(choice: str) -> tuple:
+    """A choice as the training kernel's schedule options (``Case.knobs``)."""
+    return (("gradient_backwards", str(choice.endswith("b"))), ("threads", choice.rstrip("b")))
 
 
 def main(argv=None) -> int:
@@ -49,10 +48,10 @@ def main(argv=None) -> int:
         return 2
     records = []
 
-    def run(family_index, label, **fields):
+    def run(family_index, label, knobs=(), **fields):
         family, index = family_index
         case = replace(_case(family, KERNELS[family][index], args.dtype, args.classes, args.rows),
-                       arch=args.arch)
+                       arch=args.arch, knobs=knobs)
         prob = problem(case)
         kernels = sim.kernels(case.spec())
         sim.run(kernels, case.rows, prob.arrays, prob.scalars, prob.aliases)
@@ -68,12 +67,8 @@ def main(argv=None) -> int:
 
     print(f"device: {sim.name}; C = {args.classes}, N = {args.rows}, {args.dtype}")
     for choice in args.choices:
-        knobs = knobs_of(choice)
-        with mock.patch.object(cuda, "TRAIN_LANES_KNOBS", knobs):
-            sim._built.clear()  # the same spec, another schedule
-            run(TRAIN, f"training kernel, {choice}", threads=knobs.threads,
-                backwards=knobs.gradient_backwards)
-    sim._built.clear()
+        run(TRAIN, f"training kernel, {choice}", knobs_of(choice),
+            threads=int(choice.rstrip("b")), backwards=choice.endswith("b"))
     total = run(FORWARD, "forward") + run(BACKWARD, "backward from the logits")
     records.append(dict(kernel="recompute path", cycles=total))
     floor = sim.copy_floor(records[0]["read_bytes"], records[0]["write_bytes"])

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..kernels.kinds import Variant
-from ..schedules.cuda import CUDAKnobs, knob_space
+from ..schedules.cuda import knob_space
 from ..store.spec import KernelSpec
 from . import pocl, reference
 
@@ -60,7 +60,9 @@ TEMPERATURE = 0.7
 
 @dataclass(frozen=True)
 class Case:
-    """One kernel (op, variant, dtype, C, knobs) at one row count."""
+    """One kernel (op, variant, dtype, C, knobs) at one row count. ``knobs``:
+    ``(name, value)`` pairs of the CUDA schedule's knobs over the op's own, as
+    ``ce_tvm.schedule("cuda", name=value)`` sets them."""
 
     family: str
     op: str
@@ -74,14 +76,14 @@ class Case:
     ignore: str = "some"  # "none", "some" (every third row), "all"
     inplace: bool = False  # the gradient written over the logits
     masked: bool = False  # log-probs: every fifth class -inf (a masked vocabulary)
-    knobs: CUDAKnobs | None = None
+    knobs: tuple = ()
     repeats: int = 1
     seed: int = 0
     arch: str = ARCH
 
     def spec(self) -> KernelSpec:
-        options = (("arch", self.arch),) + ((("knobs", self.knobs),) if self.knobs else ())
-        return KernelSpec(self.op, self.dtype, self.classes, self.variant, "cuda", options)
+        return KernelSpec(self.op, self.dtype, self.classes, self.variant, "cuda",
+                          (("arch", self.arch), *sorted(self.knobs)))
 
     @property
     def softcap(self) -> float:
@@ -215,13 +217,13 @@ def stress(dtypes=("float32", "bfloat16"), classes=(5003,), rows=7) -> list[Case
                if i < 2 or k[0] in GRADIENT_OPS]
     for (family, kernel), dtype, c in itertools.product(kernels, dtypes, classes):
         grad = kernel[0] in GRADIENT_OPS
-        choices = [CUDAKnobs(threads=min(threads)), CUDAKnobs(threads=max(threads))]
+        choices = [{"threads": min(threads)}, {"threads": max(threads)}]
         if grad:
-            choices.append(CUDAKnobs(threads=min(threads), rows_per_block=4))
+            choices.append({"threads": min(threads), "rows_per_block": 4})
         for knobs in choices:
-            label = f"{kernel[2]} threads={knobs.threads}" + (
-                f" rows/block={knobs.rows_per_block}" if knobs.rows_per_block > 1 else "")
-            case = _case(family, kernel, dtype, c, rows, knobs=knobs, repeats=3)
+            label = " ".join([kernel[2], *(f"{k}={v}" for k, v in knobs.items())])
+            case = _case(family, kernel, dtype, c, rows, repeats=3,
+                         knobs=tuple((k, str(v)) for k, v in knobs.items()))
             out.append(replace(case, label=label + " x3"))
     return out
 
