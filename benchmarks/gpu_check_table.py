@@ -8,7 +8,10 @@ ce-tvm's (above 1: ce-tvm is faster).
 Floors: ``copy`` (one read and one write of the logits: the training step and
 the log-probs' step), ``gemm3`` / ``gemm`` (the fused heads' GEMMs alone);
 ``read`` (one read of the logits, a forward's floor) is listed beside them.
-Several files: one table each, in order.
+Several files: one table each, in order, then what the run decides: the
+one-pass training kernel against the recompute path, and each of ce-tvm's
+methods against its runs with other knobs of the CUDA schedule
+(``"one_pass threads=512"``: ``gpu_check.py``'s ``KNOB_VARIANTS``).
 """
 
 from __future__ import annotations
@@ -62,12 +65,38 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def decisions(rows: list[dict]) -> str:
+    """What a check's ``timing_rows`` settle, one line each: per row with both, the
+    one-pass training kernel against the recompute path; per method of ce-tvm's
+    timed with other knobs, each knob variant's time over the method's and the
+    fastest of them all."""
+    out = []
+    for row in rows:
+        ms, case = row["ms"], row["case"].replace("torch.", "")
+        if "one_pass" in ms and "recompute" in ms:
+            speedup = ms["recompute"] / ms["one_pass"]
+            out.append(f"- {case}: one_pass {ms['one_pass']:.3f} ms, recompute "
+                       f"{ms['recompute']:.3f} ms: "
+                       + (f"the one-pass kernel {speedup:.2f}x faster" if speedup > 1
+                          else f"the recompute path {1 / speedup:.2f}x faster"))
+        for method in [m for m in ms if _ours(m) and " " not in m]:
+            knobbed = {m.split(" ", 1)[1]: t for m, t in ms.items() if m.startswith(method + " ")}
+            if knobbed:
+                fastest = min(knobbed, key=knobbed.get)
+                out.append(f"- {case}: {method} {ms[method]:.3f} ms; " + ", ".join(
+                    f"{k} {t:.3f} ms ({ms[method] / t:.2f}x)" for k, t in knobbed.items())
+                    + "; fastest: " + (fastest if knobbed[fastest] < ms[method]
+                                       else "the schedule's own knobs"))
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", help="gpu_check.py --json files")
     args = p.parse_args(argv)
     for path in args.files:
-        print(f"{path}:\n\n{table(timing_rows(path))}\n")
+        rows = timing_rows(path)
+        print(f"{path}:\n\n{table(rows)}\n\nWhat it decides:\n\n{decisions(rows)}\n")
     return 0
 
 

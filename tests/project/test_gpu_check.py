@@ -102,3 +102,26 @@ def test_knob_variants_are_the_kernels_a_gpu_asks_for(gpu_check, monkeypatch):
         with ce_tvm.schedule("cuda", **knobs):
             asked.append(replace(timed, options=kernel_target(on_gpu)[1]))
     assert gpu_check.knob_specs([timed, replace(timed, classes=32000)]) == asked
+
+
+def test_the_table_says_what_a_run_decides(tmp_path):
+    """``gpu_check_table.py``: the knob variants sit in the table beside their
+    method, and the decisions name the faster training path and the fastest knobs."""
+    table = runpy.run_path(str(BENCHMARKS / "gpu_check_table.py"), run_name="gpu_check_table")
+    row = {"section": "time_training", "case": "training step 8192x128256 torch.bfloat16",
+           "n": 8192, "c": 128256, "dtype": "torch.bfloat16", "over": "copy",
+           "ms": {"one_pass": 2.0, "one_pass threads=512": 1.6,
+                  "one_pass gradient_backwards=False": 2.5, "recompute": 3.0,
+                  "forward": 1.0, "forward lane_rounds=2": 1.25, "copy": 1.5}}
+    path = tmp_path / "check.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({"section": "x", "done": True}) + "\n")
+    rows = table["timing_rows"](str(path))
+    assert "| one_pass threads=512 | 1.600 | 2627 | 0.94 |" in table["table"](rows)
+    said = table["decisions"](rows).splitlines()
+    assert said == [
+        "- training step 8192x128256 bfloat16: one_pass 2.000 ms, recompute 3.000 ms: "
+        "the one-pass kernel 1.50x faster",
+        "- training step 8192x128256 bfloat16: one_pass 2.000 ms; threads=512 1.600 ms "
+        "(1.25x), gradient_backwards=False 2.500 ms (0.80x); fastest: threads=512",
+        "- training step 8192x128256 bfloat16: forward 1.000 ms; lane_rounds=2 1.250 ms "
+        "(0.80x); fastest: the schedule's own knobs"]
