@@ -78,7 +78,8 @@ def decisions(rows: list[dict]) -> str:
             out.append(f"- {case}: one_pass {ms['one_pass']:.3f} ms, recompute "
                        f"{ms['recompute']:.3f} ms: "
                        + (f"the one-pass kernel {speedup:.2f}x faster" if speedup > 1
-                          else f"the recompute path {1 / speedup:.2f}x faster"))
+                          else f"the recompute path {1 / speedup:.2f}x faster" if speedup < 1
+                          else "the same time"))
         for method in [m for m in ms if _ours(m) and " " not in m]:
             knobbed = {m.split(" ", 1)[1]: t for m, t in ms.items() if m.startswith(method + " ")}
             if knobbed:
