@@ -26,15 +26,19 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--reduction", default="mean", choices=("none", "sum", "mean"))
     parser.add_argument("--weighted", action="store_true")
+    parser.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                        help="a CUDA schedule knob over the kernel's own (repeatable)")
     args = parser.parse_args(argv)
+    knobs = tuple(tuple(k.split("=", 1)) for k in args.knob)
     rows = []
     for op in args.op:
         for dtype in args.dtype:
             for classes in args.classes:
-                label = f"{op} {args.reduction}{' w' if args.weighted else ''} {dtype} C={classes}"
+                label = (f"{op} {args.reduction}{' w' if args.weighted else ''} {dtype} C={classes}"
+                         + "".join(f" {k}={v}" for k, v in knobs))
                 try:
                     kernels = analyse(op, dtype, classes, args.arch, args.weighted,
-                                      args.reduction)
+                                      args.reduction, knobs)
                     rows.append((label, summarise(kernels, classes)))
                 except Exception as err:  # report the shape, keep going
                     last = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)

@@ -124,10 +124,11 @@ EDGE_TIMED = [(4096, 32000, torch.bfloat16)]
 # Knobs of the CUDA schedule timed beside its own (``ce_tvm.schedule("cuda", ...)``),
 # by op, at the shapes timed for it (``KNOB_TIMED``): what a GPU settles that GPGPU-Sim
 # could not (its sm_86 model has 46 SMs and 4 MB of L2; an H200 132 and 50 MB): the
-# training kernel's blocks per SM and gradient order (its second read of the row from
-# L2), and one vector per lane or two rounds of the lane loop.
+# training kernel's rows per SM and gradient order (its second read of the row from
+# L2: 512 threads hold 4 rows per SM, two lane rounds 42 registers in bf16, one row),
+# and one vector per lane or two rounds of the lane loop.
 KNOB_VARIANTS = {"train": ({"threads": 512}, {"gradient_backwards": False},
-                           {"lane_vectors": 1}),
+                           {"lane_vectors": 1}, {"lane_rounds": 2}),
                  "forward": ({"lane_rounds": 2}, {"lane_vectors": 1}),
                  "log_probs": ({"lane_rounds": 1}, {"lane_vectors": 1})}
 KNOB_TIMED = {"train": CE_TIMED, "forward": CE_TIMED, "log_probs": LOG_PROBS_TIMED}

@@ -317,33 +317,37 @@ OPS = {  # tool op -> (KernelSpec op, variant keywords)
 }
 
 
-def _spec(op: str, dtype: str, classes: int, arch: str, weighted: bool, reduction: str):
+def _spec(op: str, dtype: str, classes: int, arch: str, weighted: bool, reduction: str,
+          knobs: tuple = ()):
+    """The kernel's spec; ``knobs``: ``(name, value)`` pairs of the CUDA schedule's
+    knobs, as ``ce_tvm.schedule("cuda", name=value)`` sets them."""
     from ..compiler.build import KernelSpec
     from ..kernels.kinds import Variant
 
     spec_op, extra = OPS[op]
     return KernelSpec(spec_op, dtype, classes, Variant(reduction, weighted, **extra), "cuda",
-                      (("arch", arch),))
+                      (("arch", arch), *sorted(knobs)))
 
 
 def cuda_source(op: str, dtype: str, classes: int, arch: str = "sm_90",
-                weighted: bool = False, reduction: str = "mean") -> str:
+                weighted: bool = False, reduction: str = "mean", knobs: tuple = ()) -> str:
     """TVM's CUDA source for one shape, built as the runtime builds it."""
     from ..compiler.build import lower_and_compile
 
-    spec = _spec(op, dtype, classes, arch, weighted, reduction)
+    spec = _spec(op, dtype, classes, arch, weighted, reduction, knobs)
     return lower_and_compile(spec).mod.imports[0].inspect_source()
 
 
 def dynamic_shared_bytes(op: str, dtype: str, classes: int, arch: str = "sm_90",
-                         weighted: bool = False, reduction: str = "mean") -> int:
+                         weighted: bool = False, reduction: str = "mean",
+                         knobs: tuple = ()) -> int:
     """Bytes of dynamic shared memory (``shared.dyn``: a row staged whole) a block
     of the scheduled kernel allocates (ptxas reports static shared memory only)."""
     from tvm import s_tir, tirx
 
     from ..compiler.build import scheduled_func
 
-    func = scheduled_func(_spec(op, dtype, classes, arch, weighted, reduction))
+    func = scheduled_func(_spec(op, dtype, classes, arch, weighted, reduction, knobs))
     blocks = []
     tvm_ffi.structural_map(func.body, [(s_tir.SBlock, lambda b: blocks.append(b) or b)])
     # Before lowering the staged buffer spans every row ([N, C]); a block holds one
@@ -366,9 +370,9 @@ def nvcc_flags() -> list:
 
 @functools.cache
 def analyse(op: str, dtype: str, classes: int, arch: str = "sm_90", weighted: bool = False,
-            reduction: str = "mean") -> dict:
+            reduction: str = "mean", knobs: tuple = ()) -> dict:
     """``{kernel: Kernel}`` with its element loops, for one shape (cached per process)."""
-    source = cuda_source(op, dtype, classes, arch, weighted, reduction)
+    source = cuda_source(op, dtype, classes, arch, weighted, reduction, knobs)
     disasm = disassembler()
     if disasm is None:
         raise RuntimeError("no nvdisasm or cuobjdump (pip install nvidia-cuda-nvdisasm)")
@@ -386,7 +390,7 @@ def analyse(op: str, dtype: str, classes: int, arch: str = "sm_90", weighted: bo
         kernel.sweeps_rows = name in _row_sweepers(source)
     if "extern __shared__" in source:  # TVM's CUDA codegen: dynamic shared memory
         row_kernel(kernels).dyn_smem = dynamic_shared_bytes(op, dtype, classes, arch, weighted,
-                                                            reduction)
+                                                            reduction, knobs)
     return kernels
 
 
