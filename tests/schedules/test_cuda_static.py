@@ -293,3 +293,19 @@ def test_loop_free_kernel_is_bounded_by_its_size():
     kernel = cuda_static.Kernel("k", instructions=400)
     s = cuda_static.summarise({"k": kernel}, classes=1001)
     assert s.insn_per_element == 100 and math.isnan(s.broadcast_per_element)
+
+
+@needs_tools
+@pytest.mark.slow
+def test_knob_variants_reach_the_machine_code():
+    """A kernel counted with other CUDA knobs (``analyse(..., knobs=...)``, what the
+    GPU check times beside each kernel) is built with them: the bf16 training kernel
+    with two rounds of its lane loop an iteration holds more registers (a 1024-thread
+    block per SM on sm_90) for fewer instructions, and one vector per lane costs
+    instructions."""
+    plain = cuda_static.summarise(cuda_static.analyse("train", "bfloat16", 128256), 128256)
+    rounds, one_vector = (cuda_static.summarise(cuda_static.analyse(
+        "train", "bfloat16", 128256, knobs=(knob,)), 128256)
+        for knob in (("lane_rounds", "2"), ("lane_vectors", "1")))
+    assert plain.kernel.registers <= 32 < rounds.kernel.registers
+    assert rounds.insn_per_element < plain.insn_per_element < one_vector.insn_per_element
