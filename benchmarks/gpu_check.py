@@ -126,12 +126,15 @@ EDGE_TIMED = [(4096, 32000, torch.bfloat16)]
 # could not (its sm_86 model has 46 SMs and 4 MB of L2; an H200 132 and 50 MB): the
 # training kernel's rows per SM and gradient order (its second read of the row from
 # L2: 512 threads hold 4 rows per SM, two lane rounds 42 registers in bf16, one row),
-# and one vector per lane or two rounds of the lane loop.
+# one vector per lane or two rounds of the lane loop, and the recompute path's
+# gradient with more loads in flight (8 sweeps a thread) or 512 threads a row.
 KNOB_VARIANTS = {"train": ({"threads": 512}, {"gradient_backwards": False},
                            {"lane_vectors": 1}, {"lane_rounds": 2}),
                  "forward": ({"lane_rounds": 2}, {"lane_vectors": 1}),
+                 "backward": ({"unroll": 8}, {"threads": 512}),
                  "log_probs": ({"lane_rounds": 1}, {"lane_vectors": 1})}
-KNOB_TIMED = {"train": CE_TIMED, "forward": CE_TIMED, "log_probs": LOG_PROBS_TIMED}
+KNOB_TIMED = {"train": CE_TIMED, "forward": CE_TIMED, "backward": CE_TIMED,
+              "log_probs": LOG_PROBS_TIMED}
 
 
 @dataclass(frozen=True)
@@ -855,18 +858,23 @@ def time_training(plan: Plan):
     row ignored): the one-pass kernel alone and with the in-place scaling its
     autograd backward makes on CUDA (``ForwardGradients``: the upstream gradient
     cannot be read there without a host sync), the recompute path
-    (forward, then the backward from the logits), the forward alone with its
-    floor (one read of the logits), and the copy floor."""
+    (forward, then the backward from the logits), the forward and the backward
+    alone, the forward's floor (one read of the logits) and the copy floor; each
+    kernel also with its ``KNOB_VARIANTS``."""
     options = LossOptions(reduction="mean", label_smoothing=0.1)
     for n, c, dtype in plan.cases(CE_TIMED):
         x, y, _ = _inputs(plan, n, c, dtype)
         one = torch.ones(1, device=plan.device)
         copy = torch.empty_like(x)
 
-        def recompute():
-            out = launch.forward(x, y, None, options, log_prob=False)
-            return launch.backward(one, torch.zeros_like(one), x, out.lse, y, None, options,
+        def backward(lse):
+            return launch.backward(one, torch.zeros_like(one), x, lse, y, None, options,
                                    source_kind="logits")
+
+        def recompute():
+            return backward(launch.forward(x, y, None, options, log_prob=False).lse)
+
+        lse = launch.forward(x, y, None, options, log_prob=False).lse
 
         yield _timing_row(plan, f"training step {n}x{c} {dtype}", {
             "one_pass": lambda: launch.train(x, y, None, options),
@@ -876,6 +884,8 @@ def time_training(plan: Plan):
             "forward": lambda: launch.forward(x, y, None, options, log_prob=False),
             **_knob_variants("forward", "forward",
                              lambda: launch.forward(x, y, None, options, log_prob=False)),
+            "backward": lambda: backward(lse),
+            **_knob_variants("backward", "backward", lambda: backward(lse)),
             "read": lambda: x.sum(dtype=torch.float32), "copy": lambda: copy.copy_(x)},
             {}, "copy", n=n, c=c, dtype=str(dtype))
 

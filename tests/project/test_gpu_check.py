@@ -39,7 +39,8 @@ def test_cpu_rehearsal_runs_every_section_and_records_each_row(tmp_path):
     for row in timings:  # each timed against its floor in the same reps
         assert row["ms"] and row["ratio"][row["over"]] == 1.0
     training = next(r for r in timings if r["section"] == "time_training")
-    assert {"one_pass threads=512", "forward lane_rounds=2"} <= set(training["ms"])
+    assert {"one_pass threads=512", "forward lane_rounds=2", "backward unroll=8"} <= set(
+        training["ms"])
     ce = next(r for r in timings if r["section"] == "time_ce")
     assert {"ce_tvm", "eager", "copy"} <= set(ce["ms"])
     assert ce["left_out"]["compile"] == "CUDA only in this check"
