@@ -65,18 +65,22 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--families", nargs="+", default=sorted({f for f, _ in TABLE}),
                         help="only these families' rows of the table")
+    parser.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                        help="a CUDA schedule knob over each kernel's own (repeatable)")
     args = parser.parse_args(argv)
+    knobs = tuple(tuple(k.split("=", 1)) for k in args.knob)
     sim = cycle_model()
     if sim is None:
         return 2
-    print(f"device: {sim.name}; C = {args.classes}, N = {args.rows}, schedule {args.arch}")
+    print(f"device: {sim.name}; C = {args.classes}, N = {args.rows}, schedule {args.arch}"
+          + "".join(f", {k}={v}" for k, v in knobs))
     print(f"{'kernel':42} {'dtype':8} {'launches':>8} {'ce-tvm':>9} {'floor':>9} {'ratio':>6}")
     records = []
     for (family, index), dtype in [(k, d) for k in TABLE for d in args.dtypes
                                    if k[0] in args.families]:
         kernel = KERNELS[family][index]
         case = _case(family, kernel, dtype, args.classes, args.rows)
-        case = replace(case, arch=args.arch)
+        case = replace(case, arch=args.arch, knobs=knobs)
         prob = problem(case)
         kernels = sim.kernels(case.spec())
         sim.run(kernels, case.rows, prob.arrays, prob.scalars, prob.aliases)
@@ -88,6 +92,7 @@ def main(argv=None) -> int:
               f"{cycles / floor:>6.2f}", flush=True)
         records.append(dict(family=family, op=kernel[0], variant=kernel[2], dtype=dtype,
                             classes=args.classes, rows=args.rows, arch=args.arch,
+                            knobs=dict(knobs),
                             launches=len(kernels.launches), cycles=cycles,
                             floor_cycles=floor, read_bytes=reads, write_bytes=writes,
                             ratio=round(cycles / floor, 3), device=sim.name))

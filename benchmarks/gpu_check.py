@@ -126,15 +126,17 @@ EDGE_TIMED = [(4096, 32000, torch.bfloat16)]
 # could not (its sm_86 model has 46 SMs and 4 MB of L2; an H200 132 and 50 MB): the
 # training kernel's rows per SM and gradient order (its second read of the row from
 # L2: 512 threads hold 4 rows per SM, two lane rounds 42 registers in bf16, one row),
-# one vector per lane or two rounds of the lane loop, and the recompute path's
-# gradient with more loads in flight (8 sweeps a thread) or 512 threads a row.
+# one vector per lane or two rounds of the lane loop, and the gradients (the
+# recompute path's, the log-probs') with more loads in flight (8 sweeps a thread)
+# or 512 threads a row.
 KNOB_VARIANTS = {"train": ({"threads": 512}, {"gradient_backwards": False},
                            {"lane_vectors": 1}, {"lane_rounds": 2}),
                  "forward": ({"lane_rounds": 2}, {"lane_vectors": 1}),
                  "backward": ({"unroll": 8}, {"threads": 512}),
-                 "log_probs": ({"lane_rounds": 1}, {"lane_vectors": 1})}
+                 "log_probs": ({"lane_rounds": 1}, {"lane_vectors": 1}),
+                 "log_probs_grad": ({"unroll": 8}, {"threads": 512})}
 KNOB_TIMED = {"train": CE_TIMED, "forward": CE_TIMED, "backward": CE_TIMED,
-              "log_probs": LOG_PROBS_TIMED}
+              "log_probs": LOG_PROBS_TIMED, "log_probs_grad": LOG_PROBS_TIMED}
 
 
 @dataclass(frozen=True)
@@ -829,10 +831,13 @@ def _log_prob_kernels(x, index, a, b) -> dict:
         _, ent, top, lse = launch.log_probs(x, index, options)
         return launch.log_probs_backward(grad_logp, b, x, index, top, lse, ent, options)
 
+    def backward():
+        return launch.log_probs_backward(grad_logp, b, x, index, row_max, log_expsum, entropy,
+                                         options)
+
     return {"forward": lambda: launch.log_probs(x, index, options),
             **_knob_variants("log_probs", "forward", lambda: launch.log_probs(x, index, options)),
-            "backward": lambda: launch.log_probs_backward(grad_logp, b, x, index, row_max,
-                                                          log_expsum, entropy, options),
+            "backward": backward, **_knob_variants("log_probs_grad", "backward", backward),
             "both": both, "read": lambda: x.sum(dtype=torch.float32),
             "copy": lambda: copy.copy_(x)}
 

@@ -41,6 +41,8 @@ def test_cpu_rehearsal_runs_every_section_and_records_each_row(tmp_path):
     training = next(r for r in timings if r["section"] == "time_training")
     assert {"one_pass threads=512", "forward lane_rounds=2", "backward unroll=8"} <= set(
         training["ms"])
+    kernels = next(r for r in timings if r["case"].startswith("log-prob kernels"))
+    assert {"forward lane_vectors=1", "backward unroll=8"} <= set(kernels["ms"])
     ce = next(r for r in timings if r["section"] == "time_ce")
     assert {"ce_tvm", "eager", "copy"} <= set(ce["ms"])
     assert ce["left_out"]["compile"] == "CUDA only in this check"
