@@ -914,7 +914,9 @@ def knob_specs(specs) -> list:
     ``KNOB_VARIANTS`` among its options."""
     timed = {(op, str(dtype).removeprefix("torch."), c)
              for op, grid in KNOB_TIMED.items() for _, c, dtype in grid}
-    return [replace(s, options=s.options + tuple(sorted((k, str(v)) for k, v in knobs.items())))
+    from ce_tvm.store.targets import options_of
+
+    return [replace(s, options=s.options + options_of(knobs))
             for s in specs if (s.op, s.dtype, s.classes) in timed
             for knobs in KNOB_VARIANTS[s.op]]
 

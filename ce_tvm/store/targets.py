@@ -140,13 +140,19 @@ def schedule(name: str, **options):
     if name not in ("llvm", "ascend", "cuda"):
         raise ValueError(f"a schedule is 'llvm' or 'ascend' (CPU tensors) or 'cuda' (the CUDA "
                          f"schedule's knobs), got {name!r}")
-    chosen = tuple(sorted((k, str(v)) for k, v in options.items()))
+    chosen = options_of(options)
     var, value = (_CUDA_OPTIONS, chosen) if name == "cuda" else (_CPU_SCHEDULE, (name, chosen))
     token = var.set(value)
     try:
         yield
     finally:
         var.reset(token)
+
+
+def options_of(options: dict) -> tuple:
+    """Schedule options as a kernel's spec keeps them: ``(name, str(value))`` pairs,
+    sorted by name."""
+    return tuple(sorted((k, str(v)) for k, v in options.items()))
 
 
 def cpu_schedule() -> tuple:

@@ -20,7 +20,7 @@ from ..schedules import ascend_plan
 from ..store import records
 from ..store.files import make_private_dir
 from ..store.spec import KernelSpec
-from ..store.targets import TARGETS, write_host_descriptor
+from ..store.targets import TARGETS, options_of, write_host_descriptor
 from . import bench_args
 
 TRAINING_DTYPES = tuple(d for d in DTYPES if d != "float64")
@@ -85,7 +85,7 @@ def knob_options(args) -> tuple:
         knobs = with_options(CUDAKnobs(), pairs)
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    return tuple(sorted((k, str(getattr(knobs, k))) for k in pairs))
+    return options_of({k: getattr(knobs, k) for k in pairs})
 
 
 def _add_knob_flag(parser) -> None:

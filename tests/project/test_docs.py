@@ -46,9 +46,7 @@ def _free_port() -> int:
 def test_python_blocks_run_as_written(page, tmp_path):
     code = "\n".join(python_blocks(page))
     script = tmp_path / f"page_{Path(page).stem}.py"  # not a package's name (trl.py)
-    script.write_text(code)
-    if page in TORCHRUN:
-        script.write_text(f"{code}\nprint({END!r}, flush=True)\n")
+    script.write_text(f"{code}\nprint({END!r}, flush=True)\n" if page in TORCHRUN else code)
     for _ in range(5):  # a torchrun page again only after gloo's exit race
         command = [sys.executable, str(script)]
         if page in TORCHRUN:
