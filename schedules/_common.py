@@ -66,12 +66,14 @@ from ..kernels.stages import (
 )
 
 # Row reductions of the forward and shard statistics, reduced chunk by chunk;
-# the optional ones exist for some variants only (CHUNK_WSUM probability targets,
-# CHUNK_BEATS token accuracy, the last three the log-probs' stats variant, in an
-# order where ptxas spills nothing on CUDA: first, sqsum, zsum; other orders
-# spilled 16 bytes of row-invariant values at fp32 C = 50257).
-ROW_REDUCTIONS = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM)
-OPTIONAL_ROW_REDUCTIONS = (CHUNK_WSUM, CHUNK_BEATS, CHUNK_FIRST, CHUNK_SQSUM, CHUNK_ZSUM)
+# the optional ones exist for some variants only (CHUNK_WXSUM all but the loss
+# kernels without label smoothing, CHUNK_WSUM probability targets, CHUNK_BEATS
+# token accuracy, the last three the log-probs' stats variant, in an order where
+# ptxas spills nothing on CUDA: first, sqsum, zsum; other orders spilled 16
+# bytes of row-invariant values at fp32 C = 50257).
+ROW_REDUCTIONS = (CHUNK_MAX, CHUNK_EXPSUM)
+OPTIONAL_ROW_REDUCTIONS = (CHUNK_WXSUM, CHUNK_WSUM, CHUNK_BEATS, CHUNK_FIRST, CHUNK_SQSUM,
+                           CHUNK_ZSUM)
 # Serial sums over rows: for sum and mean (and the mean backward) only.
 ROW_TOTALS = (TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT)
 # Per-row stages of the forward after the row statistics (not in the shard

@@ -142,9 +142,22 @@ def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | 
     chunk = knobs.pop("chunk", None)
     if chunk is not None and chunk != _chunk(sch):
         raise ValueError(f"chunk {chunk} drawn for a compute declared with chunk {_chunk(sch)}")
-    schedule = {"forward": schedule_forward, "backward": schedule_backward,
-                "train": schedule_train}[SCHEDULE_OF[op]]
-    return schedule(sch, target, CPUKnobs(**knobs))
+    return _schedule_of(op)(sch, target, CPUKnobs(**knobs))
+
+
+def schedule_with_knobs(func, op: str, target: Target, knobs: dict):
+    """Schedule ``op``'s ``func`` with ``knobs``, a tuning record's (``chunk``, a
+    knob of the compute, is the one ``func`` was declared with): how a record
+    tuned on a sibling kernel's compute (``KernelSpec.record_name``) applies,
+    its trace naming blocks this compute may not have."""
+    fields = {name: value for name, value in knobs.items() if name != "chunk"}
+    return _schedule_of(op)(s_tir.Schedule(func), target, CPUKnobs(**fields)).mod["main"]
+
+
+def _schedule_of(op: str):
+    """The function scheduling ``op`` on a ``Schedule`` (``SCHEDULE_OF``)."""
+    return {"forward": schedule_forward, "backward": schedule_backward,
+            "train": schedule_train}[SCHEDULE_OF[op]]
 
 
 def forward(func, target: Target, knobs: CPUKnobs | None = None):
@@ -226,7 +239,7 @@ def ride_along(sch, stages: dict, outer: int, lanes: int, unroll: int = 1,
     kept = present_blocks(sch, [CHUNK_EXP])
     if not (names or plain) or not kept:
         return stages, None
-    names += list(SWEPT)
+    names += [name for name in SWEPT if name in stages]
     group = [stages[name] for name in names]
     if any(len(blocks) != 2 or len(sch.get_loops(blocks[0])) != outer + 2 for blocks in group):
         return stages, None

@@ -24,7 +24,7 @@ from ..kernels import (
     shards,
     training,
 )
-from ..kernels.kinds import DIVERGENCES, REDUCTIONS, Variant
+from ..kernels.kinds import DIVERGENCES, REDUCTIONS, SMOOTHING_OPS, Variant
 from ..store import records
 from ..store.files import copy_file
 from ..store.spec import LOG_PROB_OPS, KernelSpec, schedule_name, tuned_variants
@@ -69,7 +69,9 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = (),
               extras: Extras = Extras()) -> list[KernelSpec]:
     """Every forward, training and backward variant for one (target, dtype, C)
     (training kernels where the target's schedule has them), for class-index
-    and probability targets; and the ``extras`` asked for."""
+    and probability targets; and the ``extras`` asked for; each forward and
+    training kernel also without label smoothing (what calls with ``eps = 0``
+    load)."""
     fwd = [KernelSpec("forward", dtype, classes, Variant(r, w, lp), target, options)
            for r, w, lp in itertools.product(REDUCTIONS, (False, True), (True, False))]
     bwd = [KernelSpec("backward", dtype, classes, Variant(r, w, grad_source=src), target, options)
@@ -80,7 +82,9 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = (),
     probs = [KernelSpec(op, dtype, classes, Variant(r, w, False), target, options)
              for op, r, w in itertools.product(PROB_OPS, REDUCTIONS, (False, True))]
     plain = fwd + train + bwd + probs
-    return plain + _extra_specs(plain, extras)
+    specs = plain + _extra_specs(plain, extras)
+    return specs + [replace(s, variant=replace(s.variant, smoothing=False)) for s in specs
+                    if s.op in SMOOTHING_OPS]
 
 
 def _extra_specs(plain: list[KernelSpec], extras: Extras) -> list[KernelSpec]:
@@ -199,15 +203,20 @@ SCHEDULE_OF_OP = {"forward": "forward", "train": "train", "shard_stats": "forwar
 
 def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     """The compute of ``spec`` with its tuning record, or its target's hand schedule
-    (the schedule module's function named after the op, else ``SCHEDULE_OF_OP``'s)."""
+    (the schedule module's function named after the op, else ``SCHEDULE_OF_OP``'s).
+    A record of a sibling kernel (``KernelSpec.record_name``) schedules it with
+    the record's knobs."""
     func = declared_func(spec)
+    module = schedule_module(spec.target)
+    if spec.tuned and spec.record_name() != spec.name():
+        return module.schedule_with_knobs(func, spec.op, spec.tvm_target(),
+                                          records.record_knobs(spec.tuned))
     if spec.tuned:
         try:
             return records.apply_record(spec.tuned, func, spec.tvm_target())
         except RuntimeError as err:  # a record of an older compute: never fail the build
             log.warning("ce_tvm: %s (it was tuned for another version of the compute); "
                         "using the hand schedule. Retune it with ce-tvm tune.", err)
-    module = schedule_module(spec.target)
     schedule = getattr(module, spec.op, None) or getattr(module, SCHEDULE_OF_OP[spec.op])
     return schedule(func, spec.tvm_target(), **spec.schedule_options())
 

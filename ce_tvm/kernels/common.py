@@ -326,7 +326,7 @@ class RowStats:
 
     rowmax: te.Tensor
     expsum: te.Tensor
-    wxsum: te.Tensor  # with ``entropy``: ``A`` merged to the row max
+    wxsum: te.Tensor | None  # with ``entropy``: ``A`` merged to the row max
     weight_sum: object  # n -> sum_c v[n, c]
     chunk_max: te.Tensor
     chunk_top: object  # (n, k) -> the chunk's largest logit as the loss sees it (capped)
@@ -341,7 +341,7 @@ class RowStats:
 def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: int, acc: str,
                chunk: int | None, keep_exp: bool = False, target=None, shift=None,
                stage: bool = False, entropy: bool = False, stats: bool = False,
-               lanes: int = 0) -> RowStats:
+               lanes: int = 0, weighted_sum: bool = True) -> RowStats:
     """Row statistics of the (capped) logits, reduced chunk by chunk
     (``ChunkLayout``) and merged by ``softmax_merge``.
 
@@ -352,6 +352,8 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     ones (``sum v`` is ``C``). ``shift(n)``: a per-row value the weighted
     sum subtracts from every logit (``sum v (x - shift)``), so that a large
     common offset of the row does not cancel later.
+    ``weighted_sum`` off (a loss without label smoothing, the only reader of
+    ``sum v x`` and ``sum v``): neither is declared, ``wxsum`` is ``None``.
 
     ``keep_exp``: ``exp(x - chunk_max)`` is a stage of its own
     (``ce_chunk_exp``) that the chunk's exp-sum reduces, so a gradient can
@@ -456,12 +458,10 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
             return weights.of(n, c) * shifted(n, c, k, j)
         return shifted(n, c, k, j)
 
-    parts = [
-        cmax,
-        per_chunk(CHUNK_EXPSUM, te.sum, zero, exp_term),
-        per_chunk(CHUNK_WXSUM, te.sum, zero, weighted),
-    ]
-    per_row_wsum = weights is not None and weights.total is None
+    parts = [cmax, per_chunk(CHUNK_EXPSUM, te.sum, zero, exp_term)]
+    if weighted_sum:
+        parts.append(per_chunk(CHUNK_WXSUM, te.sum, zero, weighted))
+    per_row_wsum = weighted_sum and weights is not None and weights.total is None
     if per_row_wsum:
         parts.append(per_chunk(CHUNK_WSUM, te.sum, zero, lambda n, c, k, j: weights.of(n, c)))
     if target is not None:
@@ -504,7 +504,7 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     else:
         weight_sum = lambda n: tirx.const(float(classes), acc)  # noqa: E731
     extra = merged[n_before_stats:] if stats else (None, None, None)
-    return RowStats(merged[0], merged[1], merged[2], weight_sum, cmax,
+    return RowStats(merged[0], merged[1], merged[2] if weighted_sum else None, weight_sum, cmax,
                     lambda n, k: logit.scaled(top(n, k)), kept, layout,
                     merged[n_before_stats - 1] if target is not None else None, *extra)
 

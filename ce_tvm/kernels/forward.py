@@ -43,10 +43,13 @@ def forward_func(classes: int, dtype: str, variant: Variant,
     """
     acc, n_rows, x, y, w = logits_inputs(classes, dtype, variant.weighted)
     ii, eps, s, *_ = scalars = scalar_args(acc, variant)
+    if not variant.smoothing:
+        eps = None
     logit = loss_logits(x, acc, variant, scalars)
     mask, index = masked_target(y, ii, classes)
     st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk,
-                    target=index if variant.accuracy else None, stage=stage, lanes=lanes)
+                    target=index if variant.accuracy else None, stage=stage, lanes=lanes,
+                    weighted_sum=variant.smoothing)
     rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
     lse = te.compute((n_rows,), lambda n: logit.scaled(rowmax[n]) + te.log(expsum[n]),
                      name=LSE)

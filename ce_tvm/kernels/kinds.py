@@ -13,6 +13,8 @@ DTYPES = tuple(DTYPE_BYTES)
 # The divergence kernels' directions: KL(teacher || student), KL(student || teacher)
 # and the generalized JSD of TRL's ``beta`` strictly inside (0, 1).
 DIVERGENCES = ("fkl", "rkl", "jsd")
+# The ops with kernels without label smoothing (``Variant.smoothing`` off).
+SMOOTHING_OPS = ("forward", "train")
 
 
 # A CUDA kernel's scratch (per-row terms and sums over rows, passed between its
@@ -58,6 +60,13 @@ class Variant:
     ``zloss`` in the accumulation dtype instead of the storage dtype (the
     ``loss_dtype=torch.float32`` of docs/spec.md, section 7); off, the kernels are
     exactly those without the field (names, keys and tuning records unchanged).
+    ``smoothing``: the forward and training kernels compute label smoothing's
+    terms, ``eps`` a scalar argument (0 allowed). Off (the runtime's choice
+    for ``eps = 0``, most calls), they declare neither the terms nor the
+    per-row sums they read (``sum_c w[c] x[n, c]``: a vector add per element
+    in the chunk sweep) and ignore the argument, which they still take. On,
+    the kernels are exactly those without the field; the ops other than
+    ``SMOOTHING_OPS`` always have it on.
     """
 
     reduction: str = "mean"
@@ -72,6 +81,7 @@ class Variant:
     divergence: str = ""
     teacher_softcap: bool = False
     wide_loss: bool = False
+    smoothing: bool = True
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
@@ -92,5 +102,6 @@ class Variant:
              *([self.divergence] if self.divergence else []),
              *(["tsc"] if self.teacher_softcap else []),
              *(["wl"] if self.wide_loss else []),
+             *([] if self.smoothing else ["ns"]),
              self.grad_source]
         )

@@ -47,7 +47,9 @@ def row_losses(n_rows, classes, acc, eps, s, mask, lse, target_logit, target_wei
 
     ``target_logit(n)``/``target_weight(n)``: ``x[n, y[n]]`` and ``w[y[n]]``;
     ``wxsum(n)``: ``sum_c w[c] x[n, c]``; ``wsum(n)``: ``sum_c w[c]``; ``classes``
-    is the full C (an expression for a vocabulary shard). Returns the dict
+    is the full C (an expression for a vocabulary shard). ``eps``: label
+    smoothing's scalar; ``None`` for a kernel without it (``Variant.smoothing``
+    off: no smoothing term, ``wxsum`` and ``wsum`` never read). Returns the dict
     ``reduce_forward`` reduces.
     """
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
@@ -60,15 +62,16 @@ def row_losses(n_rows, classes, acc, eps, s, mask, lse, target_logit, target_wei
     def nll(n):
         return -target_weight(n) * (target_logit(n) - lse[n])
 
-    def smoothing(n):
-        # -sum_c w[c] logp[n, c]; zero, not 0 * inf, when smoothing is off and a
-        # logit is -inf (a masked class).
-        term = eps / classes * -(wxsum(n) - lse[n] * wsum(n))
-        return tirx.Select(eps != zero, term, zero)
+    def ce(n):
+        if eps is None:
+            return nll(n)
+        # -sum_c w[c] logp[n, c]; zero, not 0 * inf, when eps is 0 and a logit
+        # is -inf (a masked class).
+        smoothing = eps / classes * -(wxsum(n) - lse[n] * wsum(n))
+        return (one - eps) * nll(n) + tirx.Select(eps != zero, smoothing, zero)
 
     rows = {
-        "ce": te.compute((n_rows,), lambda n: masked(n, (one - eps) * nll(n) + smoothing(n)),
-                         name=ROW_CE),
+        "ce": te.compute((n_rows,), lambda n: masked(n, ce(n)), name=ROW_CE),
         "z": te.compute((n_rows,), lambda n: masked(n, s * lse[n] * lse[n]), name=ROW_Z),
     }
     if reduction == "mean":
@@ -133,7 +136,8 @@ def mean_totals(n_rows, acc, mask, target_weight):
 def grad_coefficients(n_rows, acc, eps, s, mask, lse, target_weight, total_w, c_full,
                        row_grad, row_zgrad):
     """Per-row coefficients of docs/spec.md, section 3: ``(hot, smooth, pscale)`` with
-    ``x_grad = p * pscale - [c == y] hot - smooth * w[c]``.
+    ``x_grad = p * pscale - [c == y] hot - smooth * w[c]``; ``eps`` ``None`` (a
+    kernel without label smoothing): ``smooth`` is ``None``, the term absent.
 
     ``row_grad(n)``/``row_zgrad(n)``: the upstream gradient of row ``n``'s
     loss and z-loss terms, normalisers included; ``total_w(n)``: ``sum_c w[c]``;
@@ -152,19 +156,30 @@ def grad_coefficients(n_rows, acc, eps, s, mask, lse, target_weight, total_w, c_
         # docs/spec.md, section 3 states.
         return tirx.Select(m[n] != zero, value, zero)
 
-    hot = row(GRAD_HOT, lambda n: masked(n, row_grad(n) * (one - eps) * target_weight(n)))
-    smooth = row(GRAD_SMOOTH, lambda n: masked(n, row_grad(n) * eps / c_full))
-    p_scale = row(
-        GRAD_PSCALE,
-        lambda n: hot[n] + smooth[n] * total_w(n)
-        + tirx.Select(s != zero, masked(n, tirx.const(2.0, acc) * s * lse[n] * row_zgrad(n)), zero),
-    )
+    hot_share = one if eps is None else one - eps
+    hot = row(GRAD_HOT, lambda n: masked(n, row_grad(n) * hot_share * target_weight(n)))
+    smooth = None if eps is None else row(GRAD_SMOOTH,
+                                          lambda n: masked(n, row_grad(n) * eps / c_full))
+
+    def z_term(n):
+        return tirx.Select(s != zero, masked(n, tirx.const(2.0, acc) * s * lse[n] * row_zgrad(n)),
+                           zero)
+
+    p_scale = row(GRAD_PSCALE, lambda n: hot[n] + z_term(n) if smooth is None
+                  else hot[n] + smooth[n] * total_w(n) + z_term(n))
     return hot, smooth, p_scale
+
+
+def smooth_term(smooth, n, weight):
+    """``smooth[n] * weight`` (``grad_coefficients``' ``smooth * w[c]``); ``None``
+    for a kernel without label smoothing (``smooth`` ``None``)."""
+    return None if smooth is None else smooth[n] * weight
 
 
 def logit_grad(logit, n, c, p_scaled, onehot, smooth_w, dtype: str):
     """``x_grad[n, c]`` of ``grad_coefficients``' formula, rounded to ``dtype``:
     ``p * pscale - [c == y] hot - smooth * w[c]`` (given as ``p_scaled``,
-    ``onehot`` and ``smooth_w``), through the slope of the logit as the loss
-    sees it (``Logits.scaled_by_slope``)."""
-    return logit.scaled_by_slope(n, c, p_scaled - onehot - smooth_w).astype(dtype)
+    ``onehot`` and ``smooth_w``; ``None`` without label smoothing), through the
+    slope of the logit as the loss sees it (``Logits.scaled_by_slope``)."""
+    g = p_scaled - onehot if smooth_w is None else p_scaled - onehot - smooth_w
+    return logit.scaled_by_slope(n, c, g).astype(dtype)

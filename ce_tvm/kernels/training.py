@@ -19,7 +19,14 @@ from .common import (
     scalar_args,
 )
 from .kinds import Variant
-from .loss_terms import grad_coefficients, logit_grad, reduce_forward, row_hits, row_losses
+from .loss_terms import (
+    grad_coefficients,
+    logit_grad,
+    reduce_forward,
+    row_hits,
+    row_losses,
+    smooth_term,
+)
 from .stages import CHUNK_PSCALE, LSE, MEAN_NORMS, X_GRAD
 
 
@@ -51,11 +58,14 @@ def train_func(classes: int, dtype: str, variant: Variant,
         raise ValueError("train_func needs reduction 'sum' or 'mean'")
     acc, n_rows, x, y, w = logits_inputs(classes, dtype, variant.weighted)
     ii, eps, s, *_ = scalars = scalar_args(acc, variant)
+    if not variant.smoothing:
+        eps = None
     logit = loss_logits(x, acc, variant, scalars)
     mask, index = masked_target(y, ii, classes)
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
     st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk, keep_exp=not lanes,
-                    target=index if variant.accuracy else None, lanes=lanes)
+                    target=index if variant.accuracy else None, lanes=lanes,
+                    weighted_sum=variant.smoothing)
     lse = te.compute((n_rows,), lambda n: logit.scaled(st.rowmax[n]) + te.log(st.expsum[n]),
                      name=LSE)
 
@@ -87,7 +97,8 @@ def train_func(classes: int, dtype: str, variant: Variant,
         def grad(n, c):
             onehot = tirx.Select(same_class(c, index(n)), hot[n], zero)
             p = fastmath.exp(logit(n, c) - lse[n], nonpositive=True, storage=dtype)
-            return logit_grad(logit, n, c, p * p_scale[n], onehot, smooth[n] * wc(c), dtype)
+            return logit_grad(logit, n, c, p * p_scale[n], onehot, smooth_term(smooth, n, wc(c)),
+                              dtype)
     else:
         grad = _kept_exp_grad(logit, st, lse, p_scale, hot, smooth, index, wc, classes, dtype)
     x_grad = te.compute((n_rows, int64(classes)), grad, name=X_GRAD)
@@ -124,6 +135,6 @@ def _kept_exp_grad(logit, st, lse, p_scale, hot, smooth, index, wc, classes: int
             onehot = tirx.if_then_else(
                 tirx.floordiv(c, size) == tirx.floordiv(index(n), size), onehot, zero)
         return logit_grad(logit, n, c, kept[n, k, j] * chunk_scale[n, k], onehot,
-                          smooth[n] * wc(c), dtype)
+                          smooth_term(smooth, n, wc(c)), dtype)
 
     return grad

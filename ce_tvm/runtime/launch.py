@@ -108,6 +108,12 @@ def _variant(options: LossOptions, **fields) -> Variant:
                    **fields)
 
 
+def _smoothing(options: LossOptions) -> bool:
+    """Whether the forward and training kernels for ``options`` are those with
+    label smoothing's terms (``Variant.smoothing``): ``eps != 0``."""
+    return options.label_smoothing != 0.0
+
+
 def _wide(options: LossOptions, x) -> bool:
     """Whether the loss kernels for ``x`` are the ``wide_loss`` variants: asked for,
     and ``x``'s dtype narrower than the accumulation dtype (else they are the same)."""
@@ -186,7 +192,7 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = F
         _empty_reduction(out, options.reduction)
         return out
     variant = _variant(options, weighted=w is not None, log_prob=log_prob, accuracy=accuracy,
-                       wide_loss=_wide(options, x))
+                       wide_loss=_wide(options, x), smoothing=_smoothing(options))
     _run(_spec("forward", x, variant), n, x, y, *_weight(w), *_scalars(options), out.loss,
          out.zloss, out.lse, *([out.log_prob] if log_prob else []),
          *([out.hit] if accuracy else []))
@@ -213,7 +219,7 @@ def train(x, y, w, options: LossOptions, *,
         return out, x_grad
     norms = [x.new_empty(2, dtype=acc)] if options.reduction == "mean" else []
     variant = _variant(options, weighted=w is not None, log_prob=False, accuracy=accuracy,
-                       wide_loss=_wide(options, x))
+                       wide_loss=_wide(options, x), smoothing=_smoothing(options))
     _run(_spec("train", x, variant), n, x, y, *_weight(w), *_scalars(options), *norms, x_grad,
          out.lse, out.loss, out.zloss, *([out.hit] if accuracy else []))
     return out, x_grad

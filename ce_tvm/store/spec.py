@@ -94,6 +94,15 @@ class KernelSpec:
             "code": code_fingerprint(self.target),
         }
 
+    def record_name(self) -> str:
+        """The name whose tuning records this kernel uses: its own, but for a kernel
+        without label smoothing (``Variant.smoothing`` off), which is never tuned
+        and uses its sibling's with it on: the same loops but for one sum, so the
+        record's knobs apply (``schedule_with_knobs``), not its trace."""
+        if self.variant.smoothing:
+            return self.name()
+        return replace(self, variant=replace(self.variant, smoothing=True)).name()
+
     def target_description(self) -> dict:
         """The TVM target as a JSON dict (the CUDA arch is a schedule option of ``cuda``)."""
         return target_description(self.target, dict(self.options).get("arch"))
@@ -164,7 +173,7 @@ def tuned_spec(spec: KernelSpec, rows: int) -> KernelSpec:
     (``records.nearest_record``); its digest is read here, once per record."""
     if spec.op not in TUNED_OPS:
         return spec
-    found = records.nearest_record(spec.target_description(), spec.name(), rows)
+    found = records.nearest_record(spec.target_description(), spec.record_name(), rows)
     if found is None:
         if spec not in _told:
             _told.add(spec)
@@ -182,4 +191,4 @@ def tuned_variants(spec: KernelSpec) -> list[KernelSpec]:
     if spec.op not in TUNED_OPS:
         return []
     return [replace(spec, tuned=rid, tuned_digest=digest) for _, rid, digest in
-            records.applicable(spec.target_description(), spec.name())]
+            records.applicable(spec.target_description(), spec.record_name())]

@@ -121,7 +121,9 @@ def test_a_name_that_is_not_a_stage_is_an_error():
 def test_a_stage_the_variant_lacks_is_skipped_and_a_required_one_is_not():
     sch = s_tir.Schedule(forward.forward_func(10, "float32", Variant("none", False, False)))
     assert _common.present_blocks(sch, _common.ROW_TOTALS + (stages.LOG_PROB,)) == []
-    assert _common.chunk_reductions(sch) == list(_common.ROW_REDUCTIONS)
+    assert _common.chunk_reductions(sch) == [*_common.ROW_REDUCTIONS, stages.CHUNK_WXSUM]
+    plain = s_tir.Schedule(forward.forward_func(10, "float32", Variant(smoothing=False)))
+    assert _common.chunk_reductions(plain) == list(_common.ROW_REDUCTIONS)
     shard = s_tir.Schedule(shards.shard_combine_func(10, "float32", Variant("sum")))
     with pytest.raises(s_tir.ScheduleError):  # a forward phase on a kernel without row stats
         _common.place_row_stages(shard, lanes=1)

@@ -21,7 +21,8 @@ def libs(directory: Path):
 
 def test_compile_then_second_process_reuses_cache(compiled_cache):
     cache, out = compiled_cache  # `ce-tvm compile` into an empty cache
-    # 12 forward, 4 training, 12 backward, 18 for probability targets (build.all_specs),
+    # 12 forward, 4 training, 12 backward, 18 for probability targets, the forward
+    # and training ones again without label smoothing (build.all_specs),
     # and the tuned variants of the shipped records that apply (a probe may load them)
     kernels = ahead_of_time_specs("llvm", "float32", 11)
     assert f"{len(kernels)} kernels" in out

@@ -22,9 +22,16 @@ def _untuned(spec):
 
 
 def test_plain_build_is_unchanged_by_default():
-    """46 kernels per (target, dtype, C), as before the extras (``--softcap`` and the
-    other flags) existed."""
-    assert len(all_specs("llvm", "float32", C)) == 46
+    """62 kernels per (target, dtype, C) without the extras (``--softcap`` and the
+    other flags): 46, and the 16 forward and training kernels again without label
+    smoothing."""
+    specs = all_specs("llvm", "float32", C)
+    assert len(specs) == 62
+    plain = [s for s in specs if s.variant.smoothing]
+    assert len(plain) == 46
+    assert {dataclasses.replace(s, variant=dataclasses.replace(s.variant, smoothing=True))
+            for s in specs if not s.variant.smoothing} == {
+        s for s in plain if s.op in ("forward", "train")}
     assert all_specs("llvm", "float32", C, (), Extras()) == all_specs("llvm", "float32", C)
 
 
@@ -45,6 +52,8 @@ def test_distill_adds_the_divergence_kernels():
                                           return_token_accuracy=True)[0],
         lambda x, y: ce_tvm.cross_entropy(x, y, reduction="none", temperature=1.5),
         lambda x, y: ce_tvm.cross_entropy(x, torch.softmax(x.detach(), 1), softcap=4.0),
+        lambda x, y: ce_tvm.cross_entropy(x, y, label_smoothing=0.1, softcap=5.0,
+                                          return_token_accuracy=True)[0],
     ]),
     (Extras(softcap=True, log_probs=(1, 3)), [
         lambda x, y: ce_tvm.log_probs(x, y.clamp(min=0), softcap=5.0, temperature=0.7),
@@ -110,7 +119,7 @@ def test_compile_distill_serves_the_distillation_losses(tmp_path):
     out, cache_dir = tmp_path / "modules", tmp_path / "cache"
     text = run([CLI, "compile", "--classes", "11", "--distill", "--out", out],
                CE_TVM_CACHE=cache_dir)
-    assert "52 kernels" in text and "-divergence-" in text
+    assert "68 kernels" in text and "-divergence-" in text  # 62 and 6 divergence
     done = Forked(DISTILL_PROBE, 11, CE_TVM_MODULE_DIR=out,
                   CE_TVM_CACHE=tmp_path / "empty").result()
     assert done.returncode == 0, done.stdout + done.stderr
