@@ -105,7 +105,11 @@ _BY_INSTRUCTION = cpu_narrowing._by_instruction
 @dataclass(frozen=True)
 class Lever:
     """One lever: ``without`` is the context the variant is declared, scheduled and
-    compiled in; ``knobs`` its knobs given the hand schedule's (default: the same)."""
+    compiled in; ``knobs`` its knobs given the hand schedule's (default: the same).
+    ``declared``: ``Variant`` fields (name, value) the hand kernel is declared with
+    for this lever, the variant being the kernel without them; ``scalars``:
+    scalar arguments (name, value) both are called with instead of
+    ``TUNING_SCALARS``'."""
 
     name: str
     ops: tuple
@@ -114,6 +118,8 @@ class Lever:
     knobs: object = None
     dtypes: tuple = ("float32", "bfloat16")
     applies: object = _everywhere
+    declared: tuple = ()
+    scalars: tuple = ()
 
 
 LEVERS = (
@@ -165,6 +171,10 @@ LEVERS = (
           "the plain log-probs' two sums in the kept exp's loop",
           without=_patched(cpu, "sums_ride_the_exp", lambda target: False),
           applies=_sums_ride),
+    Lever("smoothing_left_out", ("forward", "train"),
+          "a call with eps = 0 runs the kernel without label smoothing's terms "
+          "(Variant.smoothing off), not the one with them",
+          declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),)),
     Lever("hand_knobs", ("forward", "backward"),
           "the hand knobs (cpu_knobs.hand_knobs) against the defaults",
           knobs=lambda hand: CPUKnobs(), applies=_hand_knobs_differ),
@@ -211,17 +221,20 @@ def _difference(a: list, b: list) -> str:
     return f"max |difference| {worst:.3g}"
 
 
-def compare(lever: Lever, spec: KernelSpec, rows: int, reps: int, hand: tuple, args) -> dict:
+def compare(lever: Lever, spec: KernelSpec, rows: int, reps: int, hand: tuple, args,
+            plain: KernelSpec | None = None) -> dict:
     """One lever on one kernel at ``rows``: its record (``without_over_hand``:
     the variant's best time over the hand kernel's; ``insn_per_element``: the
-    hand kernel's and the variant's). ``args`` ``None``: counted, not run."""
+    hand kernel's and the variant's). ``args`` ``None``: counted, not run.
+    ``plain``: the spec the variant is declared as (``spec`` unless the lever
+    has ``declared`` fields)."""
     target = spec.tvm_target()
     record = {"lever": lever.name, "op": spec.op, "dtype": spec.dtype,
               "shape": f"{rows}x{spec.classes}"}
     if not lever.applies(spec, target):
         return {**record, "effect": "does not apply here"}
     knobs = hand_knobs(spec.op, target, spec.dtype)
-    variant = build(spec, lever.knobs(knobs) if lever.knobs else knobs, lever.without,
+    variant = build(plain or spec, lever.knobs(knobs) if lever.knobs else knobs, lever.without,
                     load=args is not None)
     if variant[1] == hand[1]:
         return {**record, "effect": "same assembly"}
@@ -246,14 +259,29 @@ def run(levers, ops, dtypes, shapes, reps: int, target: str | None = None, echo=
                 if not chosen:
                     continue
                 spec = _spec(op, dtype, classes, target)
-                hand = build(spec, hand_knobs(op, spec.tvm_target(), dtype), load=target is None)
-                args = None if target else tuning.Candidates(spec, rows, {}).arguments({})
+                knobs = hand_knobs(op, spec.tvm_target(), dtype)
+                candidates = None if target else tuning.Candidates(spec, rows, {})
+                args = candidates and candidates.arguments({})
+                hands = {spec: build(spec, knobs, load=target is None)}
                 for lever in chosen:
-                    record = compare(lever, spec, rows, reps, hand, args)
+                    declared = replace(spec, variant=replace(spec.variant, **dict(lever.declared)))
+                    if declared not in hands:
+                        hands[declared] = build(declared, knobs, load=target is None)
+                    record = compare(lever, declared, rows, reps, hands[declared],
+                                     _called_with(args, candidates, lever.scalars), spec)
                     echo(line(record))
                     results.append(record)
-                del args
+                del args, hands
     return results
+
+
+def _called_with(args, candidates, scalars: tuple):
+    """``args`` with the scalar arguments ``scalars`` names set to their values."""
+    if args is None or not scalars:
+        return args
+    names = [p.name for p in candidates.declared(candidates.chunk({})).params]
+    values = dict(scalars)
+    return [values.get(name, arg) for name, arg in zip(names, args)]
 
 
 def line(r: dict) -> str:

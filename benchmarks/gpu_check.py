@@ -256,18 +256,23 @@ def _loss(loss) -> dict:
     return {"loss": loss, "objective": loss}
 
 
-def _cross_entropy(x, y, w) -> dict:
-    return _loss(ce_tvm.cross_entropy(x, y, w, label_smoothing=0.1))
+# Label smoothing in the correctness rows: on, and off (what most calls run: the
+# forward and training kernels without its terms, Variant.smoothing).
+SMOOTHINGS = (0.1, 0.0)
 
 
-def _train_kernel(x, y, w) -> dict:
+def _cross_entropy(x, y, w, eps: float = 0.1) -> dict:
+    return _loss(ce_tvm.cross_entropy(x, y, w, label_smoothing=eps))
+
+
+def _train_kernel(x, y, w, eps: float = 0.1) -> dict:
     """The one-pass training kernel's loss and gradient (no autograd)."""
-    out, grad = launch.train(x, y, w, LossOptions(reduction="mean", label_smoothing=0.1))
+    out, grad = launch.train(x, y, w, LossOptions(reduction="mean", label_smoothing=eps))
     return {"loss": out.loss, "grad0": grad}
 
 
-def _torch_cross_entropy(x, y, w) -> dict:
-    return _loss(F.cross_entropy(x, y, w.to(x.dtype), label_smoothing=0.1))
+def _torch_cross_entropy(x, y, w, eps: float = 0.1) -> dict:
+    return _loss(F.cross_entropy(x, y, w.to(x.dtype), label_smoothing=eps))
 
 
 def _policy_outputs(a, b, logp, entropy, stats=None) -> dict:
@@ -364,12 +369,13 @@ def _compare(label: str, fn, reference, leaves, tol: float, grad_tol: float, **f
                     _evaluated(reference, [t.double() for t in leaves]), tol, grad_tol, **fields)
 
 
-def _against_torch(label: str, run, x, y, w) -> dict:
-    """``run(x, y, w)`` (a dict: ``_cross_entropy``, ``_train_kernel``...) against
-    F.cross_entropy in float64 (weights, ignore_index, smoothing 0.1)."""
+def _against_torch(label: str, run, x, y, w, eps: float = 0.1) -> dict:
+    """``run(x, y, w, eps)`` (a dict: ``_cross_entropy``, ``_train_kernel``...) against
+    F.cross_entropy in float64 (weights, ignore_index, smoothing ``eps``)."""
     n, c = x.shape
-    return _compare(f"{label}{n}x{c} {x.dtype}", lambda t: run(t, y, w),
-                    lambda t: _torch_cross_entropy(t, y, w), [x], TOL[x.dtype],
+    smoothing = "" if eps == 0.1 else f"eps {eps} "
+    return _compare(f"{label}{smoothing}{n}x{c} {x.dtype}", lambda t: run(t, y, w, eps),
+                    lambda t: _torch_cross_entropy(t, y, w, eps), [x], TOL[x.dtype],
                     2 * TOL[x.dtype], n=n, c=c, dtype=str(x.dtype))
 
 
@@ -391,7 +397,8 @@ def _each(plan: Plan, grid, rows):
 
 
 def _ce_rows(plan: Plan, n: int, c: int, dtype):
-    yield _against_torch("", _cross_entropy, *_inputs(plan, n, c, dtype))
+    for eps in SMOOTHINGS:
+        yield _against_torch("", _cross_entropy, *_inputs(plan, n, c, dtype), eps)
 
 
 def correctness(plan: Plan):
@@ -399,7 +406,8 @@ def correctness(plan: Plan):
 
 
 def _train_kernel_rows(plan: Plan, n: int, c: int, dtype):
-    yield _against_torch("train kernel ", _train_kernel, *_inputs(plan, n, c, dtype))
+    for eps in SMOOTHINGS:
+        yield _against_torch("train kernel ", _train_kernel, *_inputs(plan, n, c, dtype), eps)
 
 
 def training_kernel(plan: Plan):
@@ -500,7 +508,7 @@ def _group_rows(plan: Plan, n: int, c: int, dtype):
     x, y, w = _inputs(plan, n, c, dtype)
     yield _against_torch(
         "vocab_parallel_cross_entropy ",
-        lambda t, y, w: _loss(vp.vocab_parallel_cross_entropy(t, y, w, label_smoothing=0.1)),
+        lambda t, y, w, eps: _loss(vp.vocab_parallel_cross_entropy(t, y, w, label_smoothing=eps)),
         x, y, w)
     h, W = _head(plan, n, c, dtype)
     fields = dict(n=n, c=c, dtype=str(dtype))

@@ -73,9 +73,11 @@ from dataclasses import dataclass, field
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CATEGORIES = ("load", "max", "exp", "sum", "grad", "narrow", "store", "other")
-OPS = {  # tool op -> (KernelSpec op, Variant keywords)
+OPS = {  # tool op -> (KernelSpec op, Variant keywords); -ns: without label smoothing (eps = 0)
     "train": ("train", {"log_prob": False}),
+    "train-ns": ("train", {"log_prob": False, "smoothing": False}),
     "forward": ("forward", {"log_prob": False}),
+    "forward-ns": ("forward", {"log_prob": False, "smoothing": False}),
     "forward-lp": ("forward", {"log_prob": True}),
     "backward": ("backward", {"grad_source": "logits"}),
     "log_probs": ("log_probs", {"columns": 1}),

@@ -111,6 +111,8 @@ KERNELS = {
         (*_loss("forward", "sum", True), "sum w no-ignore", dict(ignore="none")),
         (*_loss("forward", "mean", True, log_prob=True), "mean w all-ignored",
          dict(ignore="all")),
+        (*_loss("forward", "mean", True, smoothing=False), "mean w no smoothing z",
+         dict(zloss=1e-3)),
     ],
     "backward": [
         (*_loss("backward", "mean", True), "from log_prob mean w smooth z",
@@ -124,6 +126,8 @@ KERNELS = {
         (*_loss("train", "mean", True), "mean w smooth z", dict(smoothing=0.1, zloss=1e-3)),
         (*_loss("train", "sum"), "sum", {}),
         (*_loss("train", "mean", True), "mean w all-ignored", dict(ignore="all")),
+        (*_loss("train", "mean", True, smoothing=False), "mean w no smoothing z",
+         dict(zloss=1e-3)),
     ],
     "prob_targets": [
         (*_loss("prob_forward", "mean", True), "mean w smooth z",
@@ -145,6 +149,7 @@ KERNELS = {
         (*_loss("forward", "none", accuracy=True), "none hits", {}),
         (*_loss("train", "mean", True, accuracy=True), "mean w hits smooth",
          dict(smoothing=0.1)),
+        (*_loss("train", "sum", accuracy=True, smoothing=False), "sum hits no smoothing", {}),
     ],
     "shards": [
         ("shard_stats", Variant(weighted=True), "w", {}),

@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_levers.py"
 LEVERS = ["chunk_in_place", "logits_sum_in_max_loop", "sum_with_max", "one_hot_by_chunk",
           "last_chunk_peeled", "prefetch_next_chunk", "prefetchw_gradient",
           "compared_ramps_as_offsets", "bf16_rounding_once", "vcvtneps2bf16", "vcvtne2ps2bf16",
-          "vpermt2w", "sums_ride_the_exp", "hand_knobs"]
+          "vpermt2w", "sums_ride_the_exp", "smoothing_left_out", "hand_knobs"]
 # Levers that change the arithmetic's order: other accumulators (the sums), the
 # one-hot term subtracted by chunk (LLVM contracts it into another FMA).
 REASSOCIATING = ("hand_knobs", "one_hot_by_chunk")
