@@ -12,7 +12,7 @@ chunks ``k`` of ``chunk`` classes:
 =====================  =====================================================
 ``ce_chunk_max``       ``max_j x[n, kB + j]`` (uncapped: the cap is monotone)
 ``ce_chunk_expsum``    ``sum_j exp(x[n, kB + j] - chunk_max[n, k])``
-``ce_chunk_wxsum``     ``sum_j w[kB + j] x[n, kB + j]``
+``ce_chunk_wxsum``     ``sum_j w[kB + j] x[n, kB + j]`` (not without smoothing)
 ``ce_wsum``            ``sum_c w[c]``, once for all rows (weighted only)
 ``ce_rowstats``        the chunks merged: row max, exp-sum, sum w x
 ``ce_lanestats``       with lanes: the chunks ``t``, ``t + L``, ... merged (``[N, L]``)
@@ -54,7 +54,8 @@ backward (``backward_func``):
 =====================  =====================================================
 
 training (``train_func``: the forward's stages, and the backward's
-coefficients for a unit upstream gradient, plus):
+coefficients for a unit upstream gradient, without ``ce_grad_smooth`` and
+``b`` where the kernel has no label smoothing, plus):
 
 =====================  =====================================================
 ``ce_chunk_exp``       ``e = exp(x[n, kB + j] - chunk_max[n, k])``, kept
