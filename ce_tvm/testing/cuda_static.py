@@ -303,11 +303,13 @@ def parse_ptxas(text: str) -> dict:
     return kernels
 
 
-OPS = {  # tool op -> (KernelSpec op, variant keywords)
+OPS = {  # tool op -> (KernelSpec op, variant keywords); -ns: without label smoothing (eps = 0)
     "forward": ("forward", {"log_prob": False}),
+    "forward-ns": ("forward", {"log_prob": False, "smoothing": False}),
     "forward-lp": ("forward", {"log_prob": True}),
     "backward": ("backward", {"grad_source": "logits"}),
     "train": ("train", {"log_prob": False}),
+    "train-ns": ("train", {"log_prob": False, "smoothing": False}),
     "log_probs": ("log_probs", {"columns": 1}),  # SPEC section 6: one index per row
     "log_probs_grad": ("log_probs_grad", {"columns": 1}),
     "log_probs-st": ("log_probs", {"columns": 1, "stats": True}),  # return_stats=True

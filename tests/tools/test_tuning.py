@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import tvm_ffi
 from tvm import tirx
 from tvm.target import Target
 
 import ce_tvm
 import support
+from ce_tvm.compiler import build
 from ce_tvm.compiler.build import declared_func, schedule_module
 from ce_tvm.kernels.kinds import Variant
 from ce_tvm.losses import cross_entropy as ce_nn
@@ -323,6 +325,42 @@ def test_record_round_trips_and_applies_at_other_row_counts(tuned_logs, monkeypa
         ref.backward()
         torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-5, atol=1e-8)
     assert spec in runtime.loaded_specs()  # the losses above ran the tuned kernel
+
+
+def test_kernels_without_label_smoothing_take_their_siblings_records_by_knobs(
+        tuned_logs, tmp_path, monkeypatch):
+    """A call with ``eps = 0`` runs the forward and training kernels without label
+    smoothing's terms, which are never tuned: each uses its sibling's record,
+    scheduled by the record's knobs (its trace is of a compute with one sum more,
+    and does not replay), and the losses through them match torch."""
+    logs = tmp_path / "logs"
+    shutil.copytree(tuned_logs, logs)
+    for spec in (FORWARD, TRAIN):
+        _force(logs, applied=True, spec=spec)
+    monkeypatch.setenv("CE_TVM_TUNING_LOGS", str(logs))
+    records.forget()
+    specs = []
+    for sibling in (FORWARD, TRAIN):
+        spec = _spec(sibling.op, torch.randn(5, C), replace(sibling.variant, smoothing=False))
+        assert spec.name() == sibling.name() + "-ns"
+        assert spec.tuned == sibling.record_id(TUNED_ROWS) and spec.record_name() == sibling.name()
+        func, target = declared_func(spec), spec.tvm_target()
+        with pytest.raises(RuntimeError, match="no entry for this kernel"):
+            records.apply_record(spec.tuned, func, target)
+        by_knobs = CPU.schedule_with_knobs(func, spec.op, target, records.record_knobs(spec.tuned))
+        assert tvm_ffi.structural_equal(build.scheduled_func(spec), by_knobs)
+        specs.append(spec)
+    for one_pass in (False, True):
+        monkeypatch.setattr(ce_nn, "ONE_PASS_TRAINING", one_pass)
+        xs = torch.randn(7, C, requires_grad=True)
+        ys = torch.randint(0, C, (7,))
+        xr = xs.detach().clone().requires_grad_()
+        loss, ref = ce_tvm.cross_entropy(xs, ys), F.cross_entropy(xr, ys)
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+        loss.backward()
+        ref.backward()
+        torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-5, atol=1e-8)
+    assert set(specs) <= set(runtime.loaded_specs())
 
 
 def test_record_slower_than_hand_is_not_applied(tuned_logs, tmp_path, monkeypatch):
