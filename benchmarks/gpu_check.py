@@ -867,14 +867,16 @@ def time_distill(plan: Plan):
 
 
 def time_training(plan: Plan):
-    """A training step (loss + logits gradient, mean, smoothing 0.1, every 7th
-    row ignored): the one-pass kernel alone and with the in-place scaling its
-    autograd backward makes on CUDA (``ForwardGradients``: the upstream gradient
-    cannot be read there without a host sync), the recompute path
+    """A training step (loss + logits gradient, mean, no label smoothing, as most
+    calls and the peers' rows in ``time_ce``; every 7th row ignored), so the
+    kernels without label smoothing's terms: the one-pass kernel alone and with
+    the in-place scaling its autograd backward makes on CUDA
+    (``ForwardGradients``: the upstream gradient cannot be read there without a
+    host sync), the recompute path
     (forward, then the backward from the logits), the forward and the backward
     alone, the forward's floor (one read of the logits) and the copy floor; each
     kernel also with its ``KNOB_VARIANTS``."""
-    options = LossOptions(reduction="mean", label_smoothing=0.1)
+    options = LossOptions(reduction="mean")
     for n, c, dtype in plan.cases(CE_TIMED):
         x, y, _ = _inputs(plan, n, c, dtype)
         one = torch.ones(1, device=plan.device)
