@@ -5,7 +5,8 @@
 #   2. each schedule lever against the kernel without it (cpu_levers.py -> levers.json);
 #   3. the bench table with the records shipped for this CPU (cpu_bench_before_retune.json);
 #   4. the tuning records retuned for this CPU (regenerate_tuning_logs.sh -> tuning_logs/);
-#   5. the bench table again with them (cpu_bench.json), the floors in the same run.
+#   5. the bench table again with them (cpu_bench.json), the floors in the same run;
+#   6. and at label smoothing 0 (cpu_bench_eps0.json): the kernels most calls run.
 # Run it on a quiet machine (nothing else running: the floors and kernels are timed
 # interleaved, but a neighbour still moves both); steps 4-5 take the longest, so
 # `STEPS="1 2 3"` runs the first three alone. Each step has a time limit and its
@@ -15,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${CE_TVM_PYTHON:-.venv/bin/python}
 CLI=${CE_TVM_CLI:-.venv/bin/ce-tvm}
-STEPS=${STEPS:-1 2 3 4 5}
+STEPS=${STEPS:-1 2 3 4 5 6}
 KEY=$("$PY" -c "from ce_tvm.store import records, targets; print(records.target_key(targets.target_description('llvm')))")
 OUT=${CE_TVM_RESULTS:-benchmarks/results/$KEY}
 mkdir -p "$OUT"
@@ -41,5 +42,7 @@ step 2 3600 levers "$PY" benchmarks/cpu_levers.py --json "$OUT/levers.json"
 step 3 2400 bench_before_retune "$CLI" bench "${BENCH[@]}" --json "$OUT/cpu_bench_before_retune.json"
 step 4 14400 retune bash benchmarks/regenerate_tuning_logs.sh
 step 5 2400 bench "$CLI" bench "${BENCH[@]}" --json "$OUT/cpu_bench.json"
+step 6 2400 bench_eps0 "$CLI" bench "${BENCH[@]}" --label-smoothing 0 \
+  --json "$OUT/cpu_bench_eps0.json"
 echo "== done ($(date -u +%H:%M:%S)); results in $OUT"
 exit $failed
