@@ -205,13 +205,15 @@ def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     """The compute of ``spec`` with its tuning record, or its target's hand schedule
     (the schedule module's function named after the op, else ``SCHEDULE_OF_OP``'s).
     A record of a sibling kernel (``KernelSpec.record_name``) schedules it with
-    the record's knobs."""
+    the record's knobs, where the schedule module can (``schedule_with_knobs``:
+    the CPU's), else the hand schedule does."""
     func = declared_func(spec)
     module = schedule_module(spec.target)
     if spec.tuned and spec.record_name() != spec.name():
-        return module.schedule_with_knobs(func, spec.op, spec.tvm_target(),
-                                          records.record_knobs(spec.tuned))
-    if spec.tuned:
+        by_knobs = getattr(module, "schedule_with_knobs", None)
+        if by_knobs is not None:
+            return by_knobs(func, spec.op, spec.tvm_target(), records.record_knobs(spec.tuned))
+    elif spec.tuned:
         try:
             return records.apply_record(spec.tuned, func, spec.tvm_target())
         except RuntimeError as err:  # a record of an older compute: never fail the build
