@@ -531,17 +531,28 @@ def _line_prefetches(buffer, start, count, write: bool) -> list:
         for o in range(0, int(count.value), per_line)]
 
 
+def _marked_loop(stmt):
+    """The loop ``prefetch_ahead`` marked that ``stmt`` is or guards, else ``None``.
+    Rows split into tasks (``row_grain`` > 1) test ``row < N``, and lowering
+    hoists that test above the chunk's loops: the marked loop is then the
+    ``then`` of an ``if`` in the sequence."""
+    if isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None:
+        stmt = stmt.then_case
+    return stmt if isinstance(stmt, tirx.For) and PREFETCH_ATTR in stmt.annotations else None
+
+
 def _prefetch_in(seq, grad=None):
     """``_with_prefetch`` on the marked loops of a statement sequence (``grad``: as there)."""
-    def marked(stmt):
-        return isinstance(stmt, tirx.For) and PREFETCH_ATTR in stmt.annotations
-
-    if not any(marked(stmt) for stmt in seq.seq):
+    if not any(_marked_loop(stmt) is not None for stmt in seq.seq):
         return seq
     staged, out = None, []
     for stmt in seq.seq:
         staged = _staged_chunk(stmt) or staged
-        out.append(_with_prefetch(stmt, staged, grad) if marked(stmt) else stmt)
+        loop = _marked_loop(stmt)
+        if loop is not None:
+            fetched = _with_prefetch(loop, staged, grad)
+            stmt = fetched if loop.same_as(stmt) else tirx.IfThenElse(stmt.condition, fetched, None)
+        out.append(stmt)
     return tirx.SeqStmt(out)
 
 
