@@ -175,6 +175,11 @@ LEVERS = (
           "a call with eps = 0 runs the kernel without label smoothing's terms "
           "(Variant.smoothing off), not the one with them",
           declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),)),
+    Lever("train_chunk_in_l1", ("train",),
+          "the training kernel's chunk fits half the L1d with its kept exp (train_chunk), "
+          "not the forward's chunk",
+          without=_patched(cpu, "train_chunk", lambda classes, dtype, target:
+                           cpu.forward_chunk(classes, dtype, target))),
     Lever("hand_knobs", ("forward", "backward"),
           "the hand knobs (cpu_knobs.hand_knobs) against the defaults",
           knobs=lambda hand: CPUKnobs(), applies=_hand_knobs_differ),

@@ -14,7 +14,8 @@ profile, say):
   comes first (ascend's ``log_probs``; ``compiler.build.SCHEDULE_OF_OP``);
 - what the compute is declared with: ``forward_chunk(classes, dtype,
   target, **options)``, the chunk a row is reduced in, or ``<op>_chunk``
-  for one op (ascend's ``train_chunk``, ``log_probs_chunk``); where
+  for one op (the CPU's and ascend's ``train_chunk``, ascend's
+  ``log_probs_chunk``); where
   defined, ``stages_chunk(op, classes, dtype, target, **options)`` (whether
   ``op``'s chunk is staged; a tuning record's summary may say otherwise:
   ``stage``), ``exp_scaling(target)`` and the lowering choices

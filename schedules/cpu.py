@@ -116,6 +116,7 @@ from .cpu_knobs import forward_chunk as forward_chunk
 from .cpu_knobs import knob_chunk as knob_chunk
 from .cpu_knobs import knob_space as knob_space
 from .cpu_knobs import stages_chunk as stages_chunk
+from .cpu_knobs import train_chunk as train_chunk
 from .cpu_narrowing import bf16_rounding
 from .cpu_widening import bf16_widening
 

@@ -11,12 +11,22 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from tvm import DataType
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
 # Chunk of a row kept in L1 between its max and its exp-sum: at most 24 KB of
-# float32 (half the 48 KB L1d of Zen 4/5), at least 8 vectors of accumulators.
+# float32 (half the 48 KB L1d of Zen 5), at least 8 vectors of accumulators.
+# The forward's kernels keep it on CPUs with 32 KB of L1d too: on a Zen 4 the
+# bf16 forward and log-probs lost 3-25% with chunks of half its L1d (C = 128256:
+# 768 classes, not 5344); the fp32 forward gained 0-9%. The training
+# kernel's chunk also keeps its exp beside it (``train_chunk``).
 MAX_CHUNK = 6144
+# CPUs (LLVM names) with 48 KB of L1d per core; every other one is taken to have
+# 32 KB (Zen 1-4, Intel's cores before Sunny Cove).
+L1D_48KB = frozenset({"znver5", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
+                      "alderlake", "raptorlake", "meteorlake", "arrowlake", "lunarlake",
+                      "sapphirerapids", "emeraldrapids", "graniterapids"})
 MIN_CHUNK_VECTORS = 8
 # Chunks are multiples of this many native vectors (whatever the accumulators).
 CHUNK_VECTORS = 2
@@ -70,7 +80,7 @@ def knob_space(op: str, classes: int, dtype: str, target: Target) -> dict:
         raise ValueError(f"no tunable schedule for {op!r}")
     space = {}
     if SCHEDULE_OF[op] != "backward":
-        hand_chunk = forward_chunk(classes, dtype, target)
+        hand_chunk = (train_chunk if op == "train" else forward_chunk)(classes, dtype, target)
         space["chunk"] = (hand_chunk,) + tuple(sorted(
             {forward_chunk(classes, dtype, target, m) for m in MAX_CHUNK_CHOICES} - {hand_chunk}))
     hand = asdict(hand_knobs(op, target, dtype))
@@ -117,10 +127,11 @@ def vector_lanes(target: Target, elem_bytes: int = 4) -> int:
     return max(1, llvm_get_vector_width(target) // (8 * elem_bytes))
 
 
-def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX_CHUNK) -> int:
+def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX_CHUNK,
+                  min_fit: int = 0) -> int:
     """Chunk of the compute's row reduction, a multiple of ``CHUNK_VECTORS``
-    native vectors: the largest one dividing ``C`` and at most ``max_chunk``;
-    else (``C`` like 50257) equal chunks of at most ``max_chunk``, the last one
+    native vectors: the largest one dividing ``C``, at most ``max_chunk`` and at
+    least ``min_fit``; else (``C`` like 50257) equal chunks of at most ``max_chunk``, the last one
     overlapping the one before (``kernels.common.ChunkLayout``). A row no longer than
     ``max_chunk`` is one chunk when ``C`` is a multiple of that step or too
     short for two chunks of ``MIN_CHUNK_VECTORS`` steps; else it is two
@@ -133,11 +144,33 @@ def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX
     if classes <= max_chunk and (classes % lanes == 0
                                  or classes < 2 * lanes * MIN_CHUNK_VECTORS):
         return classes
-    fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, max_chunk + 1, lanes) if classes % b == 0]
+    fits = [b for b in range(lanes * MIN_CHUNK_VECTORS, max_chunk + 1, lanes)
+            if classes % b == 0 and b >= min_fit]
     if fits:
         return max(fits)
-    per_chunk = -(-classes // max(2, -(-classes // max_chunk)))
+    most = max(lanes, max_chunk // lanes * lanes)  # whole steps, rounded up below
+    per_chunk = -(-classes // max(2, -(-classes // most)))
     return -(-per_chunk // lanes) * lanes
+
+
+def l1_data_bytes(target: Target) -> int:
+    """Per-core L1 data cache of ``target``'s CPU: 48 KB where ``L1D_48KB`` names
+    its ``mcpu``, else 32 KB."""
+    return (48 if str(target.attrs.get("mcpu", "")) in L1D_48KB else 32) << 10
+
+
+def train_chunk(classes: int, dtype: str, target: Target) -> int:
+    """The training kernel's chunk: ``forward_chunk``'s, of at most as many classes
+    as fit half the L1d with their kept ``exp`` (float32, in the row's scratch)
+    beside the logits (2048 float32 or 2730 bf16 classes on 32 KB, 3072 and 4096
+    on 48 KB), and equal overlapping chunks where the largest that divides ``C``
+    is under half that (C = 128256: 768 classes, where bf16 lost 1-6%).
+    Measured on a 2-core Zen 4 (32 KB; the two built in one process, called
+    alternately): against the forward's chunk, fp32 at 8192 x 50257 and
+    2048 x 128256 1-12% faster, bf16 at 4096 x 32000 and 8192 x 50257 4-9%,
+    the others -1-5% (``benchmarks/cpu_levers.py``, ``train_chunk_in_l1``)."""
+    most = min(MAX_CHUNK, l1_data_bytes(target) // 2 // (DataType(dtype).bits // 8 + 4))
+    return forward_chunk(classes, dtype, target, most, min_fit=most // 2)
 
 
 # The ops whose bfloat16 chunks are copied to float32 before their reductions.
