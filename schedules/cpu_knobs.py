@@ -148,7 +148,7 @@ def forward_chunk(classes: int, dtype: str, target: Target, max_chunk: int = MAX
             if classes % b == 0 and b >= min_fit]
     if fits:
         return max(fits)
-    most = max(lanes, max_chunk // lanes * lanes)  # whole steps, rounded up below
+    most = max(lanes, max_chunk // lanes * lanes)  # so that rounding up to steps stays within
     per_chunk = -(-classes // max(2, -(-classes // most)))
     return -(-per_chunk // lanes) * lanes
 
