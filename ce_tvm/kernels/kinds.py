@@ -14,7 +14,7 @@ DTYPES = tuple(DTYPE_BYTES)
 # and the generalized JSD of TRL's ``beta`` strictly inside (0, 1).
 DIVERGENCES = ("fkl", "rkl", "jsd")
 # The ops with kernels without label smoothing (``Variant.smoothing`` off).
-SMOOTHING_OPS = ("forward", "train")
+SMOOTHING_OPS = ("forward", "train", "shard_stats")
 
 
 # A CUDA kernel's scratch (per-row terms and sums over rows, passed between its
@@ -64,9 +64,10 @@ class Variant:
     terms, ``eps`` a scalar argument (0 allowed). Off (the runtime's choice
     for ``eps = 0``, most calls), they declare neither the terms nor the
     per-row sums they read (``sum_c w[c] x[n, c]``: a vector add per element
-    in the chunk sweep) and ignore the argument, which they still take. On,
-    the kernels are exactly those without the field; the ops other than
-    ``SMOOTHING_OPS`` always have it on.
+    in the chunk sweep) and ignore the argument, which they still take (a
+    vocabulary shard's statistics, which take no ``eps``, then have no
+    ``wxsum`` output). On, the kernels are exactly those without the field;
+    the ops other than ``SMOOTHING_OPS`` always have it on.
     """
 
     reduction: str = "mean"

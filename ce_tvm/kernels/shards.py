@@ -30,14 +30,16 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
     Arguments: ``x``, ``target[N]`` (global class ids), ``weight[C_r]``
     (weighted only), ``shard_offset``, ``softcap`` (capped variant only);
     outputs (accumulation dtype, ``[N]``): the shard's row max,
-    ``sum exp(x - max)``, ``sum w x``, and the target's logit and weight
+    ``sum exp(x - max)``, ``sum w x`` (label smoothing's, not declared
+    without it: ``Variant.smoothing``), and the target's logit and weight
     where the target falls in this shard (0 elsewhere).
     """
     acc, n_rows, x, y, w = logits_inputs(classes, dtype, variant.weighted)
     offset = te.var("shard_offset", "int64")
     scalars = scalar_args(acc, variant)
     logit = loss_logits(x, acc, variant, scalars)
-    st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk, stage=stage)
+    st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk, stage=stage,
+                   weighted_sum=variant.smoothing)
     rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
     if variant.tempered:  # the row max of the scaled logits, as the shards combine it
         rowmax = te.compute((n_rows,), lambda n: logit.scaled(st.rowmax[n]), name=ROW_MAX)
@@ -56,7 +58,7 @@ def shard_stats_func(classes: int, dtype: str, variant: Variant,
         here(n), w[clamp(n)] if w is not None else tirx.const(1.0, acc), zero),
         name=SHARD_TARGET_WEIGHT)
     args = ([x, y] + ([w] if w is not None else []) + [offset, *scalars[3:]]
-            + [rowmax, expsum, wxsum, xt, wy])
+            + [rowmax, expsum, *([wxsum] if wxsum is not None else []), xt, wy])
     return te.create_prim_func(args).with_attr("global_symbol", "main")
 
 

@@ -244,14 +244,19 @@ def backward(grad_loss, grad_zloss, source, lse, y, w, options: LossOptions, *,
 def shard_stats(x, y, w, offset: int, options: LossOptions):
     """Row statistics of a vocabulary shard (its logits capped and scaled as
     ``options`` say): ``(rowmax, expsum, wxsum, target_logit, target_weight)``,
-    each ``[N]`` in the accumulation dtype."""
+    each ``[N]`` in the accumulation dtype; ``wxsum`` (label smoothing's sum)
+    zeros for ``eps = 0``, whose kernel leaves it out."""
     x, y, w = aligned(x), aligned(y), aligned(w)
+    smoothing = _smoothing(options)
     outs = [x.new_empty(x.shape[0], dtype=accum_torch_dtype(x)) for _ in range(5)]
+    if not smoothing:
+        outs[2].zero_()
     if _rows_to_run(x) == 0:
         return outs
     spec = _spec("shard_stats", x, _variant(replace(options, reduction="mean"),
-                                            weighted=w is not None))
-    _run(spec, x.shape[0], x, y, *_weight(w), offset, *_logit_scalars(options), *outs)
+                                            weighted=w is not None, smoothing=smoothing))
+    _run(spec, x.shape[0], x, y, *_weight(w), offset, *_logit_scalars(options),
+         *(outs if smoothing else outs[:2] + outs[3:]))
     return outs
 
 

@@ -154,6 +154,7 @@ KERNELS = {
     "shards": [
         ("shard_stats", Variant(weighted=True), "w", {}),
         ("shard_stats", Variant(softcap=True), "softcap", {}),
+        ("shard_stats", Variant(weighted=True, smoothing=False), "w no smoothing", {}),
         ("shard_combine", Variant("mean"), "mean smooth z", dict(smoothing=0.1, zloss=1e-3)),
         (*_loss("backward", "mean", True, grad_source="shard"), "shard mean w smooth z",
          dict(smoothing=0.1, zloss=1e-3)),
@@ -388,7 +389,8 @@ def _shard_problem(case: Case, rng) -> Problem:
         here = (local >= 0) & (local < c)
         at = np.where(here, local, 0)
         ws = w_shard.astype(np.float64) if v.weighted else np.ones(c)
-        outs = (top, np.exp(zs - top[:, None]).sum(axis=1), (zs * ws).sum(axis=1),
+        wxsum = [(zs * ws).sum(axis=1)] if v.smoothing else []
+        outs = (top, np.exp(zs - top[:, None]).sum(axis=1), *wxsum,
                 np.where(here, zs[np.arange(n), at], 0.0), np.where(here, ws[at], 0.0))
         return Problem({"x": xk, "target": y, **weight},
                        {"shard_offset": c, **_logit_scalars(case)}, dict(enumerate(outs)))
