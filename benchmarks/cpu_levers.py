@@ -107,7 +107,8 @@ class Lever:
     """One lever: ``without`` is the context the variant is declared, scheduled and
     compiled in; ``knobs`` its knobs given the hand schedule's (default: the same).
     ``declared``: ``Variant`` fields (name, value) the hand kernel is declared with
-    for this lever, the variant being the kernel without them; ``scalars``:
+    for this lever, the variant being the kernel without them (``both``: with them
+    too); ``scalars``:
     scalar arguments (name, value) both are called with instead of
     ``TUNING_SCALARS``'."""
 
@@ -120,6 +121,7 @@ class Lever:
     applies: object = _everywhere
     declared: tuple = ()
     scalars: tuple = ()
+    both: bool = False
 
 
 LEVERS = (
@@ -175,6 +177,11 @@ LEVERS = (
           "a call with eps = 0 runs the kernel without label smoothing's terms "
           "(Variant.smoothing off), not the one with them",
           declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),)),
+    Lever("row_shift", ("forward",),
+          "a call with eps = 0 takes each row against its first chunk's max, a chunk's "
+          "max and exp-sum in one loop (SHIFTS_ROWS), not its exp-sum after its max",
+          without=_patched(cpu, "SHIFTS_ROWS", False), declared=(("smoothing", False),),
+          scalars=(("label_smoothing", 0.0),), both=True),
     Lever("train_chunk_in_l1", ("train",),
           "the training kernel's chunk fits half the L1d with its kept exp (train_chunk), "
           "not the forward's chunk",
@@ -273,7 +280,8 @@ def run(levers, ops, dtypes, shapes, reps: int, target: str | None = None, echo=
                     if declared not in hands:
                         hands[declared] = build(declared, knobs, load=target is None)
                     record = compare(lever, declared, rows, reps, hands[declared],
-                                     _called_with(args, candidates, lever.scalars), spec)
+                                     _called_with(args, candidates, lever.scalars),
+                                     declared if lever.both else spec)
                     echo(line(record))
                     results.append(record)
                 del args, hands

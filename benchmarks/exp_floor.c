@@ -274,6 +274,62 @@ ZMM_WIDEN_EXP_SUM(exp_widen_shift_ns, widen_shift)
 ZMM_WIDEN_EXP_SUM(exp_widen_permute_ns, widen_permute)
 ZMM_WIDEN_EXP_SUM(exp_widen_unpack_ns, widen_unpack)
 
+/* A bfloat16 row swept as the forward does, in chunks of CHUNK classes: each
+   chunk's max (words widened by vpermt2w), then its exp-sum against that max
+   (widened again, from L1), merged across chunks; against one loop per chunk
+   that takes the max and the exp-sum together, against a shift for the whole
+   row taken first (the max of its first chunk: an exp-sum of
+   exp(x - shift), valid while the row's max is within 64 of the shift). */
+#define CHUNK 4000
+ZMM_BW static inline float chunk_max(const unsigned short *p) {
+  __m512 m0 = S1(-3.4e38f), m1 = m0, lo, hi;
+  for (int i = 0; i < CHUNK; i += 32) {
+    widen_permute(p + i, &lo, &hi);
+    m0 = _mm512_max_ps(m0, lo); m1 = _mm512_max_ps(m1, hi);
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+}
+ZMM_BW static float row_two_loops(const unsigned short *x, int n) {
+  float top = -3.4e38f, sum = 0;
+  for (int c = 0; c < n; c += CHUNK) {
+    float m = chunk_max(x + c);
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, lo, hi, mv = S1(m);
+    for (int i = 0; i < CHUNK; i += 32) {
+      widen_shift(x + c + i, &lo, &hi);
+      s0 = _mm512_add_ps(s0, zmm_exp_shifted(lo, mv, 1));
+      s1 = _mm512_add_ps(s1, zmm_exp_shifted(hi, mv, 1));
+    }
+    float cs = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)), t = m > top ? m : top;
+    sum = sum * __builtin_expf(top - t) + cs * __builtin_expf(m - t);
+    top = t;
+  }
+  return top + __builtin_logf(sum);
+}
+ZMM_BW static float row_one_loop(const unsigned short *x, int n) {
+  __m512 shift = S1(chunk_max(x)), m0 = S1(-3.4e38f), m1 = m0;
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, lo, hi;
+  for (int c = 0; c < n; c += CHUNK)
+    for (int i = 0; i < CHUNK; i += 32) {
+      widen_shift(x + c + i, &lo, &hi);
+      m0 = _mm512_max_ps(m0, lo); m1 = _mm512_max_ps(m1, hi);
+      s0 = _mm512_add_ps(s0, zmm_exp_shifted(lo, shift, 1));
+      s1 = _mm512_add_ps(s1, zmm_exp_shifted(hi, shift, 1));
+    }
+  float top = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)), s = shift[0];
+  if (top - s > 64) return -1; /* the caller would sweep the row again */
+  return s + __builtin_logf(_mm512_reduce_add_ps(_mm512_add_ps(s0, s1)));
+}
+#define ZMM_ROW_SWEEP(NAME, ROW)                                                 \
+  ZMM_BW static double NAME(int n, int sweeps) {                                \
+    unsigned short *x = aligned_alloc(64, n * sizeof(unsigned short));          \
+    for (int i = 0; i < n; i++) x[i] = 0x3f80 + rand() % 256; /* 1 to 2 */     \
+    double ns = BEST_NS(n, sweeps, total += ROW(x, n););                        \
+    free(x);                                                                    \
+    return ns;                                                                  \
+  }
+ZMM_ROW_SWEEP(row_two_loops_ns, row_two_loops)
+ZMM_ROW_SWEEP(row_one_loop_ns, row_one_loop)
+
 int main(void) {
   double thr = fma_throughput_ns(100000000L), lat = fma_latency_ns(100000000L);
   double loop = exp_sum_ns_per_element(4096, 4000, 0);
@@ -306,6 +362,12 @@ int main(void) {
            "vpermt2w: %.4f, vpunpck[lh]wd: %.4f ns per element per core\n",
            exp_widen_shift_ns(8192, 4000), exp_widen_permute_ns(8192, 4000),
            exp_widen_unpack_ns(8192, 4000));
+    printf("zmm bf16 row of 8 chunks of %d (L1 and L2): chunk max then exp-sum: %.4f, "
+           "one loop against the first chunk's max: %.4f ns per element per core\n",
+           CHUNK, row_two_loops_ns(8 * CHUNK, 1000), row_one_loop_ns(8 * CHUNK, 1000));
+    printf("zmm bf16 rows from memory (64 MB): chunk max then exp-sum: %.4f, "
+           "one loop: %.4f ns per element per core\n",
+           row_two_loops_ns(8000 * CHUNK, 1), row_one_loop_ns(8000 * CHUNK, 1));
   }
   return 0;
 }

@@ -45,6 +45,7 @@ from ..kernels.stages import (
     ROW_MAX,
     ROW_MEAN_LOGITS,
     ROW_REF,
+    ROW_SHIFT,
     ROW_TARGET_LOGIT,
     ROW_WEIGHT,
     ROW_Z,
@@ -84,9 +85,10 @@ ROW_TOTALS = (TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT)
 ROW_FORWARD_REST = (LSE, ROW_MASS, ROW_CE, ROW_Z, LOG_PROB, LOSS, ZLOSS, ROW_HIT, ROW_MAX,
                     ROW_LOG_EXPSUM, ROW_ENTROPY, TOKEN_LOGP, ROW_LOG_SUM_SQ, ROW_MEAN_LOGITS,
                     TOKEN_TOP1)
-# Per-row values the chunk reductions read (probability targets only): computed
-# once per row, under the row loop, before its chunks.
-ROW_PRODUCERS = (ROW_REF,)
+# Per-row values the chunk reductions read (probability targets' reference, a
+# row's shift: ``kernels.choices.row_shift``): computed once per row, under the
+# row loop, before its chunks.
+ROW_PRODUCERS = (ROW_REF, ROW_SHIFT)
 # Blocks inlined into their consumers: without a producer under the row loop,
 # reverse_compute_at would recompute them for every row of the batch. Each
 # belongs to some declarations only (the row weight to the mean only).

@@ -81,6 +81,7 @@ from ..kernels.stages import (
     CHUNK_ZSUM,
     LOG_PROB,
     LOGITS,
+    ROW_SHIFT,
     ROWSTATS,
     X_GRAD,
 )
@@ -133,6 +134,10 @@ PEELS_LAST_CHUNK = True
 # (``kernels.choices.one_hot_by_chunk``; in-process A/B, fp32 4096x32000: 87.8 ->
 # 82.9 ms, 2048x50257 73.2 -> 71.5 ms; bf16 keeps the test in its loop).
 ONE_HOT_BY_CHUNK = True
+# The forward kernels that may (``Variant.shifts_rows``) take each row
+# against the max of its first chunk (``kernels.choices.row_shift``): a chunk's
+# max and exp-sum are then one loop that streams it in (``one_sweep``).
+SHIFTS_ROWS = True
 
 
 def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | None = None):
@@ -172,10 +177,15 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs):
     inline_row_helpers(sch)
     chunk = _chunk(sch)
     lanes = row_lanes(chunk, vector_lanes(target) * knobs.accumulators)
+    shift = split_reduction(sch, ROW_SHIFT, lanes) if has_stage(sch, ROW_SHIFT) else []
     row, _, stages = place_row_stages(sch, lanes)
+    if len(shift) == 2:  # the first chunk's max, under the row before its chunks
+        sch.compute_at(shift[0], row)
     for blk in present_blocks(sch, SHARD_GATHERS):
         sch.parallel(sch.get_loops(blk)[0])
     row_loops = parallel_rows(sch, row, knobs.row_grain)
+    if len(shift) == 2:  # in vector accumulators
+        vector_accumulator(sch, shift[0], row_loops, knobs.unroll)
     alone, swept = ride_along(sch, stages, row_loops + 1, lanes, knobs.unroll,
                               plain=sums_ride_the_exp(target))
     alone = logits_sum_in_max_loop(sch, alone, row_loops + 1)
@@ -278,13 +288,21 @@ def logits_sum_in_max_loop(sch, stages: dict, outer: int) -> dict:
 
     Interleaved on a 2-core Zen 3 EPYC (znver3), the same outputs bit for bit,
     4096 x 32000 / 8192 x 50257 / 2048 x 128256: fp32 0.95x / 0.84x / 0.94x the
-    time of the two loops, bf16 0.94x / 0.97x / 0.94x."""
-    names = [CHUNK_MAX, CHUNK_WXSUM]
+    time of the two loops, bf16 0.94x / 0.97x / 0.94x.
+
+    A row taken against its shift (``ce_row_shift``, read before the chunks)
+    also has its chunk's exp-sum in that loop, which then sweeps the chunk once
+    (with or without the logits' sum)."""
+    names = [CHUNK_MAX, CHUNK_WXSUM] if CHUNK_WXSUM in stages else [CHUNK_MAX]
+    if has_stage(sch, ROW_SHIFT):
+        names.append(CHUNK_EXPSUM)
     pairs = [stages.get(name, []) for name in names]
-    if any(len(pair) != 2 or len(sch.get_loops(pair[0])) != outer + 2 for pair in pairs):
+    if len(pairs) < 2 or any(len(pair) != 2 or len(sch.get_loops(pair[0])) != outer + 2
+                             for pair in pairs):
         return stages
     extents = [sch.get(sch.get_loops(rf)[-1]).extent for rf, _ in pairs]  # the vector steps
-    if not tvm_ffi.structural_equal(*extents) or not _reads_only_inputs_of(sch, *pairs):
+    if not all(tvm_ffi.structural_equal(extents[0], e) for e in extents[1:]) or not all(
+            _reads_only_inputs_of(sch, pairs[0], pair) for pair in pairs[1:]):
         return stages
     chunk_loop = sch.get_loops(pairs[0][0])[outer - 1]
     order = [sch.get(b).name_hint for b in sch.get_child_blocks(chunk_loop)]
@@ -310,7 +328,7 @@ def _reads_only_inputs_of(sch, max_pair, sum_pair) -> bool:
         return {region.source.name for region in region_list}
 
     max_rf, sum_rf = sch.get(max_pair[0]), sch.get(sum_pair[0])
-    inputs = {p.name for p in sch.mod["main"].params if hasattr(p, "shape")}
+    inputs = {p.name for p in sch.mod["main"].params if hasattr(p, "shape")} | {ROW_SHIFT}
     return buffers(sum_rf.reads) <= inputs | buffers(max_rf.reads) | buffers(sum_rf.writes)
 
 

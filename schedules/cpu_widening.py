@@ -13,8 +13,10 @@ streams the chunk in from memory) with no float32 multiplication in it.
 Where the widened value feeds an ``exp`` (an FMA chain) the two-instruction
 form measured faster: on a 2-core Zen 4 the permutation there made the bf16
 forward 4% and its backward 7% slower, and a chunk's staging copy 2.5% slower
-(docs/performance.md). Bit for bit the same values: both put the word in the
-high half of a zero float32.
+(docs/performance.md). Words that another store widens too (an ``exp`` in the
+same loop: a row taken against its shift, ``kernels.choices.row_shift``) keep
+the two-instruction form, which LLVM then computes once for both. Bit for bit
+the same values: both put the word in the high half of a zero float32.
 """
 
 from __future__ import annotations
@@ -52,11 +54,12 @@ def _legalised_words(call):
     return words
 
 
-def _by_permutation(call):
-    """``call`` (a legalised widening of a multiple of 16 lanes) as the words
-    interleaved with zero words (``vpermt2w``), else ``call`` itself."""
+def _by_permutation(call, shared: list):
+    """``call`` (a legalised widening of a multiple of 16 lanes, of words not in
+    ``shared``) as the words interleaved with zero words (``vpermt2w``), else
+    ``call`` itself."""
     words = _legalised_words(call)
-    if words is None:
+    if words is None or any(tvm_ffi.structural_equal(words, other) for other in shared):
         return call
     lanes = _lanes_of(str(words.ty), "uint16")
     if lanes % (_WORDS_PER_REGISTER // 2):
@@ -76,13 +79,22 @@ def _is_plain_update(store) -> bool:
     return reads_itself and not multiplies
 
 
-def _rewrite(store):
+def _rewrite(store, shared: list):
     if not _is_plain_update(store):
         return store
-    value = tvm_ffi.structural_map(store.value, [(tvm.ir.expr.Call, _by_permutation)],
-                                   order="post")
+    value = tvm_ffi.structural_map(
+        store.value, [(tvm.ir.expr.Call, lambda call: _by_permutation(call, shared))],
+        order="post")
     return store if value.same_as(store.value) else tirx.BufferStore(
         store.buffer, value, store.indices)
+
+
+def _widened_by_others(body) -> list:
+    """The words that stores other than plain updates widen (``_legalised_words``)."""
+    return [words for store in collect_nodes(body, tirx.BufferStore)
+            if not _is_plain_update(store)
+            for call in collect_nodes(store.value, tvm.ir.expr.Call)
+            if (words := _legalised_words(call)) is not None]
 
 
 def has_word_permutes(target) -> bool:
@@ -98,5 +110,6 @@ def bf16_widening(func, mod, ctx):
     target = func.attrs.get("target") if func.attrs else None
     if target is None or not has_word_permutes(target):
         return func
+    shared = _widened_by_others(func.body)
     return func.with_body(tvm_ffi.structural_map(
-        func.body, [(tirx.BufferStore, _rewrite)], order="post"))
+        func.body, [(tirx.BufferStore, lambda store: _rewrite(store, shared))], order="post"))

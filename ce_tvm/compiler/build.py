@@ -132,7 +132,8 @@ def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFu
     lanes, the forward's chunk staged, ``exp`` scaled and NaN-tested, the overlap and
     one-hot tests written, a chunk's exponentials kept or not, as the schedule asks:
     ``forward_chunk``, ``<op>_lanes``, ``stages_chunk``, ``exp_scaling``,
-    ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``, ``ONE_HOT_BY_CHUNK``, ``KEEPS_CHUNK_EXP``).
+    ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``, ``ONE_HOT_BY_CHUNK``, ``KEEPS_CHUNK_EXP``,
+    ``SHIFTS_ROWS``).
     The row chunk is ``chunk`` if given, else the tuning record's, else the schedule's;
     the chunk staged as the tuning record's compute was, else as the schedule asks."""
     schedule = schedule_module(spec.target)
@@ -142,7 +143,8 @@ def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFu
     with fastmath.scaling(scaling, nan_test=getattr(schedule, "EXP_NAN_TEST", False)), \
             choices.last_chunk_peeled(getattr(schedule, "PEELS_LAST_CHUNK", False)), \
             choices.one_hot_by_chunk(getattr(schedule, "ONE_HOT_BY_CHUNK", False)), \
-            choices.chunk_exp_kept(getattr(schedule, "KEEPS_CHUNK_EXP", True)):
+            choices.chunk_exp_kept(getattr(schedule, "KEEPS_CHUNK_EXP", True)), \
+            choices.row_shift(getattr(schedule, "SHIFTS_ROWS", False)):
         return _declare(spec, schedule, chunk)
 
 

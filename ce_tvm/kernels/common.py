@@ -34,10 +34,16 @@ from .stages import (
     LANES_MAX,
     LANES_VALUES,
     LOGITS,
+    ROW_SHIFT,
     ROW_TARGET_LOGIT,
     ROWSTATS,
     WSUM,
 )
+
+# How far a row's max may lie above its shift (``row_stats``' ``row_shift``):
+# every term of its exp-sum is then at most e**64, and a row of up to 2**24
+# classes sums to below float32's largest (3.4e38).
+ROW_SHIFT_RANGE = 64.0
 
 
 def matrix_param(func: tirx.PrimFunc):
@@ -166,7 +172,7 @@ NO_COLUMN = 2**31 - 1
 
 
 def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = (),
-                  stats: bool = False):
+                  stats: bool = False, top: bool = False):
     """Reducer merging per-chunk ``(max, sum exp(x - max), sums...)`` into a row's.
 
     Exact regrouping of the row reductions (the online-softmax identity): the
@@ -186,6 +192,9 @@ def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = (),
     ``sum exp(x - max)^2`` (rescaled by the square of the exp-sum's factor),
     ``sum x`` (adds) and the first column holding the max (the smaller of the
     parts' whose max is the common one; ``NO_COLUMN`` for none).
+
+    ``top``: the last value is a maximum of its own (``row_stats``' row shift:
+    the parts' first values are then all the shift, and this the row's max).
     """
 
     def combine(a, b):
@@ -194,17 +203,22 @@ def softmax_merge(n_outputs: int, entropy: bool = False, scale: tuple = (),
         merged = [ai + bi for ai, bi in zip(ta, tb)]
         if stats:
             merged[-1] = tirx.min(ta[-1], tb[-1])
+        if top:
+            merged[-1] = tirx.max(ta[-1], tb[-1])
         return [m] + merged
 
     def identity(*dtypes):
         values = [tirx.min_value(dtypes[0])] + [tirx.const(0, t) for t in dtypes[1:]]
         if stats:
             values[-1] = tirx.const(NO_COLUMN, dtypes[-1])
+        if top:
+            values[-1] = tirx.min_value(dtypes[-1])
         return values
 
     return te.comm_reducer(combine, identity,
                            name=f"softmax_merge{n_outputs}{'e' if entropy else ''}"
-                                f"{'t' if scale else ''}{'s' if stats else ''}")
+                                f"{'t' if scale else ''}{'s' if stats else ''}"
+                                f"{'m' if top else ''}")
 
 
 def merged_terms(v, m, entropy: bool, scale: tuple, stats: bool) -> list:
@@ -336,12 +350,20 @@ class RowStats:
     sqsum: te.Tensor | None = None  # with ``stats``: ``sum exp(z - rowmax')^2``
     zsum: te.Tensor | None = None  # with ``stats``: ``sum_c x'`` (before the temperature)
     first: te.Tensor | None = None  # with ``stats``: the row's first argmax (int32)
+    top: te.Tensor | None = None  # with ``row_shift``: the row's max (``rowmax`` the shift)
+
+    def shift_exceeded(self, n, logit: Logits):
+        """Whether row ``n``'s max lies more than ``ROW_SHIFT_RANGE`` above its
+        shift (with ``row_stats``' ``row_shift`` only; its exp-sum then may have
+        overflowed)."""
+        return logit.scaled(self.top[n] - self.rowmax[n]) > tirx.const(ROW_SHIFT_RANGE,
+                                                                        str(self.top.dtype))
 
 
 def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: int, acc: str,
                chunk: int | None, keep_exp: bool = False, target=None, shift=None,
                stage: bool = False, entropy: bool = False, stats: bool = False,
-               lanes: int = 0, weighted_sum: bool = True) -> RowStats:
+               lanes: int = 0, weighted_sum: bool = True, row_shift: bool = False) -> RowStats:
     """Row statistics of the (capped) logits, reduced chunk by chunk
     (``ChunkLayout``) and merged by ``softmax_merge``.
 
@@ -384,6 +406,15 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     ``tanh`` per element; the max then still reads ``x``, the cap being
     monotone), which a schedule may keep on chip: read from memory once,
     converted once, aligned however the row is.
+
+    ``row_shift`` (not with ``stage``, ``keep_exp``, ``shift``, ``target``,
+    ``entropy``, ``stats`` or ``lanes``): every chunk's exp-sum is taken against one
+    shift per row, the max of its first chunk (``ce_row_shift``, a subset's max:
+    never above the row's), so that it needs no chunk max before it and a schedule
+    may sweep a chunk once for both; ``rowmax`` is then the shift, ``expsum``
+    the row's sum against it, and ``top`` the row's max. The sum is right
+    while ``top`` is at most ``ROW_SHIFT_RANGE`` above the shift (temperature
+    applied), which the caller tests (``shift_exceeded``).
 
     ``lanes``: the chunks are merged in ``lanes``
     round-robin partial merges first (``ce_lanestats``: lane ``t`` merges
@@ -432,8 +463,20 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     max_read = (lambda n, c, k, j: logit.raw(n, c)) if logit.cap else xf
     cmax = per_chunk(CHUNK_MAX, te.max, None, max_read)
 
-    def top(n, k):
-        return logit.capped(cmax[n, k])
+    if row_shift:
+        if stage or logit.cap or keep_exp or shift is not None or target is not None or \
+                entropy or stats or lanes:
+            raise ValueError("row_shift takes a plain row: no stage, cap, kept exp, shift, "
+                             "target, entropy, statistics or lanes")
+        j0 = te.reduce_axis((int64(0), int64(chunk)), name="j")
+        first = te.compute((n_rows,), lambda n: te.max(logit.raw(n, j0), axis=j0),
+                           name=ROW_SHIFT)
+
+        def top(n, k):
+            return first[n]
+    else:
+        def top(n, k):
+            return logit.capped(cmax[n, k])
 
     if keep_exp:
         kept = te.compute(
@@ -489,12 +532,15 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
         parts += [per_chunk(CHUNK_SQSUM, te.sum, zero, squared),
                   per_chunk(CHUNK_ZSUM, te.sum, zero, xf),
                   per_chunk(CHUNK_FIRST, te.min, None, first)]
+    if row_shift:  # the chunks' maxima, merged last by max
+        parts.append(cmax)
     if lanes:
         merged = lane_merged(parts, top, layout, n_rows, entropy, logit.scale, stats)
     else:
         k_axis = te.reduce_axis((int64(0), int64(layout.n_chunks)), name="k")
         merged = te.compute(
-            (n_rows,), lambda n: softmax_merge(len(parts), entropy, logit.scale, stats)(
+            (n_rows,), lambda n: softmax_merge(len(parts), entropy, logit.scale, stats,
+                                               row_shift)(
                 (top(n, k_axis), *(p[n, k_axis] for p in parts[1:])), axis=k_axis),
             name=ROWSTATS)
     if per_row_wsum:
@@ -506,7 +552,8 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     extra = merged[n_before_stats:] if stats else (None, None, None)
     return RowStats(merged[0], merged[1], merged[2] if weighted_sum else None, weight_sum, cmax,
                     lambda n, k: logit.scaled(top(n, k)), kept, layout,
-                    merged[n_before_stats - 1] if target is not None else None, *extra)
+                    merged[n_before_stats - 1] if target is not None else None, *extra,
+                    top=merged[-1] if row_shift else None)
 
 
 def _expr(value):

@@ -93,6 +93,16 @@ class Variant:
         if self.divergence not in ("", *DIVERGENCES):
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
 
+    def shifts_rows(self) -> bool:
+        """Whether this forward may take its rows against a shift, where its
+        schedule asks (``choices.row_shift``): without label smoothing,
+        ``log_prob``, accuracy or a softcap (what a training step at ``eps = 0``
+        runs). Its ``lse`` is then ``+inf`` for a row whose max lies too far
+        above its first chunk's (``row_stats``' ``row_shift``), and so is the
+        loss; the caller computes such a call again exactly, as it does any
+        call with a row that is not finite."""
+        return not (self.smoothing or self.log_prob or self.accuracy or self.softcap)
+
     def tag(self) -> str:
         """A short string naming the variant (used in cache keys and file names)."""
         return "-".join(

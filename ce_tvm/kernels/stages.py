@@ -18,6 +18,8 @@ chunks ``k`` of ``chunk`` classes:
 ``ce_lanestats``       with lanes: the chunks ``t``, ``t + L``, ... merged (``[N, L]``)
 ``ce_lanes_*``         with lanes: the lanes merged (``max``, ``expsum``, ``v2``...),
                        in place of ``ce_rowstats``
+``ce_row_shift``       with a row shift (``choices.row_shift``): the first
+                       chunk's max, what every chunk's exp-sum is taken against
 ``lse``                ``rowmax + log(expsum)`` (output, accumulation dtype)
 ``ce_row_mask``        ``m[n]``
 ``ce_row_ce``          ``ce[n]`` (nll and smoothing terms of docs/spec.md, section 2)
@@ -181,6 +183,7 @@ CHUNK_BEATS = "ce_chunk_beats"
 ROW_HIT = "ce_row_hit"
 ROW_MASS = "ce_row_mass"
 ROW_REF = "ce_row_ref"
+ROW_SHIFT = "ce_row_shift"
 TARGET_GRAD = "target_grad"
 CHUNK_LOGITS = "ce_chunk_logits"
 ROW_MAX = "row_max"
@@ -207,7 +210,7 @@ STAGES = (CHUNK_MAX, CHUNK_EXPSUM, CHUNK_WXSUM, CHUNK_WSUM, ROWSTATS, LANE_STATS
           ROW_Z, ROW_WEIGHT, LOG_PROB, TOTAL_CE, TOTAL_Z, TOTAL_WEIGHT, TOTAL_COUNT, LOSS, ZLOSS,
           WSUM, GRAD_MASK, GRAD_HOT, GRAD_SMOOTH, GRAD_PSCALE, X_GRAD, SHARD_LOCAL,
           SHARD_TARGET_LOGIT, SHARD_TARGET_WEIGHT, CHUNK_EXP, CHUNK_PSCALE, MEAN_NORMS,
-          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF,
+          ROW_TARGET_LOGIT, CHUNK_BEATS, ROW_HIT, ROW_MASS, TARGET_GRAD, ROW_REF, ROW_SHIFT,
           CHUNK_LOGITS, ROW_MAX, ROW_LOG_EXPSUM, ROW_ENTROPY, TOKEN_LOGP, CHUNK_SQSUM,
           CHUNK_ZSUM, CHUNK_FIRST, ROW_LOG_SUM_SQ, ROW_MEAN_LOGITS, TOKEN_TOP1,
           KL_S_MAX, KL_T_MAX, KL_S_EXPSUM, KL_T_EXPSUM, KL_S_PLOGIT, KL_AUX, KL_T_PART,

@@ -196,7 +196,25 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = F
     _run(_spec("forward", x, variant), n, x, y, *_weight(w), *_scalars(options), out.loss,
          out.zloss, out.lse, *([out.log_prob] if log_prob else []),
          *([out.hit] if accuracy else []))
+    if x.device.type == "cpu" and variant.shifts_rows() and not bool(out.lse.isfinite().all()):
+        _exact_forward(x, y, w, options, out)
     return out
+
+
+def _exact_forward(x, y, w, options: LossOptions, out: ForwardOutputs) -> None:
+    """``out``'s loss, z-loss and ``lse`` again, by kernels that take each chunk
+    against its own max: a forward whose rows were taken against a shift
+    (``Variant.shifts_rows``) gives ``lse = +inf`` for a row whose max lies
+    too far above its first chunk's. The row is one vocabulary shard here, its
+    statistics then combined (``shard_stats``, ``shard_combine``)."""
+    rowmax, expsum, wxsum, logit, weight = shard_stats(x, y, w, 0, options)
+    lse = rowmax + torch.log(expsum)
+    weight_sum = float(w.sum()) if w is not None else float(x.shape[1])
+    loss, zloss = shard_combine(lse, logit, weight, wxsum, y, weight_sum=weight_sum,
+                                classes=x.shape[1], dtype=out.loss.dtype, options=options)
+    out.lse.copy_(lse)
+    out.loss.copy_(loss)
+    out.zloss.copy_(zloss)
 
 
 def train(x, y, w, options: LossOptions, *,

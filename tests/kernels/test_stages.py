@@ -9,6 +9,7 @@ from tvm import s_tir, tirx
 
 from ce_tvm.kernels import (
     backward,
+    choices,
     divergence,
     forward,
     kinds,
@@ -65,6 +66,10 @@ def declared_funcs():
     # the student-teacher divergence, each direction, with and without its gradient
     for kind, reduction in itertools.product(kinds.DIVERGENCES, ("none", "sum")):
         yield divergence.divergence_func(10, "float32", Variant(reduction, divergence=kind))
+    # a row taken against its shift (the CPU's forward without label smoothing)
+    with choices.row_shift(True):
+        yield forward.forward_func(10, "float32", Variant("mean", False, False, smoothing=False),
+                                   4)
 
 
 def block_names(func) -> set:

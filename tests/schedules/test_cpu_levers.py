@@ -19,12 +19,15 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_levers.py"
 LEVERS = ["chunk_in_place", "logits_sum_in_max_loop", "sum_with_max", "one_hot_by_chunk",
           "last_chunk_peeled", "prefetch_next_chunk", "prefetchw_gradient",
           "compared_ramps_as_offsets", "bf16_rounding_once", "vcvtneps2bf16", "vcvtne2ps2bf16",
-          "vpermt2w", "sums_ride_the_exp", "smoothing_left_out", "train_chunk_in_l1",
-          "hand_knobs"]
+          "vpermt2w", "sums_ride_the_exp", "smoothing_left_out", "row_shift",
+          "train_chunk_in_l1", "hand_knobs"]
 # Levers that change the arithmetic's order: other accumulators (the sums), the
 # one-hot term subtracted by chunk (LLVM contracts it into another FMA), other
-# chunks (the row's max and sums merged in another order).
-REASSOCIATING = ("hand_knobs", "one_hot_by_chunk", "train_chunk_in_l1")
+# chunks (the row's max and sums merged in another order), the exp-sum taken
+# against the row's shift rather than each chunk's max (with the forward's
+# kernel without label smoothing).
+REASSOCIATING = ("hand_knobs", "one_hot_by_chunk", "train_chunk_in_l1", "row_shift",
+                 "smoothing_left_out")
 
 
 def _levers(tmp_path, *extra) -> list:

@@ -1,7 +1,8 @@
 """Which of the CPU kernels' chunk reductions share a loop (``schedules/cpu.py``:
-``logits_sum_in_max_loop`` for the forward, ``sum_with_max`` for the training
-kernel, ``sums_ride_the_exp`` for the log-probs). What they compute is checked against float64 by
-the loss and log-prob tests, which run these schedules."""
+``logits_sum_in_max_loop`` for the forward, with the exp-sum where the row is
+taken against its shift, ``sum_with_max`` for the training kernel,
+``sums_ride_the_exp`` for the log-probs). What they compute is checked against
+float64 by the loss and log-prob tests, which run these schedules."""
 
 import pytest
 from tvm import s_tir
@@ -14,16 +15,22 @@ from ce_tvm.schedules import cpu
 from ce_tvm.store.spec import KernelSpec
 
 MAX_RF, SUM_RF = "ce_chunk_max_rf_update", "ce_chunk_wxsum_rf_update"
+EXPSUM_RF, SHIFT_RF = "ce_chunk_expsum_rf_update", "ce_row_shift_rf_update"
 
 
-def _step_loops(spec: KernelSpec, mcpu: str):
-    """The innermost loops around the chunk max's and the logits' sum's vector steps."""
+def _scheduled(spec: KernelSpec, mcpu: str):
+    """``spec``'s compute as the build declares it, hand-scheduled for ``mcpu``."""
     target = Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
     schedule = cpu.schedule_train if spec.op == "train" else cpu.schedule_forward
     func = declared_func(spec)
-    sch = schedule(s_tir.Schedule(func), target,
-                   cpu.hand_knobs(spec.op, target, str(matrix_param(func).dtype)))
-    return [sch.get(sch.get_loops(sch.get_sblock(name))[-2]) for name in (MAX_RF, SUM_RF)]
+    return schedule(s_tir.Schedule(func), target,
+                    cpu.hand_knobs(spec.op, target, str(matrix_param(func).dtype)))
+
+
+def _step_loops(spec: KernelSpec, mcpu: str, names=(MAX_RF, SUM_RF)):
+    """The innermost loops around the vector steps of the blocks ``names``."""
+    sch = _scheduled(spec, mcpu)
+    return [sch.get(sch.get_loops(sch.get_sblock(name))[-2]) for name in names]
 
 
 @pytest.mark.parametrize("mcpu", ["znver3", "znver5"])
@@ -36,6 +43,26 @@ def test_logits_sum_rides_the_max_loop(op, mcpu, dtype, weighted):
     spec = KernelSpec(op, dtype, 4099, Variant("mean", weighted, False))
     max_steps, sum_steps = _step_loops(spec, mcpu)
     assert max_steps.same_as(sum_steps)
+
+
+@pytest.mark.parametrize("mcpu", ["znver3", "znver5"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_row_against_its_shift_sweeps_each_chunk_once(mcpu, dtype, weighted):
+    """Without label smoothing the forward takes a row against its first
+    chunk's max (``ce_row_shift``, under the row loop before the chunks): a
+    chunk's max and exp-sum share one loop. With label smoothing the exp-sum
+    still waits for the chunk's max."""
+    for smoothing, one_sweep in ((False, True), (True, False)):
+        spec = KernelSpec("forward", dtype, 4099,
+                          Variant("mean", weighted, False, smoothing=smoothing))
+        max_steps, exp_steps = _step_loops(spec, mcpu, (MAX_RF, EXPSUM_RF))
+        assert max_steps.same_as(exp_steps) == one_sweep
+        if one_sweep:
+            sch = _scheduled(spec, mcpu)
+            shift_row, max_row = (sch.get(sch.get_loops(sch.get_sblock(name))[0])
+                                  for name in (SHIFT_RF, MAX_RF))
+            assert shift_row.same_as(max_row)
 
 
 def test_log_prob_sum_waits_for_the_kept_exp():
