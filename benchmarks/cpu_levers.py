@@ -179,9 +179,10 @@ LEVERS = (
           declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),)),
     Lever("row_shift", ("forward",),
           "a call with eps = 0 takes each row against its first chunk's max, a chunk's "
-          "max and exp-sum in one loop (SHIFTS_ROWS), not its exp-sum after its max",
-          without=_patched(cpu, "SHIFTS_ROWS", False), declared=(("smoothing", False),),
-          scalars=(("label_smoothing", 0.0),), both=True),
+          "max and exp-sum in one loop (cpu.shifts_rows), not its exp-sum after its max",
+          without=_patched(cpu, "shifts_rows", lambda target: False),
+          declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),), both=True,
+          applies=lambda spec, target: cpu.shifts_rows(target)),
     Lever("train_chunk_in_l1", ("train",),
           "the training kernel's chunk fits half the L1d with its kept exp (train_chunk), "
           "not the forward's chunk",

@@ -18,9 +18,9 @@ profile, say):
   ``log_probs_chunk``); where
   defined, ``stages_chunk(op, classes, dtype, target, **options)`` (whether
   ``op``'s chunk is staged; a tuning record's summary may say otherwise:
-  ``stage``), ``exp_scaling(target)`` and the lowering choices
-  ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``, ``ONE_HOT_BY_CHUNK`` and
-  ``KEEPS_CHUNK_EXP`` (``kernels.fastmath``, ``kernels.choices``);
+  ``stage``), ``exp_scaling(target)``, ``shifts_rows(target)`` and the
+  lowering choices ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``, ``ONE_HOT_BY_CHUNK``
+  and ``KEEPS_CHUNK_EXP`` (``kernels.fastmath``, ``kernels.choices``);
 - how it is compiled, where defined: ``PASS_CONFIG`` (pass options) and
   ``TIR_PIPELINE`` (the name of a registered lowering pipeline);
 - for the tuning search (``cpu``, ``cuda``): ``knob_space(op, classes,

@@ -134,10 +134,6 @@ PEELS_LAST_CHUNK = True
 # (``kernels.choices.one_hot_by_chunk``; in-process A/B, fp32 4096x32000: 87.8 ->
 # 82.9 ms, 2048x50257 73.2 -> 71.5 ms; bf16 keeps the test in its loop).
 ONE_HOT_BY_CHUNK = True
-# The forward kernels that may (``Variant.shifts_rows``) take each row
-# against the max of its first chunk (``kernels.choices.row_shift``): a chunk's
-# max and exp-sum are then one loop that streams it in (``one_sweep``).
-SHIFTS_ROWS = True
 
 
 def schedule_knobs(sch, op: str, target: Target, space: dict, decisions: dict | None = None):
@@ -216,6 +212,19 @@ def schedule_forward(sch, target: Target, knobs: CPUKnobs):
 # built cheaply (``_selected_offsets``), what is left is their arithmetic.
 RIDERS = (CHUNK_ZSUM, CHUNK_SQSUM, CHUNK_FIRST)
 SWEPT = (CHUNK_WXSUM, CHUNK_EXPSUM)
+
+
+def shifts_rows(target: Target) -> bool:
+    """Whether the forward kernels that may (``Variant.shifts_rows``: what a
+    call with ``eps = 0`` runs) take each row against the max of its first
+    chunk (``kernels.choices.row_shift``), so that a chunk's max and exp-sum
+    are one loop that streams it in (``logits_sum_in_max_loop``): on AVX-512.
+    In-process A/B on a 2-core Zen 4 EPYC, hand schedule, at 4096 x 32000,
+    8192 x 50257 and 2048 x 128256: bf16 1.11-1.14x faster, float32
+    1.07-1.14x (``benchmarks/cpu_levers.py``, ``row_shift``). On AVX2 the
+    merged loop needs more than its 16 registers: 2.4-2.5 -> 3.1-3.2
+    instructions per element (``znver3``, ``haswell``, C = 32000)."""
+    return bool(target_has_features("avx512f", target))
 
 
 def sums_ride_the_exp(target: Target) -> bool:

@@ -133,7 +133,7 @@ def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFu
     one-hot tests written, a chunk's exponentials kept or not, as the schedule asks:
     ``forward_chunk``, ``<op>_lanes``, ``stages_chunk``, ``exp_scaling``,
     ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``, ``ONE_HOT_BY_CHUNK``, ``KEEPS_CHUNK_EXP``,
-    ``SHIFTS_ROWS``).
+    ``shifts_rows``).
     The row chunk is ``chunk`` if given, else the tuning record's, else the schedule's;
     the chunk staged as the tuning record's compute was, else as the schedule asks."""
     schedule = schedule_module(spec.target)
@@ -144,7 +144,8 @@ def declared_func(spec: KernelSpec, chunk: int | None = None) -> tvm.tirx.PrimFu
             choices.last_chunk_peeled(getattr(schedule, "PEELS_LAST_CHUNK", False)), \
             choices.one_hot_by_chunk(getattr(schedule, "ONE_HOT_BY_CHUNK", False)), \
             choices.chunk_exp_kept(getattr(schedule, "KEEPS_CHUNK_EXP", True)), \
-            choices.row_shift(getattr(schedule, "SHIFTS_ROWS", False)):
+            choices.row_shift(getattr(schedule, "shifts_rows", lambda target: False)(
+                spec.tvm_target())):
         return _declare(spec, schedule, chunk)
 
 

@@ -13,6 +13,7 @@ from ce_tvm.kernels.common import matrix_param
 from ce_tvm.kernels.kinds import Variant
 from ce_tvm.schedules import cpu
 from ce_tvm.store.spec import KernelSpec
+from ce_tvm.testing.cpu_static import cross_spec
 
 MAX_RF, SUM_RF = "ce_chunk_max_rf_update", "ce_chunk_wxsum_rf_update"
 EXPSUM_RF, SHIFT_RF = "ce_chunk_expsum_rf_update", "ce_row_shift_rf_update"
@@ -45,17 +46,16 @@ def test_logits_sum_rides_the_max_loop(op, mcpu, dtype, weighted):
     assert max_steps.same_as(sum_steps)
 
 
-@pytest.mark.parametrize("mcpu", ["znver3", "znver5"])
+@pytest.mark.parametrize("mcpu, shifts", [("znver3", False), ("znver4", True), ("znver5", True)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_a_row_against_its_shift_sweeps_each_chunk_once(mcpu, dtype, weighted):
-    """Without label smoothing the forward takes a row against its first
+def test_a_row_against_its_shift_sweeps_each_chunk_once(mcpu, shifts, dtype, weighted):
+    """Without label smoothing the AVX-512 forward takes a row against its first
     chunk's max (``ce_row_shift``, under the row loop before the chunks): a
-    chunk's max and exp-sum share one loop. With label smoothing the exp-sum
-    still waits for the chunk's max."""
-    for smoothing, one_sweep in ((False, True), (True, False)):
-        spec = KernelSpec("forward", dtype, 4099,
-                          Variant("mean", weighted, False, smoothing=smoothing))
+    chunk's max and exp-sum share one loop (``cpu.shifts_rows``). With label
+    smoothing, or on AVX2, the exp-sum still waits for the chunk's max."""
+    for op, one_sweep in (("forward-ns", shifts), ("forward", False)):
+        spec = cross_spec(op, dtype, 4099, f"llvm -mcpu={mcpu}", weighted)  # declared for mcpu
         max_steps, exp_steps = _step_loops(spec, mcpu, (MAX_RF, EXPSUM_RF))
         assert max_steps.same_as(exp_steps) == one_sweep
         if one_sweep:
