@@ -177,9 +177,9 @@ LEVERS = (
           "a call with eps = 0 runs the kernel without label smoothing's terms "
           "(Variant.smoothing off), not the one with them",
           declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),)),
-    Lever("row_shift", ("forward",),
+    Lever("row_shift", ("forward", "train"),
           "a call with eps = 0 takes each row against its first chunk's max, a chunk's "
-          "max and exp-sum in one loop (cpu.shifts_rows), not its exp-sum after its max",
+          "max and exp-sum (and kept exp) in one loop (cpu.shifts_rows), not after its max",
           without=_patched(cpu, "shifts_rows", lambda target: False),
           declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),), both=True,
           applies=lambda spec, target: cpu.shifts_rows(target)),

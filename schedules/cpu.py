@@ -369,6 +369,28 @@ def sum_with_max(sch, stages: dict) -> None:
     sch.merge(loops[0][-2], loops[1][-2])
 
 
+def exp_with_max(sch, stages: dict, lanes: int) -> bool:
+    """With a row shift (``ce_row_shift``), the training sweep's kept ``exp`` and
+    its sum in the loop of the chunk's max, which streams the chunk in: none of
+    them reads another, so a chunk is swept once before its gradient (from the
+    kept ``exp``, after the row). The merged loop sits where the max's was, the
+    ``exp``'s lanes vectorised. Returns whether it merged: not without a
+    shift, nor where a reduction is one vector long."""
+    max_pair, sum_pair = stages.get(CHUNK_MAX, []), stages.get(CHUNK_EXPSUM, [])
+    if not has_stage(sch, ROW_SHIFT) or len(max_pair) != 2 or len(sum_pair) != 2:
+        return False
+    depth = len(sch.get_loops(sch.get_sblock(ROWSTATS))) + 2  # rows, chunk, steps, lanes
+    loops = [sch.get_loops(pair[0]) for pair in (max_pair, sum_pair)]
+    extents = [sch.get(nest[-2]).extent for nest in loops]
+    if any(len(nest) != depth for nest in loops) or not tvm_ffi.structural_equal(*extents):
+        return False
+    exp_steps, exp_lanes = sch.split(sch.get_loops(sch.get_sblock(CHUNK_EXP))[-1],
+                                     [extents[0], lanes])
+    sch.merge(exp_steps, loops[1][-2], loops[0][-2])  # where the last one is: the max's
+    sch.vectorize(exp_lanes)
+    return True
+
+
 def backward(func, target: Target, knobs: CPUKnobs | None = None):
     """Schedule ``ce_tvm.kernels.backward_func`` for ``target``; returns the scheduled PrimFunc."""
     return schedule_backward(s_tir.Schedule(func), target,
@@ -415,13 +437,20 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs):
     inline_row_helpers(sch)
     chunk = _chunk(sch)
     lanes = vector_lanes(target) * knobs.accumulators
+    shift = (split_reduction(sch, ROW_SHIFT, row_lanes(chunk, lanes))
+             if has_stage(sch, ROW_SHIFT) else [])
     sweep = row_sweep(sch, row_lanes(chunk, lanes))
     parallel_rows(sch, sweep.row, knobs.row_grain)
     sum_with_max(sch, sweep.stages)
+    merged = exp_with_max(sch, sweep.stages, row_lanes(chunk, lanes))
     sweep_accumulators(sch, sweep)
+    if len(shift) == 2:  # the first chunk's max, in vector accumulators
+        loops = sch.get_loops(shift[0])
+        sch.vectorize(loops[-1])
+        sch.decompose_reduction(shift[0], loops[-2])
     vector_row_independent(sch, lanes)
     init_row_totals(sch)
-    for blk in present_blocks(sch, [CHUNK_LOGITS, CHUNK_EXP]):
+    for blk in present_blocks(sch, [CHUNK_LOGITS] + ([] if merged else [CHUNK_EXP])):
         vectorize_inner(sch, blk, lanes)
     vectorize_gradient_by_chunk(sch, chunk, lanes)
     if chunk % lanes == 0 and chunk > lanes:  # a loop of vector steps to prefetch in

@@ -352,12 +352,17 @@ class RowStats:
     first: te.Tensor | None = None  # with ``stats``: the row's first argmax (int32)
     top: te.Tensor | None = None  # with ``row_shift``: the row's max (``rowmax`` the shift)
 
-    def shift_exceeded(self, n, logit: Logits):
-        """Whether row ``n``'s max lies more than ``ROW_SHIFT_RANGE`` above its
-        shift (with ``row_stats``' ``row_shift`` only; its exp-sum then may have
-        overflowed)."""
-        return logit.scaled(self.top[n] - self.rowmax[n]) > tirx.const(ROW_SHIFT_RANGE,
-                                                                        str(self.top.dtype))
+    def lse(self, n, logit: Logits):
+        """Row ``n``'s log-sum-exp of the logits as the loss sees them; with
+        ``row_stats``' ``row_shift``, ``+inf`` where the row's max lies more
+        than ``ROW_SHIFT_RANGE`` above its shift (its exp-sum may have
+        overflowed: the caller computes the row again)."""
+        value = logit.scaled(self.rowmax[n]) + te.log(self.expsum[n])
+        if self.top is None:
+            return value
+        acc = str(self.top.dtype)
+        exceeded = logit.scaled(self.top[n] - self.rowmax[n]) > tirx.const(ROW_SHIFT_RANGE, acc)
+        return tirx.Select(exceeded, tirx.const(float("inf"), acc), value)
 
 
 def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: int, acc: str,
@@ -407,14 +412,15 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     monotone), which a schedule may keep on chip: read from memory once,
     converted once, aligned however the row is.
 
-    ``row_shift`` (not with ``stage``, ``keep_exp``, ``shift``, ``target``,
-    ``entropy``, ``stats`` or ``lanes``): every chunk's exp-sum is taken against one
-    shift per row, the max of its first chunk (``ce_row_shift``, a subset's max:
-    never above the row's), so that it needs no chunk max before it and a schedule
-    may sweep a chunk once for both; ``rowmax`` is then the shift, ``expsum``
-    the row's sum against it, and ``top`` the row's max. The sum is right
-    while ``top`` is at most ``ROW_SHIFT_RANGE`` above the shift (temperature
-    applied), which the caller tests (``shift_exceeded``).
+    ``row_shift`` (not with ``stage``, ``shift``, ``target``, ``entropy``,
+    ``stats`` or ``lanes``): every chunk's exp-sum (and kept ``exp``) is taken
+    against one shift per row, the max of its first chunk (``ce_row_shift``, a
+    subset's max: never above the row's), so that it needs no chunk max before
+    it and a schedule may sweep a chunk once for both; ``rowmax`` and every
+    ``chunk_top`` are then the shift, ``expsum`` the row's sum against it, and
+    ``top`` the row's max. The sum is right while ``top`` is at most
+    ``ROW_SHIFT_RANGE`` above the shift (temperature applied), which
+    ``RowStats.lse`` tests.
 
     ``lanes``: the chunks are merged in ``lanes``
     round-robin partial merges first (``ce_lanestats``: lane ``t`` merges
@@ -464,10 +470,10 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     cmax = per_chunk(CHUNK_MAX, te.max, None, max_read)
 
     if row_shift:
-        if stage or logit.cap or keep_exp or shift is not None or target is not None or \
+        if stage or logit.cap or shift is not None or target is not None or \
                 entropy or stats or lanes:
-            raise ValueError("row_shift takes a plain row: no stage, cap, kept exp, shift, "
-                             "target, entropy, statistics or lanes")
+            raise ValueError("row_shift takes a plain row: no stage, cap, shift, target, "
+                             "entropy, statistics or lanes")
         j0 = te.reduce_axis((int64(0), int64(chunk)), name="j")
         first = te.compute((n_rows,), lambda n: te.max(logit.raw(n, j0), axis=j0),
                            name=ROW_SHIFT)

@@ -52,15 +52,8 @@ def forward_func(classes: int, dtype: str, variant: Variant,
                     target=index if variant.accuracy else None, stage=stage, lanes=lanes,
                     weighted_sum=variant.smoothing,
                     row_shift=row_shift.get() and variant.shifts_rows() and not (stage or lanes))
-    rowmax, expsum, wxsum = st.rowmax, st.expsum, st.wxsum
-
-    def row_lse(n):
-        value = logit.scaled(rowmax[n]) + te.log(expsum[n])
-        if st.top is None:
-            return value
-        return tirx.Select(st.shift_exceeded(n, logit), tirx.const(float("inf"), acc), value)
-
-    lse = te.compute((n_rows,), row_lse, name=LSE)
+    wxsum = st.wxsum
+    lse = te.compute((n_rows,), lambda n: st.lse(n, logit), name=LSE)
     rows = row_losses(
         n_rows, tirx.const(float(classes), acc), acc, eps, s, mask, lse,
         target_logit=lambda n: logit(n, index(n)),

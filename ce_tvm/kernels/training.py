@@ -7,7 +7,7 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from . import fastmath
-from .choices import one_hot_by_chunk
+from .choices import one_hot_by_chunk, row_shift
 from .common import (
     class_weights,
     int64,
@@ -44,6 +44,13 @@ def train_func(classes: int, dtype: str, variant: Variant,
     from the targets alone. ``sum`` and ``mean`` only: ``none`` needs an
     upstream gradient per row, so its gradient waits for the backward.
 
+    Where the schedule asks (``choices.row_shift``, ``Variant.shifts_rows``) the
+    kept ``exp`` and its sum are against the row's shift, the max of its first
+    chunk, instead of each chunk's max (``row_stats``' ``row_shift``), so that a
+    chunk is swept once before its gradient; ``lse`` is then ``+inf`` for a
+    row whose max lies too far above the shift, and the caller computes the
+    call again.
+
     ``lanes``: the chunks are merged in that many lanes first (``row_stats``)
     and nothing is kept: the gradient recomputes ``exp(z - lse)`` from the
     logits read again after the row's ``lse``, as the backward does (a
@@ -65,9 +72,9 @@ def train_func(classes: int, dtype: str, variant: Variant,
     one, zero = tirx.const(1.0, acc), tirx.const(0.0, acc)
     st = row_stats(logit, class_weights(w), n_rows, classes, acc, chunk, keep_exp=not lanes,
                     target=index if variant.accuracy else None, lanes=lanes,
-                    weighted_sum=variant.smoothing)
-    lse = te.compute((n_rows,), lambda n: logit.scaled(st.rowmax[n]) + te.log(st.expsum[n]),
-                     name=LSE)
+                    weighted_sum=variant.smoothing,
+                    row_shift=row_shift.get() and variant.shifts_rows() and not lanes)
+    lse = te.compute((n_rows,), lambda n: st.lse(n, logit), name=LSE)
 
     def wc(c):
         return w[c] if w is not None else one

@@ -196,17 +196,24 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = F
     _run(_spec("forward", x, variant), n, x, y, *_weight(w), *_scalars(options), out.loss,
          out.zloss, out.lse, *([out.log_prob] if log_prob else []),
          *([out.hit] if accuracy else []))
-    if x.device.type == "cpu" and variant.shifts_rows() and not bool(out.lse.isfinite().all()):
+    if _shifted(x, variant) and not bool(out.lse.isfinite().all()):
         _exact_forward(x, y, w, options, out)
     return out
 
 
+def _shifted(x, variant: Variant) -> bool:
+    """Whether the kernel of ``variant`` for ``x`` may have taken its rows against a
+    shift (``Variant.shifts_rows``; only CPU schedules do): its ``lse`` then
+    says which calls to compute again (``+inf``, as for a row not finite)."""
+    return x.device.type == "cpu" and variant.shifts_rows()
+
+
 def _exact_forward(x, y, w, options: LossOptions, out: ForwardOutputs) -> None:
     """``out``'s loss, z-loss and ``lse`` again, by kernels that take each chunk
-    against its own max: a forward whose rows were taken against a shift
-    (``Variant.shifts_rows``) gives ``lse = +inf`` for a row whose max lies
-    too far above its first chunk's. The row is one vocabulary shard here, its
-    statistics then combined (``shard_stats``, ``shard_combine``)."""
+    against its own max: a forward or training kernel whose rows were taken
+    against a shift (``_shifted``) gives ``lse = +inf`` for a row whose max
+    lies too far above its first chunk's. The row is one vocabulary shard
+    here, its statistics then combined (``shard_stats``, ``shard_combine``)."""
     rowmax, expsum, wxsum, logit, weight = shard_stats(x, y, w, 0, options)
     lse = rowmax + torch.log(expsum)
     weight_sum = float(w.sum()) if w is not None else float(x.shape[1])
@@ -240,6 +247,11 @@ def train(x, y, w, options: LossOptions, *,
                        wide_loss=_wide(options, x), smoothing=_smoothing(options))
     _run(_spec("train", x, variant), n, x, y, *_weight(w), *_scalars(options), *norms, x_grad,
          out.lse, out.loss, out.zloss, *([out.hit] if accuracy else []))
+    if _shifted(x, variant) and not bool(out.lse.isfinite().all()):
+        _exact_forward(x, y, w, options, out)
+        g = x.new_ones(1, dtype=acc)
+        backward(g, torch.zeros_like(g), x, out.lse, y, w, options, source_kind="logits",
+                 out=x_grad)
     return out, x_grad
 
 

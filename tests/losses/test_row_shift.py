@@ -74,14 +74,38 @@ def test_rows_within_the_range_take_one_sweep(again, dtype):
     assert_close(xs.grad, grad, TOL[dtype], "grad")
 
 
-def test_the_gradient_after_a_second_computation(again):
-    """The backward reads the ``lse`` the exact kernels wrote."""
-    x, y, _ = _logits(torch.float32, 90.0)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_gradient_after_a_second_computation(again, reduction, weighted):
+    """``none``: the backward reads the ``lse`` the exact kernels wrote;
+    ``mean``/``sum``: the one-pass training kernel's call is computed again,
+    the gradient by the backward from the logits."""
+    x, y, w = _logits(torch.float32, 90.0, weighted)
     xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ce_tvm.cross_entropy(xs, y, reduction="none").sum().backward()
-    F.cross_entropy(xr, y, reduction="none").sum().backward()
+    loss = ce_tvm.cross_entropy(xs, y, w, reduction=reduction)
+    ref = F.cross_entropy(xr, y, w, reduction=reduction)
+    loss.sum().backward()
+    ref.sum().backward()
     assert len(again) == 1
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_training_kernel_within_the_range(again, dtype):
+    """The one-pass kernel's kept ``exp`` against the shift: loss and gradient as
+    float64, no second computation."""
+    x, y, _ = _logits(dtype, 0.0)
+    x[2, C - 3] = float(x[2, :2000].float().max()) + ROW_SHIFT_RANGE - 2
+    xs = x.clone().requires_grad_()
+    loss = ce_tvm.cross_entropy(xs, y)
+    loss.backward()
+    assert not again
+    ref, log_prob, _, lse = reference.forward(x.double().numpy(), y.numpy(), None, "mean")
+    assert_close(loss.reshape(1), ref, TOL[dtype], "loss")
+    grad = reference.backward(torch.ones(1, dtype=torch.float64).numpy(), log_prob, y.numpy(),
+                              reduction="mean", lse=lse)
+    assert_close(xs.grad, grad, TOL[dtype], "grad")
 
 
 def test_a_temperature_scales_the_range(again):
