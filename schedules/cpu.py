@@ -215,14 +215,16 @@ SWEPT = (CHUNK_WXSUM, CHUNK_EXPSUM)
 
 
 def shifts_rows(target: Target) -> bool:
-    """Whether the forward kernels that may (``Variant.shifts_rows``: what a
-    call with ``eps = 0`` runs) take each row against the max of its first
-    chunk (``kernels.choices.row_shift``), so that a chunk's max and exp-sum
-    are one loop that streams it in (``logits_sum_in_max_loop``): on AVX-512.
-    In-process A/B on a 2-core Zen 4 EPYC, hand schedule, at 4096 x 32000,
-    8192 x 50257 and 2048 x 128256: bf16 1.11-1.14x faster, float32
-    1.07-1.14x (``benchmarks/cpu_levers.py``, ``row_shift``). On AVX2 the
-    merged loop needs more than its 16 registers: 2.4-2.5 -> 3.1-3.2
+    """Whether the forward and training kernels that may (``Variant.shifts_rows``:
+    what a call with ``eps = 0`` runs) take each row against the max of its
+    first chunk (``kernels.choices.row_shift``), so that a chunk's max and
+    exp-sum (and kept ``exp``) are one loop that streams it in
+    (``logits_sum_in_max_loop``, ``exp_with_max``): on AVX-512. In-process
+    A/B on a 2-core Zen 4 EPYC, hand schedule, at 4096 x 32000, 8192 x 50257
+    and 2048 x 128256, two runs: the forward 1.10-1.13x faster in bf16 and
+    1.01-1.11x in float32, the training kernel 1.01-1.10x
+    (``benchmarks/cpu_levers.py``, ``row_shift``). On AVX2 the merged loop
+    needs more than its 16 registers: the forward 2.4-2.5 -> 3.1-3.2
     instructions per element (``znver3``, ``haswell``, C = 32000)."""
     return bool(target_has_features("avx512f", target))
 

@@ -53,10 +53,11 @@ one_hot_by_chunk = LoweringChoice("one_hot_by_chunk", default=False)
 # scratch).
 chunk_exp_kept = LoweringChoice("chunk_exp_kept", default=True)
 
-# The forward's row reduced against one shift taken first (the max of its first
-# chunk), so that a chunk's max and its exp-sum are one loop, for a schedule
-# that streams the chunk once (the CPU); the row's lse is +inf where its max lies
-# more than ``ROW_SHIFT_RANGE`` above the shift, and the caller computes it again
-# exactly (``Variant.shifts_rows``). Otherwise a chunk's exp-sum is
-# against the chunk's own max, a second pass over the chunk.
+# A loss kernel's row (forward, training) reduced against one shift taken first
+# (the max of its first chunk), so that a chunk's max and its exp-sum (and kept
+# exp) are one loop, for a schedule that streams the chunk once (the CPU's, on
+# AVX-512); the row's lse is +inf where its max lies more than
+# ``ROW_SHIFT_RANGE`` above the shift, and the caller computes the call again
+# exactly (``Variant.shifts_rows``). Otherwise a chunk's exp-sum is against the
+# chunk's own max, a second pass over the chunk.
 row_shift = LoweringChoice("row_shift", default=False)
