@@ -331,10 +331,11 @@ def logits_sum_in_max_loop(sch, stages: dict, outer: int) -> dict:
 
 
 def _reads_only_inputs_of(sch, max_pair, sum_pair) -> bool:
-    """Whether the sum's split block reads nothing but the kernel's inputs, what
-    the max reads (the staged chunk) and its own accumulator: the log-prob
-    kernels' sum of ``p x`` reads the kept ``exp``, and a softcapped kernel's
-    sum the capped chunk, which both come after the max."""
+    """Whether the sum's split block reads nothing but the kernel's inputs, the
+    row's shift (``ce_row_shift``, computed before the chunks), what the max
+    reads (the staged chunk) and its own accumulator: the log-prob kernels' sum
+    of ``p x`` reads the kept ``exp``, and a softcapped kernel's sum the capped
+    chunk, which both come after the max."""
     def buffers(region_list):
         return {region.source.name for region in region_list}
 
