@@ -127,7 +127,8 @@ class Lever:
 LEVERS = (
     Lever("chunk_in_place", ("forward",),
           "the forward reads a 16-bit chunk in place (no float32 copy)",
-          without=_patched(cpu, "stages_chunk", lambda op, classes, dtype, target: True),
+          without=_patched(cpu, "stages_chunk",
+                           lambda op, classes, dtype, target, variant=None: True),
           dtypes=("bfloat16", "float16")),
     Lever("logits_sum_in_max_loop", ("forward",),
           "label smoothing's logits sum in the chunk max's loop",

@@ -16,9 +16,9 @@ profile, say):
   target, **options)``, the chunk a row is reduced in, or ``<op>_chunk``
   for one op (the CPU's and ascend's ``train_chunk``, ascend's
   ``log_probs_chunk``); where
-  defined, ``stages_chunk(op, classes, dtype, target, **options)`` (whether
-  ``op``'s chunk is staged; a tuning record's summary may say otherwise:
-  ``stage``), ``exp_scaling(target)``, ``shifts_rows(target)`` and the
+  defined, ``stages_chunk(op, classes, dtype, target, variant, **options)``
+  (whether ``op``'s chunk is staged; a tuning record's summary may say
+  otherwise: ``stage``), ``exp_scaling(target)``, ``shifts_rows(target)`` and the
   lowering choices ``EXP_NAN_TEST``, ``PEELS_LAST_CHUNK``, ``ONE_HOT_BY_CHUNK``
   and ``KEEPS_CHUNK_EXP`` (``kernels.fastmath``, ``kernels.choices``);
 - how it is compiled, where defined: ``PASS_CONFIG`` (pass options) and

@@ -116,6 +116,7 @@ from .cpu_knobs import SCHEDULE_OF, CPUKnobs, hand_knobs, vector_lanes
 from .cpu_knobs import forward_chunk as forward_chunk
 from .cpu_knobs import knob_chunk as knob_chunk
 from .cpu_knobs import knob_space as knob_space
+from .cpu_knobs import shifts_rows as shifts_rows
 from .cpu_knobs import stages_chunk as stages_chunk
 from .cpu_knobs import train_chunk as train_chunk
 from .cpu_narrowing import bf16_rounding
@@ -214,21 +215,6 @@ RIDERS = (CHUNK_ZSUM, CHUNK_SQSUM, CHUNK_FIRST)
 SWEPT = (CHUNK_WXSUM, CHUNK_EXPSUM)
 
 
-def shifts_rows(target: Target) -> bool:
-    """Whether the forward and training kernels that may (``Variant.shifts_rows``:
-    what a call with ``eps = 0`` runs) take each row against the max of its
-    first chunk (``kernels.choices.row_shift``), so that a chunk's max and
-    exp-sum (and kept ``exp``) are one loop that streams it in
-    (``logits_sum_in_max_loop``, ``exp_with_max``): on AVX-512. In-process
-    A/B on a 2-core Zen 4 EPYC, hand schedule, at 4096 x 32000, 8192 x 50257
-    and 2048 x 128256, two runs: the forward 1.10-1.13x faster in bf16 and
-    1.01-1.11x in float32, the training kernel 1.01-1.10x
-    (``benchmarks/cpu_levers.py``, ``row_shift``). On AVX2 the merged loop
-    needs more than its 16 registers: the forward 2.4-2.5 -> 3.1-3.2
-    instructions per element (``znver3``, ``haswell``, C = 32000)."""
-    return bool(target_has_features("avx512f", target))
-
-
 def sums_ride_the_exp(target: Target) -> bool:
     """Whether the plain log-prob kernels' two sums (``SWEPT``) ride the kept
     exp's loop as the stats variant's do: on AVX-512 (32 vector registers).
@@ -256,12 +242,17 @@ def ride_along(sch, stages: dict, outer: int, lanes: int, unroll: int = 1,
     exp-sum goes last, so the merged loops sit where its loops were, after
     everything the body reads; the exp comes first in the body, before the
     sums that read what it keeps. A reduction one vector long (no step loop)
-    leaves everything as it is."""
+    leaves everything as it is.
+
+    A row taken against its shift (``ce_row_shift``) has its chunk's max in the
+    merged loop too, which then streams the chunk in and sweeps it once."""
     names = [name for name in RIDERS if name in stages]
     kept = present_blocks(sch, [CHUNK_EXP])
     if not (names or plain) or not kept:
         return stages, None
     names += [name for name in SWEPT if name in stages]
+    if has_stage(sch, ROW_SHIFT):  # no chunk max before the exp: it rides too
+        names.insert(0, CHUNK_MAX)
     group = [stages[name] for name in names]
     if any(len(blocks) != 2 or len(sch.get_loops(blocks[0])) != outer + 2 for blocks in group):
         return stages, None

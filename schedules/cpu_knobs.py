@@ -15,6 +15,8 @@ from tvm import DataType
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
+from ..kernels.kinds import Variant
+
 # Chunk of a row kept in L1 between its max and its exp-sum: at most 24 KB of
 # float32 (half the 48 KB L1d of Zen 5), at least 8 vectors of accumulators.
 # The forward's kernels keep it on CPUs with 32 KB of L1d too: on a Zen 4 the
@@ -177,7 +179,23 @@ def train_chunk(classes: int, dtype: str, target: Target) -> int:
 STAGES_BF16 = ("shard_stats", "log_probs")
 
 
-def stages_chunk(op: str, classes: int, dtype: str, target: Target) -> bool:
+def shifts_rows(target: Target) -> bool:
+    """Whether the forward and training kernels that may (``Variant.shifts_rows``:
+    what a call with ``eps = 0`` runs) take each row against the max of its
+    first chunk (``kernels.choices.row_shift``), so that a chunk's max and
+    exp-sum (and kept ``exp``) are one loop that streams it in
+    (``logits_sum_in_max_loop``, ``exp_with_max``): on AVX-512. In-process
+    A/B on a 2-core Zen 4 EPYC, hand schedule, at 4096 x 32000, 8192 x 50257
+    and 2048 x 128256, two runs: the forward 1.10-1.13x faster in bf16 and
+    1.01-1.11x in float32, the training kernel 1.01-1.10x
+    (``benchmarks/cpu_levers.py``, ``row_shift``). On AVX2 the merged loop
+    needs more than its 16 registers: the forward 2.4-2.5 -> 3.1-3.2
+    instructions per element (``znver3``, ``haswell``, C = 32000)."""
+    return bool(target_has_features("avx512f", target))
+
+
+def stages_chunk(op: str, classes: int, dtype: str, target: Target,
+                 variant: Variant | None = None) -> bool:
     """Whether ``op``'s compute copies each chunk to float32 before its reductions
     (``kernels.forward.forward_func``'s ``stage``; a softcap always stages):
     bfloat16 rows of a vocabulary shard's statistics and of the log-probs (one
@@ -196,5 +214,10 @@ def stages_chunk(op: str, classes: int, dtype: str, target: Target) -> bool:
     all but the last chunk (``cpu.PASS_CONFIG``) it costs C = 50257 more than
     the straddled loads do (in cache, 2 cores: 0.182 vs 0.157 ns per element
     per core). So are the probability targets' rows, which stream the targets
-    beside the logits (staging cost them 14-20%)."""
+    beside the logits (staging cost them 14-20%). A log-prob kernel whose rows
+    are taken against their shift (``shifts_rows``, ``variant``'s
+    ``shifts_rows``) sweeps a chunk once: nothing to stage."""
+    if op == "log_probs" and variant is not None and variant.shifts_rows() \
+            and shifts_rows(target):
+        return False
     return dtype == "bfloat16" and op in STAGES_BF16

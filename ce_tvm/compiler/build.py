@@ -24,7 +24,7 @@ from ..kernels import (
     shards,
     training,
 )
-from ..kernels.kinds import DIVERGENCES, REDUCTIONS, SMOOTHING_OPS, Variant
+from ..kernels.kinds import DIVERGENCES, REDUCTIONS, SMOOTHING_OPS, Variant, accum_dtype
 from ..store import records
 from ..store.files import copy_file
 from ..store.spec import LOG_PROB_OPS, KernelSpec, schedule_name, tuned_variants
@@ -51,11 +51,11 @@ class Extras:
     together) of every loss kernel a drop-in call runs (not the seed pair's);
     ``accuracy``: the forward and training kernels that also write the token
     hits; ``log_probs``: the log-prob kernels for each ``K`` (capped too with
-    ``softcap``); ``stats``: their forward's variant that also writes the
-    statistics (``return_stats=True``, what TRL's trainers ask for);
-    ``distill``: the divergence kernels of the distillation losses, each
-    direction with and without the gradient (with ``softcap`` also each side
-    capped, and both)."""
+    ``softcap``; the forward with and without the entropy); ``stats``: their
+    forward's variant that also writes the statistics (``return_stats=True``,
+    what TRL's trainers ask for); ``distill``: the divergence kernels of the
+    distillation losses, each direction with and without the gradient (with
+    ``softcap`` also each side capped, and both)."""
 
     softcap: bool = False
     temperature: bool = False
@@ -71,7 +71,7 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = (),
     (training kernels where the target's schedule has them), for class-index
     and probability targets; and the ``extras`` asked for; each forward and
     training kernel also without label smoothing (what calls with ``eps = 0``
-    load)."""
+    load), with the kernels of its exact path (``exact_path_specs``)."""
     fwd = [KernelSpec("forward", dtype, classes, Variant(r, w, lp), target, options)
            for r, w, lp in itertools.product(REDUCTIONS, (False, True), (True, False))]
     bwd = [KernelSpec("backward", dtype, classes, Variant(r, w, grad_source=src), target, options)
@@ -83,8 +83,28 @@ def all_specs(target: str, dtype: str, classes: int, options: tuple = (),
              for op, r, w in itertools.product(PROB_OPS, REDUCTIONS, (False, True))]
     plain = fwd + train + bwd + probs
     specs = plain + _extra_specs(plain, extras)
-    return specs + [replace(s, variant=replace(s.variant, smoothing=False)) for s in specs
-                    if s.op in SMOOTHING_OPS]
+    specs += [replace(s, variant=replace(s.variant, smoothing=False)) for s in specs
+              if s.op in SMOOTHING_OPS]
+    return list(dict.fromkeys(specs + [e for s in specs for e in exact_path_specs(s)]))
+
+
+def exact_path_specs(spec: KernelSpec) -> list[KernelSpec]:
+    """The kernels the runtime computes a call of the CPU forward or training
+    kernel ``spec`` again with when a row's ``lse`` is not finite, which a
+    kernel that may take its rows against a shift (``Variant.shifts_rows``)
+    also gives a row too far above its shift: a vocabulary shard's statistics
+    and their combine (``launch._exact_forward``; the training kernel's
+    gradient then comes from the backward, a plain kernel). A log-prob
+    kernel's exact path is the one with the entropy, a plain kernel."""
+    v = spec.variant
+    if spec.op not in ("forward", "train") or spec.target != "llvm" or not v.shifts_rows():
+        return []
+    loss_dtype = accum_dtype(spec.dtype) if v.wide_loss else spec.dtype
+    return [KernelSpec("shard_stats", spec.dtype, spec.classes,
+                       Variant("mean", v.weighted, softcap=v.softcap, tempered=v.tempered,
+                               smoothing=False), spec.target, spec.options),
+            KernelSpec("shard_combine", loss_dtype, spec.classes, Variant(v.reduction),
+                       spec.target, spec.options)]
 
 
 def _extra_specs(plain: list[KernelSpec], extras: Extras) -> list[KernelSpec]:
@@ -105,8 +125,11 @@ def _extra_specs(plain: list[KernelSpec], extras: Extras) -> list[KernelSpec]:
                          base.target, base.options)
               for k in extras.log_probs for cap in (False, True)[:1 + extras.softcap]
               for op in LOG_PROB_OPS]
+    # without the entropy: what a call that returns none loads
+    policy += [replace(s, variant=replace(s.variant, entropy=False)) for s in policy
+               if s.op == "log_probs"]
     stats = [replace(s, variant=replace(s.variant, stats=True)) for s in policy
-             if extras.stats and s.op == "log_probs"]
+             if extras.stats and s.op == "log_probs" and s.variant.entropy]
     # the divergence kernels write the student's gradient for "sum", none for "none"
     caps = (False, True)[:1 + extras.softcap]
     divergence = [KernelSpec("divergence", base.dtype, base.classes,
@@ -163,7 +186,7 @@ def chunk_staged(spec: KernelSpec) -> bool | None:
     recorded = records.record_stage(spec.tuned) if spec.tuned else None
     if recorded is not None:
         return recorded
-    return stage_of(spec.op, spec.classes, spec.dtype, spec.tvm_target(),
+    return stage_of(spec.op, spec.classes, spec.dtype, spec.tvm_target(), spec.variant,
                     **spec.schedule_options())
 
 

@@ -353,11 +353,15 @@ class RowStats:
     top: te.Tensor | None = None  # with ``row_shift``: the row's max (``rowmax`` the shift)
 
     def lse(self, n, logit: Logits):
-        """Row ``n``'s log-sum-exp of the logits as the loss sees them; with
-        ``row_stats``' ``row_shift``, ``+inf`` where the row's max lies more
-        than ``ROW_SHIFT_RANGE`` above its shift (its exp-sum may have
-        overflowed: the caller computes the row again)."""
-        value = logit.scaled(self.rowmax[n]) + te.log(self.expsum[n])
+        """Row ``n``'s log-sum-exp of the logits as the loss sees them
+        (``+inf`` as ``log_expsum``)."""
+        return logit.scaled(self.rowmax[n]) + self.log_expsum(n, logit)
+
+    def log_expsum(self, n, logit: Logits):
+        """``log(expsum[n])``; with ``row_stats``' ``row_shift``, ``+inf`` where
+        the row's max lies more than ``ROW_SHIFT_RANGE`` above its shift (its
+        exp-sum may have overflowed: the caller computes the row again)."""
+        value = te.log(self.expsum[n])
         if self.top is None:
             return value
         acc = str(self.top.dtype)
@@ -420,7 +424,10 @@ def row_stats(logit: Logits, weights: ElementWeights | None, n_rows, classes: in
     ``chunk_top`` are then the shift, ``expsum`` the row's sum against it, and
     ``top`` the row's max. The sum is right while ``top`` is at most
     ``ROW_SHIFT_RANGE`` above the shift (temperature applied), which
-    ``RowStats.lse`` tests.
+    ``RowStats.log_expsum`` tests. (``entropy``'s ``A`` against the shift
+    would have terms of both signs, and the entropy would cancel the gap
+    ``top - shift``: on a confident row, float32 rounding of that gap in
+    place of an entropy near 0.)
 
     ``lanes``: the chunks are merged in ``lanes``
     round-robin partial merges first (``ce_lanestats``: lane ``t`` merges

@@ -92,9 +92,12 @@ def scaling(name: str, nan_test: bool = False):
 def exp(x, nonpositive: bool = False, storage: str = "float32"):
     """``e**x`` for a float32 or float64 TIR expression.
 
-    ``nonpositive``: the caller knows ``x <= 0`` (or NaN), as for ``x - max``;
-    the upper clamp is then left out. ``storage``: the dtype the result ends
-    up rounded to (``float16``/``bfloat16`` take the shorter polynomial).
+    ``nonpositive``: the caller knows ``x <= 0`` (or NaN), as for ``x - max``,
+    or tests the rows where it may not be (``x - shift`` of a row against its
+    shift, ``common.ROW_SHIFT_RANGE``); the upper clamp is then left out, and
+    above ``128 ln 2`` the result is meaningless rather than ``inf``.
+    ``storage``: the dtype the result ends up rounded to (``float16``/``bfloat16``
+    take the shorter polynomial).
     """
     if str(x.ty) != "float32":
         return te.exp(x)

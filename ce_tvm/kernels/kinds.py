@@ -68,6 +68,10 @@ class Variant:
     vocabulary shard's statistics, which take no ``eps``, then have no
     ``wxsum`` output). On, the kernels are exactly those without the field;
     the ops other than ``SMOOTHING_OPS`` always have it on.
+    ``entropy``: the log-prob forward also reduces the entropy's sum and
+    writes the entropy. Off (the runtime's choice for a call that returns no
+    entropy: a gradient never flows to it), it does neither; on, the kernels
+    are exactly those without the field. The statistics variant keeps it on.
     """
 
     reduction: str = "mean"
@@ -83,6 +87,7 @@ class Variant:
     teacher_softcap: bool = False
     wide_loss: bool = False
     smoothing: bool = True
+    entropy: bool = True
 
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
@@ -95,12 +100,16 @@ class Variant:
 
     def shifts_rows(self) -> bool:
         """Whether this forward may take its rows against a shift, where its
-        schedule asks (``choices.row_shift``): without label smoothing,
-        ``log_prob``, accuracy or a softcap (what a training step at ``eps = 0``
-        runs). Its ``lse`` is then ``+inf`` for a row whose max lies too far
-        above its first chunk's (``row_stats``' ``row_shift``), and so is the
-        loss; the caller computes such a call again exactly, as it does any
-        call with a row that is not finite."""
+        schedule asks (``choices.row_shift``): a loss kernel without label
+        smoothing, ``log_prob``, accuracy or a softcap (what a training step at
+        ``eps = 0`` runs); a log-prob kernel (``columns``) without a softcap, the
+        statistics or the entropy (whose sum would cancel the gap between the
+        row's max and its shift). Its ``lse`` (a log-prob kernel's
+        ``log_expsum``) is then ``+inf`` for a row whose max lies too far above
+        its first chunk's (``row_stats``' ``row_shift``); the caller computes
+        such a row again exactly, as it does a row that is not finite."""
+        if self.columns:
+            return not (self.softcap or self.stats or self.entropy)
         return not (self.smoothing or self.log_prob or self.accuracy or self.softcap)
 
     def tag(self) -> str:
@@ -114,5 +123,6 @@ class Variant:
              *(["tsc"] if self.teacher_softcap else []),
              *(["wl"] if self.wide_loss else []),
              *([] if self.smoothing else ["ns"]),
+             *([] if self.entropy else ["nh"]),
              self.grad_source]
         )

@@ -16,7 +16,7 @@ import functools
 from tvm import te, tirx
 
 from . import fastmath
-from .choices import chunk_exp_kept
+from .choices import chunk_exp_kept, row_shift
 from .common import Logits, int64, row_stats, same_class, symbolic_rows
 from .kinds import Variant, accum_dtype
 from .stages import (
@@ -87,10 +87,19 @@ def log_probs_func(classes: int, dtype: str, variant: Variant,
 
     Arguments, in order: ``x[N, C]`` (dtype), ``index[N, K]`` (int64),
     ``ignore_index``, ``inv_temperature``, ``softcap`` (capped variant only);
-    outputs ``logp[N, K]``, ``entropy[N]``, ``row_max[N]`` (``max``) and
-    ``log_expsum[N]`` (``log(S)``), in the accumulation dtype. ``logp`` is
+    outputs ``logp[N, K]``, ``entropy[N]`` (with ``Variant.entropy``),
+    ``row_max[N]`` (``max``) and ``log_expsum[N]`` (``log(S)``), in the
+    accumulation dtype. ``logp`` is
     never above 0 (clamped: a rounding of the cap could otherwise leave a
     hair above).
+
+    Without the entropy (``Variant.entropy`` off) neither ``A`` nor ``entropy``
+    is declared. Such a kernel, where the schedule asks (``choices.row_shift``,
+    ``Variant.shifts_rows``: no softcap, no statistics), takes each row against
+    the max of its first chunk instead of each chunk's own (``row_stats``'
+    ``row_shift``): ``max`` is then that shift, and ``log(S)`` is ``+inf`` for
+    a row whose max lies more than ``ROW_SHIFT_RANGE`` above it (the caller
+    computes such a row again).
 
     The stats variant (``Variant.stats``) reduces three more sums in the same
     chunks (``row_stats(stats=True)``) and writes three more outputs:
@@ -104,19 +113,22 @@ def log_probs_func(classes: int, dtype: str, variant: Variant,
     live, column, inside = _columns(index, scalars[0], classes)
     zero = tirx.const(0.0, acc)
     st = row_stats(logit, None, n_rows, classes, acc, chunk,
-                   keep_exp=chunk_exp_kept.get() or bool(lanes), stage=stage, entropy=True,
-                   stats=variant.stats, lanes=lanes)
+                   keep_exp=chunk_exp_kept.get() or bool(lanes), stage=stage,
+                   entropy=variant.entropy, weighted_sum=variant.entropy,
+                   stats=variant.stats, lanes=lanes,
+                   row_shift=row_shift.get() and variant.shifts_rows() and not (stage or lanes))
     row_max = te.compute((n_rows,), lambda n: st.rowmax[n], name=ROW_MAX)
-    log_s = te.compute((n_rows,), lambda n: te.log(st.expsum[n]), name=ROW_LOG_EXPSUM)
-    entropy = te.compute((n_rows,), lambda n: log_s[n] + st.wxsum[n] / st.expsum[n],
-                         name=ROW_ENTROPY)
+    log_s = te.compute((n_rows,), lambda n: st.log_expsum(n, logit), name=ROW_LOG_EXPSUM)
 
     def token(n, k):
         shifted = logit.scaled(logit.capped(logit.raw(n, column(n, k))) - row_max[n])
         return tirx.Select(live(n, k), tirx.min(shifted - log_s[n], zero), zero)
 
     logp = te.compute((n_rows, int64(variant.columns)), token, name=TOKEN_LOGP)
-    outputs = [logp, entropy, row_max, log_s]
+    outputs = [logp, row_max, log_s]
+    if variant.entropy:
+        outputs.insert(1, te.compute((n_rows,), lambda n: log_s[n] + st.wxsum[n] / st.expsum[n],
+                                     name=ROW_ENTROPY))
     if variant.stats:
         two = tirx.const(2.0, acc)
         outputs += [

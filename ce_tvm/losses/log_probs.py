@@ -3,9 +3,11 @@
 from the LM head, without a ``[N, V]`` intermediate.
 
 ``ce_tvm::log_probs`` returns ``(logp, entropy, row_max, log_expsum)`` from
-one sweep over the logits; autograd saves the logits, the indices and the
-three ``[N]`` vectors, and ``ce_tvm::log_probs_backward`` writes the logits' gradient of
-both outputs in one pass (logits read once, gradient written once). Both
+one sweep over the logits (``entropy`` off: zeros in its place, from the
+kernel without it, for a call that does not return it); autograd saves the
+logits, the indices and the three ``[N]`` vectors, and
+``ce_tvm::log_probs_backward`` writes the logits' gradient of both outputs in
+one pass (logits read once, gradient written once). Both
 ops are opaque to ``torch.compile``; the index range check (a host sync)
 runs inside the forward op. ``ce_tvm::log_probs_stats`` (and
 ``ce_tvm::linear_log_probs_stats``) is the same op with three more,
@@ -54,17 +56,19 @@ def _options(ignore_index: int, temperature: float, softcap: float,
 
 @custom_op("ce_tvm::log_probs", mutates_args=())
 def log_probs_forward(x: Tensor, index: Tensor, ignore_index: int, temperature: float,
-                      softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      softcap: float, entropy: bool = True
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(logp[N, K], entropy[N], row_max[N], log_expsum[N])`` (accumulation
     dtype) of the logits ``x[N, V]`` at ``index[N, K]`` (int64; ``ignore_index``
-    entries give 0); the last two are for the backward (``launch.log_probs``)."""
+    entries give 0); the last two are for the backward (``launch.log_probs``).
+    ``entropy`` off: zeros in its place (``launch.log_probs``)."""
     check.in_range(index, x.shape[1], ignore_index, "index")
     return launch.log_probs(x.contiguous(), index.contiguous(),
-                            _options(ignore_index, temperature, softcap))
+                            _options(ignore_index, temperature, softcap), entropy=entropy)
 
 
 @log_probs_forward.register_fake
-def _(x, index, ignore_index, temperature, softcap):
+def _(x, index, ignore_index, temperature, softcap, entropy=True):
     return _fake_outputs(x, index, stats=False)
 
 
@@ -112,27 +116,33 @@ def _(grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy, ignore_in
 
 
 def _setup_context(ctx, inputs, output):
-    x, index, ignore_index, temperature, softcap = inputs
+    x, index, ignore_index, temperature, softcap = inputs[:5]
     ctx.save_for_backward(x, index, *output[1:4])
     ctx.scalars = dict(ignore_index=ignore_index, temperature=temperature, softcap=softcap)
     ctx.mark_non_differentiable(*output[2:])  # row_max, log_expsum (and the stats)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_logp, grad_entropy, *_):
-    if grad_logp is None and grad_entropy is None:
-        return op_gradients(log_probs_forward)
-    x, index, entropy, row_max, log_expsum = ctx.saved_tensors
-    if grad_logp is None:  # the kernel takes both
-        grad_logp = torch.zeros_like(index, dtype=entropy.dtype)
-    if grad_entropy is None:
-        grad_entropy = torch.zeros_like(entropy)
-    return op_gradients(log_probs_forward, x=log_probs_backward(
-        grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy, **ctx.scalars))
+def _backward_of(op):
+    """The backward of the forward op ``op`` (its own arguments' gradients)."""
+    def backward(ctx, grad_logp, grad_entropy, *_):
+        if grad_logp is None and grad_entropy is None:
+            return op_gradients(op)
+        x, index, entropy, row_max, log_expsum = ctx.saved_tensors
+        if grad_logp is None:  # the kernel takes both
+            grad_logp = torch.zeros_like(index, dtype=entropy.dtype)
+        if grad_entropy is None:
+            grad_entropy = torch.zeros_like(entropy)
+        return op_gradients(op, x=log_probs_backward(
+            grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy, **ctx.scalars))
+
+    return backward
 
 
-log_probs_forward.register_autograd(_backward, setup_context=_setup_context)
-log_probs_stats_forward.register_autograd(_backward, setup_context=_setup_context)
+log_probs_forward.register_autograd(_backward_of(log_probs_forward),
+                                    setup_context=_setup_context)
+log_probs_stats_forward.register_autograd(_backward_of(log_probs_stats_forward),
+                                          setup_context=_setup_context)
 
 
 def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0, softcap: float = 0.0,
@@ -164,7 +174,7 @@ def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0, softca
     idx, k = _live_columns(idx, check.row_mask(row_mask, logits), options.ignore_index)
     forward = log_probs_stats_forward if return_stats else log_probs_forward
     outputs = forward(x, idx, options.ignore_index, options.kernel_temperature,
-                      options.kernel_softcap)
+                      options.kernel_softcap, *(() if return_stats else (return_entropy,)))
     return _shaped(outputs, k, single, tuple(logits.shape[:-1]), return_entropy, return_stats)
 
 
@@ -203,7 +213,7 @@ def _shaped(outputs, k: int, single: bool, lead: tuple, return_entropy: bool,
 @custom_op("ce_tvm::linear_log_probs", mutates_args=())
 def linear_log_probs_forward(input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None,
                              index: Tensor, ignore_index: int, temperature: float,
-                             softcap: float, chunk_rows: int
+                             softcap: float, chunk_rows: int, entropy: bool = True
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``log_probs_forward`` of ``input [N, H] @ linear_weight.T + linear_bias``,
     rows in chunks (``linear_sweep.chunk_rows``; ``chunk_rows`` 0: the default)."""
@@ -211,11 +221,13 @@ def linear_log_probs_forward(input: Tensor, linear_weight: Tensor, linear_bias: 
     check.in_range(index, classes, ignore_index, "index")
     rows = sweep.policy_rows(input.shape[0], classes, input.dtype, chunk_rows)
     return tuple(sweep.policy_outputs(input, linear_weight, linear_bias, index,
-                                      _options(ignore_index, temperature, softcap), rows))
+                                      _options(ignore_index, temperature, softcap), rows,
+                                      entropy=entropy))
 
 
 @linear_log_probs_forward.register_fake
-def _(input, linear_weight, linear_bias, index, ignore_index, temperature, softcap, chunk_rows):
+def _(input, linear_weight, linear_bias, index, ignore_index, temperature, softcap, chunk_rows,
+      entropy=True):
     return _fake_outputs(input, index, stats=False)
 
 
@@ -267,31 +279,35 @@ def _(grad_logp, grad_entropy, input, linear_weight, linear_bias, index, entropy
 
 
 def _setup_linear_context(ctx, inputs, output):
-    x, W, b, index, ignore_index, temperature, softcap, chunk_rows = inputs
+    x, W, b, index, ignore_index, temperature, softcap, chunk_rows = inputs[:8]
     ctx.save_for_backward(x, W, b, index, *output[1:4])
     ctx.options = (ignore_index, temperature, softcap, chunk_rows)
     ctx.mark_non_differentiable(*output[2:])  # row_max, log_expsum (and the stats)
     ctx.set_materialize_grads(False)
 
 
-def _linear_backward(ctx, grad_logp, grad_entropy, *_):
-    needs = ctx.needs_input_grad[:3]
-    if (grad_logp is None and grad_entropy is None) or not any(needs):
-        return op_gradients(linear_log_probs_forward)
-    x, W, b, index, entropy, row_max, log_expsum = ctx.saved_tensors
-    if grad_logp is None:  # the kernel takes both
-        grad_logp = torch.zeros_like(index, dtype=entropy.dtype)
-    if grad_entropy is None:
-        grad_entropy = torch.zeros_like(entropy)
-    grads = linear_log_probs_backward(grad_logp, grad_entropy, x, W, b, index, entropy,
-                                      row_max, log_expsum, *ctx.options, *needs)
-    return head_gradients(linear_log_probs_forward, grads, needs)
+def _linear_backward_of(op):
+    """The backward of the fused head's forward op ``op``."""
+    def backward(ctx, grad_logp, grad_entropy, *_):
+        needs = ctx.needs_input_grad[:3]
+        if (grad_logp is None and grad_entropy is None) or not any(needs):
+            return op_gradients(op)
+        x, W, b, index, entropy, row_max, log_expsum = ctx.saved_tensors
+        if grad_logp is None:  # the kernel takes both
+            grad_logp = torch.zeros_like(index, dtype=entropy.dtype)
+        if grad_entropy is None:
+            grad_entropy = torch.zeros_like(entropy)
+        grads = linear_log_probs_backward(grad_logp, grad_entropy, x, W, b, index, entropy,
+                                          row_max, log_expsum, *ctx.options, *needs)
+        return head_gradients(op, grads, needs)
+
+    return backward
 
 
-linear_log_probs_forward.register_autograd(_linear_backward,
+linear_log_probs_forward.register_autograd(_linear_backward_of(linear_log_probs_forward),
                                            setup_context=_setup_linear_context)
-linear_log_probs_stats_forward.register_autograd(_linear_backward,
-                                                 setup_context=_setup_linear_context)
+linear_log_probs_stats_forward.register_autograd(
+    _linear_backward_of(linear_log_probs_stats_forward), setup_context=_setup_linear_context)
 
 
 def linear_log_probs(input: Tensor, linear_weight: Tensor, index: Tensor, *,
@@ -334,5 +350,6 @@ def _fused(input: Tensor, linear_weight: Tensor, linear_bias: Tensor | None, ind
     idx, k = _live_columns(idx, mask, options.ignore_index)
     forward = linear_log_probs_stats_forward if return_stats else linear_log_probs_forward
     outputs = forward(x, linear_weight, linear_bias, idx, options.ignore_index,
-                      options.kernel_temperature, options.kernel_softcap, rows)
+                      options.kernel_temperature, options.kernel_softcap, rows,
+                      *(() if return_stats else (return_entropy,)))
     return _shaped(outputs, k, single, tuple(input.shape[:-1]), return_entropy, return_stats)

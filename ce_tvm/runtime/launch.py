@@ -203,8 +203,9 @@ def forward(x, y, w, options: LossOptions, *, log_prob: bool, accuracy: bool = F
 
 def _shifted(x, variant: Variant) -> bool:
     """Whether the kernel of ``variant`` for ``x`` may have taken its rows against a
-    shift (``Variant.shifts_rows``; only CPU schedules do): its ``lse`` then
-    says which calls to compute again (``+inf``, as for a row not finite)."""
+    shift (``Variant.shifts_rows``; only CPU schedules do): its ``lse`` (a
+    log-prob kernel's ``log_expsum``) then says which calls or rows to compute
+    again (``+inf``, as for a row not finite)."""
     return x.device.type == "cpu" and variant.shifts_rows()
 
 
@@ -385,13 +386,16 @@ def _policy_scalars(options: LossOptions) -> tuple:
             *((options.kernel_softcap,) if _capped(options) else ()))
 
 
-def log_probs(x, index, options: LossOptions, *, stats: bool = False):
+def log_probs(x, index, options: LossOptions, *, stats: bool = False, entropy: bool = True):
     """``(logp[N, K], entropy[N], row_max[N], log_expsum[N])`` in the
     accumulation dtype, for the logits ``x[N, C]`` and ``index[N, K]`` (int64,
     each in ``[0, C)`` or ``options.ignore_index``, ``K >= 1``); the last two
     are what the backward takes (``kernels.log_probs``). With ``stats`` (the
     kernel's stats variant, the same sweep) followed by ``log_sum_sq_probs[N]``,
-    ``mean_logits[N]`` (accumulation dtype) and ``is_top1[N, K]`` (bool)."""
+    ``mean_logits[N]`` (accumulation dtype) and ``is_top1[N, K]`` (bool).
+    ``entropy`` off (and no ``stats``): the kernel without the entropy
+    (``Variant.entropy``), whose place holds zeros, for a caller that neither
+    returns it nor takes its gradient."""
     x, index = aligned(x), aligned(index)
     n, k = index.shape
     acc = accum_torch_dtype(x)
@@ -399,12 +403,31 @@ def log_probs(x, index, options: LossOptions, *, stats: bool = False):
     rows = [x.new_empty(n, dtype=acc) for _ in range(5 if stats else 3)]
     # the kernel writes uint8 0/1 into the bool tensor's bytes (no conversion)
     top1 = [x.new_empty((n, k), dtype=torch.bool)] if stats else []
+    entropy = entropy or stats
+    if not entropy:
+        rows[0].zero_()
     if _rows_to_run(x) == 0:
         return logp, *rows, *top1
-    variant = Variant(columns=k, softcap=_capped(options), stats=stats)
-    _run(_spec("log_probs", x, variant), n, x, index, *_policy_scalars(options), logp, *rows,
-         *(t.view(torch.uint8) for t in top1))
+    variant = Variant(columns=k, softcap=_capped(options), stats=stats, entropy=entropy)
+    _run(_spec("log_probs", x, variant), n, x, index, *_policy_scalars(options), logp,
+         *(rows if entropy else rows[1:]), *(t.view(torch.uint8) for t in top1))
+    if _shifted(x, variant):
+        _exact_log_probs(x, index, options, [logp, *rows[1:]])
     return logp, *rows, *top1
+
+
+def _exact_log_probs(x, index, options: LossOptions, outputs: list) -> None:
+    """``outputs`` (``[logp, row_max, log_expsum]`` of a kernel without the
+    entropy) again for the rows whose ``log_expsum`` is not finite
+    (``_shifted``: a row whose max lies too far above its first chunk's, or a
+    row not finite), by the kernel with the entropy, which takes each chunk
+    against its own max."""
+    again = (~outputs[2].isfinite()).nonzero().squeeze(1)
+    if again.numel() == 0:
+        return
+    logp, _, row_max, log_s = log_probs(x[again], index[again], options)
+    for out, value in zip(outputs, (logp, row_max, log_s)):
+        out[again] = value
 
 
 def log_probs_backward(grad_logp, grad_entropy, x, index, row_max, log_expsum, entropy,

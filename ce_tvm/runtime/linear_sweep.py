@@ -367,12 +367,13 @@ def policy_rows(n: int, classes: int, dtype: torch.dtype, requested: int = 0,
 
 
 def policy_outputs(x: Tensor, W: Tensor, b: Tensor | None, index: Tensor, opts: LossOptions,
-                   rows: int, *, stats: bool = False) -> list[Tensor]:
+                   rows: int, *, stats: bool = False, entropy: bool = True) -> list[Tensor]:
     """``launch.log_probs``'s outputs ``[logp, entropy, row_max, log_expsum]``
     (with ``stats``, then ``log_sum_sq_probs``, ``mean_logits`` and ``is_top1``,
-    from the same kernel call) for the logits ``x @ W^T + b``, chunk by chunk."""
+    from the same kernel call; ``entropy`` off, zeros in its place) for the
+    logits ``x @ W^T + b``, chunk by chunk."""
     if vocab_blocks.blocked(x.dtype, stats):
-        return vocab_blocks.policy_outputs(x, W, b, index, opts, rows)
+        return vocab_blocks.policy_outputs(x, W, b, index, opts, rows, entropy=entropy)
     n, k = index.shape
     acc = accum_torch_dtype(x)
     logits = pool.POOL.empty((rows, W.shape[0]), x.dtype, x.device)
@@ -381,7 +382,8 @@ def policy_outputs(x: Tensor, W: Tensor, b: Tensor | None, index: Tensor, opts: 
     if stats:
         outs.append(x.new_empty((n, k), dtype=torch.bool))
     for sl in chunks(n, rows):
-        parts = launch.log_probs(project(logits, x[sl], W, b), index[sl], opts, stats=stats)
+        parts = launch.log_probs(project(logits, x[sl], W, b), index[sl], opts, stats=stats,
+                                 entropy=entropy)
         for full, part in zip(outs, parts):
             full[sl].copy_(part)
     return outs

@@ -81,7 +81,7 @@ def shard_index(index: Tensor, offset: int, width: int, ignore_index: int,
     return torch.where(mine, local, torch.where(index == ignore_index, ignore_index, others))
 
 
-def merge_log_probs(logp: Tensor, entropy: Tensor, row_max: Tensor, log_s: Tensor,
+def merge_log_probs(logp: Tensor, entropy: Tensor | None, row_max: Tensor, log_s: Tensor,
                     mine: Tensor, live: Tensor, inv_t: float,
                     max_over: Callable[[Tensor], Tensor],
                     sum_over: Callable[..., list[Tensor]]) -> list[Tensor]:
@@ -90,16 +90,20 @@ def merge_log_probs(logp: Tensor, entropy: Tensor, row_max: Tensor, log_s: Tenso
     ``max_over(row_max)`` is the rows' max over parts and ``sum_over(*ts)`` sums
     each tensor over parts (a leading dimension of blocks, or an ``all_reduce``
     over shards). ``mine``: where an index lies in its part; ``live``: where
-    it is not ``ignore_index``."""
+    it is not ``ignore_index``; ``entropy`` ``None``: the parts' kernels had
+    none, and the rows' is zeros."""
     top = max_over(row_max)
     shift = (row_max - top) * inv_t  # <= 0
     s = torch.exp(log_s + shift)
-    a = s * (entropy - log_s - shift)
     moved = torch.where(mine, logp + (log_s + shift)[..., None], 0.0)
-    total_s, total_a, total_moved = sum_over(s, a, moved)
+    if entropy is None:
+        total_s, total_moved = sum_over(s, moved)
+    else:
+        total_s, total_a, total_moved = sum_over(s, s * (entropy - log_s - shift), moved)
     log_total = torch.log(total_s)
     merged = torch.where(live, torch.clamp(total_moved - log_total[:, None], max=0.0), 0.0)
-    return [merged, log_total + total_a / total_s, top, log_total]
+    rows_entropy = torch.zeros_like(top) if entropy is None else log_total + total_a / total_s
+    return [merged, rows_entropy, top, log_total]
 
 
 def _logits(buffer: Tensor, x_rows: Tensor, W: Tensor, b: Tensor | None,
@@ -112,9 +116,10 @@ def _logits(buffer: Tensor, x_rows: Tensor, W: Tensor, b: Tensor | None,
 
 
 def policy_outputs(x: Tensor, W: Tensor, b: Tensor | None, index: Tensor, opts: LossOptions,
-                   rows: int) -> list[Tensor]:
+                   rows: int, *, entropy: bool = True) -> list[Tensor]:
     """``linear_sweep.policy_outputs`` (without statistics) by vocabulary blocks:
-    ``[logp, entropy, row_max, log_expsum]`` of the logits ``x @ W^T + b``."""
+    ``[logp, entropy, row_max, log_expsum]`` of the logits ``x @ W^T + b``
+    (``entropy`` off: zeros in its place)."""
     n, classes, ii = x.shape[0], W.shape[0], opts.ignore_index
     width = block_columns(rows, classes, x.dtype)
     buffer = pool.POOL.empty((rows * width,), x.dtype, x.device)
@@ -123,10 +128,12 @@ def policy_outputs(x: Tensor, W: Tensor, b: Tensor | None, index: Tensor, opts: 
         parts, owned = [], []
         for span in chunks(classes, width):
             local = shard_index(index[sl], span.start, span.stop - span.start, ii, others=ii)
-            parts.append(launch.log_probs(_logits(buffer, x[sl], W, b, span), local, opts))
+            parts.append(launch.log_probs(_logits(buffer, x[sl], W, b, span), local, opts,
+                                          entropy=entropy))
             owned.append(local != ii)
-        logp, entropy, row_max, log_s = (torch.stack(t) for t in zip(*parts))
-        merged = merge_log_probs(logp, entropy, row_max, log_s, torch.stack(owned),
+        logp, blocks_entropy, row_max, log_s = (torch.stack(t) for t in zip(*parts))
+        merged = merge_log_probs(logp, blocks_entropy if entropy else None, row_max, log_s,
+                                 torch.stack(owned),
                                  index[sl] != ii, 1.0 / opts.kernel_temperature,
                                  lambda t: t.amax(0), lambda *ts: [t.sum(0) for t in ts])
         for full, part in zip(outs, merged):

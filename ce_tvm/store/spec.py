@@ -69,9 +69,10 @@ class KernelSpec:
     def name(self) -> str:
         """The kernel's name, tuning aside: what its tuning records are filed under."""
         tag = self.variant.tag()
-        if self.op in LOG_PROB_OPS:  # only the index columns, the cap and the stats change them
+        if self.op in LOG_PROB_OPS:  # only the index columns, cap, stats and entropy change them
             tag = "-".join([f"k{self.variant.columns}", *(["sc"] if self.variant.softcap else []),
-                            *(["st"] if self.variant.stats else [])])
+                            *(["st"] if self.variant.stats else []),
+                            *([] if self.variant.entropy else ["nh"])])
         elif self.op != "backward":  # grad_source only changes the backward
             tag = tag.rsplit("-", 1)[0]
         else:  # nor does log_prob the backward

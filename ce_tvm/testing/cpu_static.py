@@ -81,6 +81,7 @@ OPS = {  # tool op -> (KernelSpec op, Variant keywords); -ns: without label smoo
     "forward-lp": ("forward", {"log_prob": True}),
     "backward": ("backward", {"grad_source": "logits"}),
     "log_probs": ("log_probs", {"columns": 1}),
+    "log_probs-nh": ("log_probs", {"columns": 1, "entropy": False}),  # no entropy
     "log_probs_grad": ("log_probs_grad", {"columns": 1}),
 }
 

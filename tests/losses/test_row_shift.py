@@ -1,9 +1,11 @@
-"""A forward at ``eps = 0`` on the CPU takes each row against the max of its
-first chunk (``Variant.shifts_rows``, ``kernels.choices.row_shift``). A row
-whose max lies more than ``ROW_SHIFT_RANGE`` above that shift, or one that is
-not finite, has the call computed again by kernels that take each chunk
-against its own max (``launch._exact_forward``). Both paths against the
-float64 reference and torch."""
+"""A forward at ``eps = 0`` (and a log-prob forward without the entropy) on an
+AVX-512 CPU takes each row against the max of its first chunk
+(``Variant.shifts_rows``, ``kernels.choices.row_shift``). A row whose max lies
+more than ``ROW_SHIFT_RANGE`` above that shift, or one that is not finite, is
+computed again by kernels that take each chunk against its own max
+(``launch._exact_forward``: the call; ``launch._exact_log_probs``: the row).
+Both paths against the float64 reference and torch; on a CPU whose schedule
+takes no row against a shift (AVX2) only a row not finite goes again."""
 
 import pytest
 import torch
@@ -12,10 +14,13 @@ import torch.nn.functional as F
 import ce_tvm
 from ce_tvm.kernels.common import ROW_SHIFT_RANGE
 from ce_tvm.runtime import launch
+from ce_tvm.schedules import cpu
+from ce_tvm.store import targets
 from ce_tvm.testing import reference
 from support import TOL, assert_close
 
 C = 5003  # two chunks on every CPU: the first ends near the middle of the row
+SHIFTED = cpu.shifts_rows(targets.tvm_target("llvm"))  # this host's kernels shift rows
 
 
 @pytest.fixture
@@ -50,7 +55,7 @@ def _logits(dtype, spike: float, weighted: bool = False):
 def test_a_row_far_above_its_shift_is_computed_again_exactly(again, dtype, reduction, weighted):
     x, y, w = _logits(dtype, 90.0, weighted)
     loss = ce_tvm.cross_entropy(x, y, w, reduction=reduction, lse_square_scale=1e-3)
-    assert len(again) == 1
+    assert len(again) == SHIFTED
     ref, _, _, _ = reference.forward(x.double().numpy(), y.numpy(),
                                      None if w is None else w.double().numpy(),
                                      reduction, -100, 0.0, 1e-3)
@@ -86,7 +91,7 @@ def test_the_gradient_after_a_second_computation(again, reduction, weighted):
     ref = F.cross_entropy(xr, y, w, reduction=reduction)
     loss.sum().backward()
     ref.sum().backward()
-    assert len(again) == 1
+    assert len(again) == SHIFTED
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-5, atol=1e-7)
 
@@ -113,7 +118,7 @@ def test_a_temperature_scales_the_range(again):
     x, y, _ = _logits(torch.float32, 0.0)
     x[2, C - 3] = float(x[2, :2000].max()) + 40
     loss = ce_tvm.cross_entropy(x, y, reduction="none", temperature=0.5)
-    assert len(again) == 1
+    assert len(again) == SHIFTED
     torch.testing.assert_close(loss, F.cross_entropy(x / 0.5, y, reduction="none"),
                                rtol=1e-5, atol=1e-5)
 
@@ -127,3 +132,98 @@ def test_non_finite_rows_as_the_exact_kernels_give_them(again, bad):
     ref, _, _, _ = reference.forward(x.double().numpy(), y.numpy(), None, "none")
     assert_close(loss, ref, 1e-5, "loss")
     assert len(again) == 1
+
+
+# --- The log-prob kernels without the entropy: the rows, again --------------------
+
+
+@pytest.fixture
+def rows_again(monkeypatch):
+    """How many rows each shifted log-prob call computed again."""
+    calls = []
+    exact = launch._exact_log_probs
+
+    def counted(x, index, options, outputs):
+        calls.append(int((~outputs[2].isfinite()).sum()))
+        exact(x, index, options, outputs)
+
+    monkeypatch.setattr(launch, "_exact_log_probs", counted)
+    return calls
+
+
+def _policy_case(dtype, spike: float):
+    x, y, _ = _logits(dtype, spike)
+    index = torch.stack([y.clamp(min=0), torch.full_like(y, C - 3)], dim=1)
+    index[4, 0] = -100
+    return x, index
+
+
+def _expected(x, index, temperature: float = 1.0):
+    """float64 ``logp`` and the gradient of ``sum logp``."""
+    xd, live = x.double().numpy(), (index != -100).numpy()
+    logp, entropy = reference.policy_outputs(xd, index.numpy(), live, temperature)
+    grad = reference.policy_grad(xd, index.numpy(), live, live.astype("float64"),
+                                 0 * entropy, temperature)
+    return logp, entropy, grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_row_far_above_its_shift_is_computed_again(rows_again, dtype, temperature):
+    """Only the row whose max lies 90 above its first chunk's is computed again
+    (the one whose spike is in its first chunk is that chunk's max)."""
+    x, index = _policy_case(dtype, 90.0)
+    xs = x.clone().requires_grad_()
+    logp = ce_tvm.log_probs(xs, index, temperature=temperature)
+    logp.sum().backward()
+    assert rows_again == [int(SHIFTED)]
+    ref_logp, _, ref_grad = _expected(x, index, temperature)
+    assert_close(logp, ref_logp, TOL[torch.float32], "logp")
+    assert_close(xs.grad, ref_grad, TOL[dtype], "grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_probs_within_the_range_take_one_sweep(rows_again, dtype):
+    x, index = _policy_case(dtype, 0.0)
+    x[2, C - 3] = float(x[2, :2000].float().max()) + ROW_SHIFT_RANGE - 2
+    xs = x.clone().requires_grad_()
+    logp = ce_tvm.log_probs(xs, index)
+    logp.sum().backward()
+    assert rows_again == [0]
+    ref_logp, _, ref_grad = _expected(x, index)
+    assert_close(logp, ref_logp, TOL[torch.float32], "logp")
+    assert_close(xs.grad, ref_grad, TOL[dtype], "grad")
+
+
+def test_log_probs_with_the_entropy_take_no_shift(rows_again):
+    """The kernel with the entropy takes each chunk against its own max: a
+    confident row's entropy, 2e-7 or 1e-15, is right to 10% (against the shift
+    it would be float32 rounding of the gap of 20 or 40 between the row's max
+    and the shift: about 1e-6)."""
+    x, index = _policy_case(torch.float32, 0.0)
+    for row, gap in ((2, 20.0), (3, 40.0)):
+        x[row, C - 3 - row] = float(x[row, :2000].max()) + gap
+    logp, entropy = ce_tvm.log_probs(x, index, return_entropy=True)
+    assert not rows_again
+    ref_logp, ref_entropy, _ = _expected(x, index)
+    assert_close(logp, ref_logp, TOL[torch.float32], "logp")
+    for row in (2, 3):
+        assert ref_entropy[row] < 1e-5
+        assert abs(float(entropy[row]) - ref_entropy[row]) < 0.1 * ref_entropy[row]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_log_probs_non_finite_rows_as_the_kernel_with_the_entropy_gives_them(rows_again, bad):
+    """A row with a NaN, an infinite logit or nothing but ``-inf`` is computed
+    again, and comes out as the kernel that takes each chunk against its own
+    max gives it; the other rows as float64."""
+    x, index = _policy_case(torch.float32, 0.0)
+    x[3, C - 10] = bad
+    x[5, :] = float("-inf")
+    logp = ce_tvm.log_probs(x, index)
+    assert rows_again == [2 if bad != float("-inf") else 1]
+    exact = ce_tvm.log_probs(x, index, return_entropy=True)[0]
+    torch.testing.assert_close(logp, exact, equal_nan=True)
+    finite = [r for r in range(9) if r not in (3, 5)]
+    ref_logp, _, _ = _expected(x[finite], index[finite])
+    assert_close(logp[finite], ref_logp, TOL[torch.float32], "logp")

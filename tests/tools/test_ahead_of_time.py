@@ -15,6 +15,7 @@ from ce_tvm.store.spec import KernelSpec
 from support import CLI, DISTILL_PROBE, Forked, run
 
 C = 37  # the softcap and temperature tests' class count: their kernels are built already
+NAN_ROW = torch.tensor([[1.0], [float("nan")], [1.0], [1.0], [1.0]])  # scales 5 rows
 
 
 def _untuned(spec):
@@ -22,15 +23,18 @@ def _untuned(spec):
 
 
 def test_plain_build_is_unchanged_by_default():
-    """62 kernels per (target, dtype, C) without the extras (``--softcap`` and the
-    other flags): 46, and the 16 forward and training kernels again without label
-    smoothing."""
+    """67 kernels per (target, dtype, C) without the extras (``--softcap`` and the
+    other flags): 46, the 16 forward and training kernels again without label
+    smoothing, and the 5 kernels that compute such a call again where a row's
+    ``lse`` is not finite (``exact_path_specs``)."""
     specs = all_specs("llvm", "float32", C)
-    assert len(specs) == 62
-    plain = [s for s in specs if s.variant.smoothing]
+    assert len(specs) == 67
+    exact = [s for s in specs if s.op.startswith("shard_")]
+    assert len(exact) == 5
+    plain = [s for s in specs if s.variant.smoothing and s not in exact]
     assert len(plain) == 46
     assert {dataclasses.replace(s, variant=dataclasses.replace(s.variant, smoothing=True))
-            for s in specs if not s.variant.smoothing} == {
+            for s in specs if not s.variant.smoothing and s not in exact} == {
         s for s in plain if s.op in ("forward", "train")}
     assert all_specs("llvm", "float32", C, (), Extras()) == all_specs("llvm", "float32", C)
 
@@ -63,6 +67,12 @@ def test_distill_adds_the_divergence_kernels():
         lambda x, y: ce_tvm.log_probs(x, y.clamp(min=0), softcap=5.0, return_entropy=True,
                                       return_stats=True)[0],
     ]),
+    (Extras(log_probs=(1,)), [  # a row not finite: computed again exactly
+        lambda x, y: ce_tvm.cross_entropy(x * NAN_ROW, y),
+        lambda x, y: ce_tvm.cross_entropy(x * NAN_ROW, y, torch.rand(C) + 0.5,
+                                          reduction="none"),
+        lambda x, y: ce_tvm.log_probs(x * NAN_ROW, y.clamp(min=0)),
+    ]),
     (Extras(softcap=True, distill=True), [  # every direction, either side capped
         lambda x, y: ce_tvm.distillation_loss(x, x.detach().flip(0), y, beta=beta,
                                               reduction=reduction, **caps)
@@ -70,7 +80,7 @@ def test_distill_adds_the_divergence_kernels():
         for caps in ({}, dict(student_softcap=4.0), dict(teacher_softcap=3.0),
                      dict(student_softcap=4.0, teacher_softcap=3.0, temperature=0.7))
     ]),
-], ids=["loss-variants", "log-probs", "log-prob-stats", "distill"])
+], ids=["loss-variants", "log-probs", "log-prob-stats", "exact-paths", "distill"])
 def test_what_calls_load_is_built(extras, calls, monkeypatch):
     """Every kernel the calls run (forward and backward) is in the build list."""
     built = {_untuned(s) for s in all_specs("llvm", "float32", C, (), extras)}
@@ -119,7 +129,7 @@ def test_compile_distill_serves_the_distillation_losses(tmp_path):
     out, cache_dir = tmp_path / "modules", tmp_path / "cache"
     text = run([CLI, "compile", "--classes", "11", "--distill", "--out", out],
                CE_TVM_CACHE=cache_dir)
-    assert "68 kernels" in text and "-divergence-" in text  # 62 and 6 divergence
+    assert "73 kernels" in text and "-divergence-" in text  # 67 and 6 divergence
     done = Forked(DISTILL_PROBE, 11, CE_TVM_MODULE_DIR=out,
                   CE_TVM_CACHE=tmp_path / "empty").result()
     assert done.returncode == 0, done.stdout + done.stderr
