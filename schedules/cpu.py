@@ -263,7 +263,8 @@ def ride_along(sch, stages: dict, outer: int, lanes: int, unroll: int = 1,
         sch.reorder(step, lane)
         steps.append(step)
     merged = sch.merge(*steps)
-    sch.merge(*[sch.get_loops(final)[outer] for _, final in group])
+    if len(group) > 1:
+        sch.merge(*[sch.get_loops(final)[outer] for _, final in group])
     extent = sch.get(merged).extent
     if unroll > 1 and isinstance(extent, tirx.IntImm) and extent.value > unroll:
         merged, inner = sch.split(merged, [None, unroll])
