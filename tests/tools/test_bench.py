@@ -46,3 +46,20 @@ def test_interleaved_calls_pause_after_each(settle_s, pause):
     assert 40 <= ms["slow"] < 40 + 30 and ms["fast"] < 5
     gaps = [start - end for end, start in zip(ends[::2], starts[1::2])]  # slow -> fast
     assert all(pause * 0.9 <= gap < pause + 0.03 for gap in gaps), gaps
+
+
+@pytest.mark.slow  # timing reps, not a check of the kernels
+def test_log_probs_entropy_benchmark_smoke(tmp_path, capsys):
+    """``benchmarks/log_probs_entropy.py`` times both log-prob kernels and the read."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "log_probs_entropy.py"
+    bench = runpy.run_path(str(script), run_name="log_probs_entropy")
+    assert bench["main"](["--shapes", "9x5003", "--reps", "1", "--json",
+                          str(tmp_path / "lp.json")]) == 0
+    records = json.loads((tmp_path / "lp.json").read_text())["records"]
+    assert [(r["shape"], r["dtype"]) for r in records] == [("9x5003", "float32"),
+                                                           ("9x5003", "bfloat16")]
+    assert all(r[k] > 0 for r in records for k in ("without", "with", "read"))
+    assert "with/without" in capsys.readouterr().out
