@@ -169,6 +169,7 @@ KERNELS = {
          dict(inplace=True, ignore="none")),
         ("log_probs", Variant(columns=1), "K=1 masked", dict(ignore="none", masked=True)),
         ("log_probs_grad", Variant(columns=2), "K=2 masked", dict(masked=True)),
+        ("log_probs", Variant(columns=2, entropy=False), "K=2 no entropy ignored", {}),
     ],
     "temperature": [
         (*_loss("forward", "mean", True, tempered=True), "mean w T smooth z",
@@ -435,8 +436,10 @@ def _policy_problem(case: Case, rng) -> Problem:
     top = zc.max(axis=1)
     log_s = np.log(np.exp((zc - top[:, None]) / temp).sum(axis=1))
     if case.op == "log_probs":
-        return Problem({"x": xk, "index": index}, scalars,
-                       {"logp": logp, "entropy": entropy, "row_max": top, "log_expsum": log_s})
+        expected = {"logp": logp, "entropy": entropy, "row_max": top, "log_expsum": log_s}
+        if not case.variant.entropy:  # the kernel without it (Variant.entropy)
+            del expected["entropy"]
+        return Problem({"x": xk, "index": index}, scalars, expected)
     g, h = rng.random((n, k)) + 0.5, rng.random(n)
     grad = reference.policy_grad(x, index, live, g, h, temp, cap)
     arrays = {"grad_logp": g.astype(np.float32), "grad_entropy": h.astype(np.float32),
