@@ -163,12 +163,14 @@ def linear_log_probs(input, linear_weight, linear_bias, index, *, row_mask=None,
                      return_entropy=False, **options):
     """``ce_tvm.linear_log_probs`` of a DTensor weight and input (the module doc)."""
     shards = Shards(input, linear_weight, linear_bias)
-    logp, entropy = vocab_parallel_linear_log_probs(
+    result = vocab_parallel_linear_log_probs(
         shards.x, shards.W, shards.global_rows(index), group=shards.group, local_bias=shards.b,
         row_mask=shards.global_rows(row_mask), sequence_parallel=shards.sequence_parallel,
-        return_entropy=True, **options)
-    logp = shards.shaped(logp)
-    return (logp, shards.shaped(entropy)) if return_entropy else logp
+        return_entropy=return_entropy, **options)
+    if not return_entropy:
+        return shards.shaped(result)
+    logp, entropy = result
+    return shards.shaped(logp), shards.shaped(entropy)
 
 
 def cross_entropy(input, target, weight=None, *, reduction: str = "mean", **options):

@@ -354,7 +354,7 @@ class VocabParallelLinearCrossEntropyLoss(nn.Module):
 class _VocabParallelLinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_in, W, b, index, options: LossOptions, group, sequence_parallel: bool,
-                rows: int, needs: sweep.Needs):
+                rows: int, needs: sweep.Needs, entropy: bool):
         offset, classes = shard_layout(W.shape[0], group)
         x = gathered_rows(x_in, group) if sequence_parallel else x_in.contiguous()
         check.in_range(index, classes, options.ignore_index, "index")
@@ -371,19 +371,21 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
             return top
 
-        def sum_over(s, a, moved):  # one all_reduce for the three
-            m = s.shape[0]
-            packed = torch.cat([s, a, moved.reshape(-1)])
+        def sum_over(*ts):  # one all_reduce for all
+            packed = torch.cat([t.reshape(-1) for t in ts])
             dist.all_reduce(packed, group=group)
-            return packed[:m], packed[m:2 * m], packed[2 * m:].view(m, k)
+            return [part.view(t.shape) for part, t in
+                    zip(packed.split([t.numel() for t in ts]), ts)]
 
         for sl in sweep.chunks(n, rows):
             logits = sweep.project(buffer, x[sl], W, b)
-            parts = launch.log_probs(logits, forward_index[sl], options)
-            logp, entropy, top, log_total = vocab_blocks.merge_log_probs(
-                *parts, forward_index[sl] != ii, index[sl] != ii, inv_t, max_over, sum_over)
+            logp, part_entropy, row_max, log_s = launch.log_probs(
+                logits, forward_index[sl], options, entropy=entropy)
+            logp, rows_entropy, top, log_total = vocab_blocks.merge_log_probs(
+                logp, part_entropy if entropy else None, row_max, log_s,
+                forward_index[sl] != ii, index[sl] != ii, inv_t, max_over, sum_over)
             logp_all[sl] = logp
-            stats[:, sl] = torch.stack([top, log_total, entropy])
+            stats[:, sl] = torch.stack([top, log_total, rows_entropy])
         ctx.save_for_backward(x, W, b,
                               vocab_blocks.shard_index(index, offset, width, ii, others=width),
                               stats)
@@ -398,7 +400,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         x, W, b, index, stats = ctx.saved_tensors
         needs = ctx.needs
-        none = (None,) * 6
+        none = (None,) * 7
         if (grad_logp is None and grad_entropy is None) or not needs.any():
             return (None, None, None, *none)
         g = (torch.zeros_like(index, dtype=stats.dtype) if grad_logp is None
@@ -455,7 +457,7 @@ def vocab_parallel_linear_log_probs(input: Tensor, local_weight: Tensor, index: 
     needs = sweep.Needs.of(input, local_weight, local_bias)
     logp, entropy = _VocabParallelLinearLogProbs.apply(x, local_weight, local_bias, idx, options,
                                                        group, bool(sequence_parallel), rows,
-                                                       needs)
+                                                       needs, bool(return_entropy))
     lead = tuple(input.shape[:-1])
     logp = logp[:, :k].reshape(lead if single else (*lead, k))
     return (logp, entropy.reshape(lead)) if return_entropy else logp

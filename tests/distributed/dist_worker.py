@@ -265,12 +265,14 @@ def check_linear_head(rank, world):
 def check_linear_log_probs(rank, world):
     """``vocab_parallel_linear_log_probs`` against the single-process
     ``linear_log_probs`` on the full weight: log-probs, entropy and the gradients
-    of ``a * logp + b * entropy`` for the input, the weight and the bias shards;
-    returns how many cases were checked."""
+    of ``a * logp + b * entropy`` for the input, the weight and the bias shards
+    (without the entropy, of ``a * logp``); returns how many cases were checked."""
     widths, lo, hi = shard_bounds(rank, world, V_HEAD)
     checked = 0
-    for temp, softcap, sp, k in [(1.0, 0.0, False, None), (0.7, 5.0, False, 2),
-                                 (1.3, 0.0, True, 2)]:
+    for temp, softcap, sp, k, with_entropy in [(1.0, 0.0, False, None, True),
+                                               (0.7, 5.0, False, 2, True),
+                                               (1.3, 0.0, True, 2, True),
+                                               (0.7, 0.0, True, None, False)]:
         gen = torch.Generator().manual_seed(22)
         n = 6 * world
         x = torch.randn(n, H_HEAD, generator=gen)
@@ -281,20 +283,23 @@ def check_linear_log_probs(rank, world):
         index.view(-1)[1], index.view(-1)[2] = widths[0] - 1, widths[0]
         mask = torch.rand(n, generator=gen) > 0.2
         a = torch.randn(index.shape, generator=gen)
-        c = torch.randn(n, generator=gen)
-        opts = dict(temperature=temp, softcap=softcap, row_mask=mask, return_entropy=True)
+        c = torch.randn(n, generator=gen) * with_entropy
+        opts = dict(temperature=temp, softcap=softcap, row_mask=mask,
+                    return_entropy=with_entropy)
         live = (index != -100) & (mask if k is None else mask[:, None])
         ref_logp, ref_entropy, *ref_grads = head_log_probs_reference(x, W, b, index, live, a, c,
                                                                      softcap, temp)
         block = slice(rank * 6, rank * 6 + 6) if sp else slice(None)
         mine = [x[block].clone().requires_grad_(), W[lo:hi].clone().requires_grad_(),
                 b[lo:hi].clone().requires_grad_()]
-        logp, entropy = vocab_parallel_linear_log_probs(
+        result = vocab_parallel_linear_log_probs(
             mine[0], mine[1], index, local_bias=mine[2], sequence_parallel=sp, chunk_rows=4,
             **opts)
+        logp, entropy = result if with_entropy else (result, torch.zeros(n)[block])
         close = _close_as(torch.float32)
         close(logp, ref_logp[block].float())
-        close(entropy, ref_entropy[block].float())
+        if with_entropy:
+            close(entropy, ref_entropy[block].float())
         ((logp * a[block]).sum() + (entropy * c[block]).sum()).backward()
         close(mine[0].grad, ref_grads[0][block].float())
         close(mine[1].grad, ref_grads[1][lo:hi].float())

@@ -138,8 +138,8 @@ def test_vocab_parallel_linear_head_matches_single_process(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_linear_log_probs_match_single_process(world):
     """Log-probs (K = 1 and 2, masked rows, softcap, temperature) and entropy of the
-    sharded head, with and without sequence parallelism."""
-    check_world(world, "linear_log_probs", 3)
+    sharded head, with and without sequence parallelism; and the log-probs alone."""
+    check_world(world, "linear_log_probs", 4)
 
 
 def test_vocab_parallel_head_communicates_no_more_at_a_larger_vocabulary():
