@@ -125,8 +125,9 @@ class Lever:
 
 
 LEVERS = (
-    Lever("chunk_in_place", ("forward",),
-          "the forward reads a 16-bit chunk in place (no float32 copy)",
+    Lever("chunk_in_place", ("forward", "log_probs"),
+          "the forward (and on AVX-512 BW the log-probs) reads a 16-bit chunk in place "
+          "(no float32 copy)",
           without=_patched(cpu, "stages_chunk",
                            lambda op, classes, dtype, target, variant=None: True),
           dtypes=("bfloat16", "float16")),

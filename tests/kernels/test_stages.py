@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from tvm import s_tir, tirx
+from tvm.target import Target
 
 from ce_tvm.kernels import (
     backward,
@@ -190,24 +191,33 @@ def test_cpu_forward_reduces_the_chunk_in_place(dtype, classes, staged):
         assert (stages.CHUNK_LOGITS in reads) == staged and ("x" in reads) != staged, reads
 
 
-@pytest.mark.parametrize("op,variant,dtype,staged", [
-    ("shard_stats", Variant("mean", False, False), "bfloat16", True),
-    ("log_probs", Variant(columns=1), "bfloat16", True),
-    ("shard_stats", Variant("mean", False, False), "float16", False),
-    ("log_probs", Variant(columns=1), "float16", False),
-    ("prob_forward", Variant("mean", False, False), "bfloat16", False),
+@pytest.mark.parametrize("op,variant,dtype,avx2,avx512", [
+    ("shard_stats", Variant("mean", False, False), "bfloat16", True, False),
+    ("log_probs", Variant(columns=1), "bfloat16", True, False),
+    ("log_probs", Variant(columns=1, stats=True), "bfloat16", True, True),
+    ("shard_stats", Variant("mean", False, False), "float16", False, False),
+    ("log_probs", Variant(columns=1), "float16", False, False),
+    ("prob_forward", Variant("mean", False, False), "bfloat16", False, False),
 ])
-def test_cpu_stages_bf16_chunks_of_a_shard_and_the_log_probs(op, variant, dtype, staged):
-    """A vocabulary shard's statistics and the log-probs (which pass over a chunk
-    more often) copy a bfloat16 chunk to float32 once (its widening is two
-    instructions, float16's one); probability targets, which stream the
-    targets beside the logits, do not (it costs them)."""
+def test_cpu_stages_bf16_chunks_where_widening_costs(op, variant, dtype, avx2, avx512):
+    """On AVX2 a vocabulary shard's statistics and the log-probs (which pass over
+    a chunk more often) copy a bfloat16 chunk to float32 once (its widening is
+    two instructions, float16's one); with AVX-512 BW's one-permutation widening
+    only the log-probs' statistics variant does. Probability targets, which
+    stream the targets beside the logits, never do (it costs them). The
+    scheduled kernel for this host reads the copy exactly where asked."""
     from ce_tvm.compiler.build import KernelSpec, scheduled_func
+    from ce_tvm.schedules import cpu
+    from ce_tvm.store import targets
 
+    for mcpu, staged in (("znver3", avx2), ("haswell", avx2), ("znver4", avx512),
+                         ("znver5", avx512)):
+        target = Target({"kind": "llvm", "mcpu": mcpu})
+        assert cpu.stages_chunk(op, 1024, dtype, target, variant) == staged, mcpu
+    host = cpu.stages_chunk(op, 1024, dtype, targets.tvm_target("llvm"), variant)
     sch = s_tir.Schedule(scheduled_func(KernelSpec(op, dtype, 1024, variant, "llvm")))
     reads = {r.source.name for r in sch.get(sch.get_sblock("ce_chunk_max_rf_update")).reads}
-    assert (stages.CHUNK_LOGITS in reads) == staged, reads
-
+    assert (stages.CHUNK_LOGITS in reads) == host, reads
 
 
 def _lowered(spec, after: str, scheduled=None):
