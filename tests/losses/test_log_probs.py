@@ -253,6 +253,9 @@ def test_opcheck_and_compile_fullgraph():
         torch.library.opcheck(log_probs_forward,
                               (flat.clone().requires_grad_(), idx.clamp(min=0), -100, 0.7,
                                softcap))
+        torch.library.opcheck(log_probs_forward,  # the kernel without the entropy
+                              (flat.clone().requires_grad_(), idx.clamp(min=0), -100, 0.7,
+                               softcap, False))
         logp, entropy, row_max, log_expsum = log_probs_forward(flat, idx, -100, 0.7, softcap)
         torch.library.opcheck(log_probs_backward,
                               (torch.randn_like(logp), torch.randn_like(entropy), flat, idx,
@@ -263,13 +266,17 @@ def test_opcheck_and_compile_fullgraph():
                                          return_entropy=True)
         return (logp * a).sum() + 0.01 * (entropy * b).sum()
 
-    compiled = torch.compile(objective, fullgraph=True)
-    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-    eager, got = objective(xe), compiled(xc)
-    eager.backward()
-    got.backward()
-    torch.testing.assert_close(got, eager)
-    torch.testing.assert_close(xc.grad, xe.grad)
+    def logp_only(x):  # the kernel without the entropy
+        return (ce_tvm.log_probs(x, index, temperature=0.7, row_mask=mask) * a).sum()
+
+    for fn in (objective, logp_only):
+        compiled = torch.compile(fn, fullgraph=True)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        eager, got = fn(xe), compiled(xc)
+        eager.backward()
+        got.backward()
+        torch.testing.assert_close(got, eager)
+        torch.testing.assert_close(xc.grad, xe.grad)
 
 
 def _torch_reference(h, W, b, index, mask, temperature, softcap):
