@@ -9,7 +9,11 @@ import torch
 
 import ce_tvm
 import support
-from ce_tvm.losses.log_probs import log_probs_backward, log_probs_forward
+from ce_tvm.losses.log_probs import (
+    linear_log_probs_forward,
+    log_probs_backward,
+    log_probs_forward,
+)
 from ce_tvm.testing import reference
 
 V = 517  # odd: no vector width divides it
@@ -256,6 +260,12 @@ def test_opcheck_and_compile_fullgraph():
         torch.library.opcheck(log_probs_forward,  # the kernel without the entropy
                               (flat.clone().requires_grad_(), idx.clamp(min=0), -100, 0.7,
                                softcap, False))
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(flat.shape[0], 8, generator=gen, requires_grad=True)
+    W = torch.randn(V, 8, generator=gen, requires_grad=True)
+    for entropy in (True, False):
+        torch.library.opcheck(linear_log_probs_forward,
+                              (h, W, None, idx.clamp(min=0), -100, 0.7, 0.0, 4, entropy))
         logp, entropy, row_max, log_expsum = log_probs_forward(flat, idx, -100, 0.7, softcap)
         torch.library.opcheck(log_probs_backward,
                               (torch.randn_like(logp), torch.randn_like(entropy), flat, idx,
