@@ -182,7 +182,8 @@ def log_probs_grad_func(classes: int, dtype: str, variant: Variant) -> tirx.Prim
     def grad(n, c):
         logp = logit.scaled(logit.capped(logit.raw(n, c)) - row_max[n]) - log_s[n]
         p = fastmath.exp(logp, nonpositive=True)
-        dz = tirx.Select(p == zero, zero, p * (h[n] * (-logp - ent[n]) - total[n]))
+        # h (-log p - H) - G as one multiply-add per element: -h and -(h H + G) per row
+        dz = tirx.Select(p == zero, zero, p * (logp * -h[n] - (h[n] * ent[n] + total[n])))
         for k in ks:  # one compare per element: the column is per row (hoisted)
             dz = dz + tirx.Select(same_class(c, hot_column(n, k)), g[n, int64(k)], zero)
         return logit.scaled_by_slope(n, c, dz).astype(dtype)
