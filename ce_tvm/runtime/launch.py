@@ -214,15 +214,21 @@ def _exact_forward(x, y, w, options: LossOptions, out: ForwardOutputs) -> None:
     against its own max: a forward or training kernel whose rows were taken
     against a shift (``_shifted``) gives ``lse = +inf`` for a row whose max
     lies too far above its first chunk's. The row is one vocabulary shard
-    here, its statistics then combined (``shard_stats``, ``shard_combine``)."""
+    here, its statistics then combined (``shard_stats``, ``shard_combine``).
+    With ``reduction="none"`` only the rows whose ``lse`` is not finite; a
+    reduced loss, every row."""
+    rows = slice(None)
+    if options.reduction == "none":
+        rows = (~out.lse.isfinite()).nonzero().squeeze(1)
+        x, y = x[rows], y[rows]
     rowmax, expsum, wxsum, logit, weight = shard_stats(x, y, w, 0, options)
     lse = rowmax + torch.log(expsum)
     weight_sum = float(w.sum()) if w is not None else float(x.shape[1])
     loss, zloss = shard_combine(lse, logit, weight, wxsum, y, weight_sum=weight_sum,
                                 classes=x.shape[1], dtype=out.loss.dtype, options=options)
-    out.lse.copy_(lse)
-    out.loss.copy_(loss)
-    out.zloss.copy_(zloss)
+    out.lse[rows] = lse
+    out.loss[rows] = loss
+    out.zloss[rows] = zloss
 
 
 def train(x, y, w, options: LossOptions, *,

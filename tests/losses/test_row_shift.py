@@ -62,6 +62,26 @@ def test_a_row_far_above_its_shift_is_computed_again_exactly(again, dtype, reduc
     assert_close(loss.reshape(-1), ref.reshape(-1), TOL[dtype], "loss")
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_none_computes_only_those_rows_again(monkeypatch, weighted):
+    """Unreduced, the rows are independent: only the one far above its shift and
+    the one not finite go again (a reduced loss computes every row again)."""
+    seen = []
+    stats = launch.shard_stats
+
+    def counted(x, *args):
+        seen.append(x.shape[0])
+        return stats(x, *args)
+
+    monkeypatch.setattr(launch, "shard_stats", counted)
+    x, y, w = _logits(torch.float32, 90.0, weighted)
+    x[7, 11] = float("nan")
+    loss = ce_tvm.cross_entropy(x, y, w, reduction="none", label_smoothing=0.0)
+    assert seen == [1 + SHIFTED]
+    ref = F.cross_entropy(x, y, w, reduction="none")
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_within_the_range_take_one_sweep(again, dtype):
     """A max up to ``ROW_SHIFT_RANGE`` above the shift: terms up to e**64 summed,
