@@ -177,9 +177,9 @@ def test_fsdp2_sharded_weight_refused_head_module_matches_stock_path(world):
     """FSDP2, each rank its own rows: the bare sharded weight with a plain input is a
     ValueError naming both readings (eager and under torch.compile); the head
     module gives each rank's loss (options: smoothing, z-loss, softcap,
-    temperature) and log-probs (K = 1 and 3, with and without the entropy) and FSDP2's
-    stock gradients,
-    also through LinearCrossEntropyLoss under torch.compile."""
+    temperature) and log-probs (K = 1 and 3, with and without the entropy) and
+    FSDP2's stock gradients, also through LinearCrossEntropyLoss under
+    torch.compile."""
     assert_reported(fsdp_ranks_of(world), "fsdp2", 11)
 
 
