@@ -37,7 +37,7 @@ import torch
 
 from ce_tvm.compiler.build import SCHEDULE_OF_OP, KernelSpec, declared_func
 from ce_tvm.runtime.registry import configure_thread_pool
-from ce_tvm.schedules import cpu, cpu_narrowing, cpu_widening
+from ce_tvm.schedules import cpu, cpu_narrowing, cpu_stores, cpu_widening
 from ce_tvm.schedules.cpu_knobs import CPUKnobs, forward_chunk, hand_knobs
 from ce_tvm.store import records, targets
 from ce_tvm.testing.cpu_static import (
@@ -149,6 +149,10 @@ LEVERS = (
     Lever("prefetchw_gradient", ("train",),
           "the exp loop prefetches the gradient's lines for writing",
           without=_patched(cpu, "_prefetch_in", lambda seq, grad=None: _PREFETCH_IN(seq))),
+    Lever("streamed_gradient", ("train", "backward"),
+          "the gradient's aligned vector stores non-temporal (cpu_stores), its prefetchw "
+          "dropped, where it is at least STREAM_MIN_BYTES",
+          without=_patched(cpu_stores, "_streamable", lambda store, values: False)),
     Lever("compared_ramps_as_offsets", ("train",),
           "column ramps compared as a base plus constant offsets",
           without=_both(_patched(cpu, "_compare_offsets", lambda cmp: cmp),
@@ -212,12 +216,15 @@ def per_element(asm: str, spec: KernelSpec) -> float:
 
 def build(spec: KernelSpec, knobs: CPUKnobs, without=contextlib.nullcontext, load=True):
     """``(kernel, assembly)``: ``spec`` declared, scheduled by hand with ``knobs`` and
-    compiled inside ``without``, loaded as the runtime runs it (``None`` unless ``load``)."""
+    compiled inside ``without``, loaded as the runtime runs it (``None`` unless
+    ``load``); the assembly as a launch larger than the caches runs it
+    (``cpu_stores.always_streaming``), the one that is counted."""
     with without():
         func = declared_func(spec)
         scheduled = getattr(cpu, SCHEDULE_OF_OP[spec.op])(func, spec.tvm_target(), knobs)
-        ex = tuning.compile_scheduled(scheduled, spec, entry=None)
-        asm = ex.mod.inspect_source("asm")
+        ex = tuning.compile_scheduled(scheduled, spec, entry=None) if load else None
+        with cpu_stores.always_streaming():
+            asm = tuning.compile_scheduled(scheduled, spec, entry=None).mod.inspect_source("asm")
     return (tuning.loaded_as_the_runtime_runs_it(ex, "main") if load else None), asm
 
 

@@ -116,6 +116,21 @@ def collect_nodes(node, kind) -> list:
     return found
 
 
+def binds(body) -> dict:
+    """The values of the ``Bind`` variables of ``body`` (CSE binds indices)."""
+    return {b.var: b.value for b in collect_nodes(body, tirx.Bind)}
+
+
+def unbound(expr, values: dict):
+    """``expr`` with the variables of ``values`` (``binds``) substituted."""
+    for _ in range(len(values) + 1):
+        new = tvm_ffi.structural_map(expr, [(tirx.Var, lambda v: values.get(v, v))])
+        if new.same_as(expr):
+            return expr
+        expr = new
+    return expr
+
+
 def sample_knobs(sch, space: dict, decisions: dict | None = None) -> dict:
     """Draw every knob of ``space`` (``{name: choices}``) with ``sample_categorical``,
     uniformly, so that the schedule's trace records each value; ``decisions``

@@ -88,6 +88,7 @@ from ..kernels.stages import (
 from ._common import (
     COMBINE_ROWS,
     SHARD_GATHERS,
+    binds,
     classes_of,
     collect_nodes,
     divergence_row,
@@ -104,6 +105,7 @@ from ._common import (
     sample_knobs,
     split_reduction,
     sweep_accumulators,
+    unbound,
     vector_accumulator,
     vector_accumulators,
     vector_row_independent,
@@ -120,6 +122,7 @@ from .cpu_knobs import shifts_rows as shifts_rows
 from .cpu_knobs import stages_chunk as stages_chunk
 from .cpu_knobs import train_chunk as train_chunk
 from .cpu_narrowing import bf16_rounding
+from .cpu_stores import fits_in_cache, stream_gradient_stores, streamed_gradients
 from .cpu_widening import bf16_widening
 
 # TVM's LoopPartition also splits constant-extent loops on ``likely``
@@ -495,17 +498,6 @@ def _chunk(sch) -> int:
     return int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
 
 
-def _unbound(expr, body):
-    """``expr`` with the ``Bind`` variables of ``body`` substituted (CSE binds indices)."""
-    values = {b.var: b.value for b in collect_nodes(body, tirx.Bind)}
-    for _ in range(len(values) + 1):
-        new = tvm_ffi.structural_map(expr, [(tirx.Var, lambda v: values.get(v, v))])
-        if new.same_as(expr):
-            return expr
-        expr = new
-    return expr
-
-
 def _depends_on(expr, var) -> bool:
     return any(v.same_as(var) for v in collect_nodes(expr, tirx.Var))
 
@@ -515,7 +507,7 @@ def _first_index(access, buffer, body, inner=()):
     ``buffer`` reads or writes: ``Bind``s of ``body`` substituted, a ``Ramp``'s
     base, the loop variables ``inner`` at 0 (a buffer of vectors, as
     ``StorageRewrite`` may leave a staged chunk, counts its lanes)."""
-    index = _unbound(access.indices[-1], body)
+    index = unbound(access.indices[-1], binds(body))
     if isinstance(index, tirx.Ramp):
         index = index.base
     zeros = {v: tirx.const(0, v.ty) for v in inner}
@@ -542,13 +534,14 @@ def _staged_chunk(stmt):
     return None
 
 
-def _with_prefetch(loop, staged, grad=None):
+def _with_prefetch(loop, staged, grad=None, streamed=()):
     """``loop`` (marked by ``prefetch_ahead``) with prefetches, at the top of
     each iteration, of every cache line of the logits ``PREFETCH_ATTR``
     elements ahead of those it reads. ``staged``: ``_staged_chunk`` of the
     copy before it, used when the loop reads the staged chunk. ``grad``: the
     gradient buffer of a training kernel (same shape as the logits), whose
-    lines at the elements the loop reads are fetched for writing."""
+    lines at the elements the loop reads are fetched for writing, only where
+    its stores are plain if it is among ``streamed`` (``cpu_stores``)."""
     distance = int(loop.annotations[PREFETCH_ATTR])
     body, var = loop.body, loop.loop_var
     inner = [f.loop_var for f in collect_nodes(body, tirx.For)]
@@ -568,7 +561,10 @@ def _with_prefetch(loop, staged, grad=None):
         return loop
     fetches = _line_prefetches(logits, first + tirx.const(distance, first.ty), step, write=False)
     if grad is not None:
-        fetches += _line_prefetches(grad, first, step, write=True)
+        writes = _line_prefetches(grad, first, step, write=True)
+        writes = writes[0] if len(writes) == 1 else tirx.SeqStmt(writes)
+        fetches.append(tirx.IfThenElse(fits_in_cache(grad), writes, None)
+                       if any(grad.same_as(b) for b in streamed) else writes)
     return tirx.For(var, loop.min, loop.extent, loop.kind, tirx.SeqStmt(fetches + [body]),
                     loop.thread_binding, loop.annotations)
 
@@ -593,8 +589,9 @@ def _marked_loop(stmt):
     return stmt if isinstance(stmt, tirx.For) and PREFETCH_ATTR in stmt.annotations else None
 
 
-def _prefetch_in(seq, grad=None):
-    """``_with_prefetch`` on the marked loops of a statement sequence (``grad``: as there)."""
+def _prefetch_in(seq, grad=None, streamed=()):
+    """``_with_prefetch`` on the marked loops of a statement sequence (``grad``,
+    ``streamed``: as there)."""
     if not any(_marked_loop(stmt) is not None for stmt in seq.seq):
         return seq
     staged, out = None, []
@@ -602,7 +599,7 @@ def _prefetch_in(seq, grad=None):
         staged = _staged_chunk(stmt) or staged
         loop = _marked_loop(stmt)
         if loop is not None:
-            fetched = _with_prefetch(loop, staged, grad)
+            fetched = _with_prefetch(loop, staged, grad, streamed)
             stmt = fetched if loop.same_as(stmt) else tirx.IfThenElse(stmt.condition, fetched, None)
         out.append(stmt)
     return tirx.SeqStmt(out)
@@ -611,14 +608,16 @@ def _prefetch_in(seq, grad=None):
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
 def prefetch_marked_loops(func, mod, ctx):
     """Add prefetches to the loops ``prefetch_ahead`` marked (after lowering); in
-    a training kernel also of the gradient's lines (``_with_prefetch``)."""
+    a training kernel also of the gradient's lines (``_with_prefetch``) where
+    they are not streamed (``cpu_stores``)."""
     if not any(PREFETCH_ATTR in f.annotations for f in collect_nodes(func.body, tirx.For)):
         return func
     grads = [st.buffer for st in collect_nodes(func.body, tirx.BufferStore)
              if st.buffer.name == X_GRAD]
-    grad = grads[0] if grads else None
+    grad, streamed = (grads[0] if grads else None), streamed_gradients(func)
     return func.with_body(tvm_ffi.structural_map(
-        func.body, [(tirx.SeqStmt, lambda seq: _prefetch_in(seq, grad))], order="post"))
+        func.body, [(tirx.SeqStmt, lambda seq: _prefetch_in(seq, grad, streamed))],
+        order="post"))
 
 
 # TVM's LLVM codegen builds a ``Ramp`` lane by lane, and LLVM turns a 32-lane
@@ -666,7 +665,7 @@ def compared_ramps_as_offsets(func, mod, ctx):
 def _pipeline():
     lower, finalize_host, finalize_device = tvm.tirx.compilation_pipeline.PIPELINE_MAP["s_tir"]()
     return (tvm.transform.Sequential([lower, prefetch_marked_loops, compared_ramps_as_offsets,
-                                      bf16_widening, bf16_rounding]),
+                                      bf16_widening, bf16_rounding, stream_gradient_stores]),
             finalize_host, finalize_device)
 
 

@@ -736,11 +736,15 @@ def cross_spec(op: str, dtype: str, classes: int, target: str = "llvm -mcpu=znve
 
 def cpu_asm(op: str, dtype: str, classes: int, target: str = "llvm -mcpu=znver5",
             weighted: bool = False, reduction: str = "mean") -> str:
-    """The x86 assembly (AT&T) of one shape, built as the runtime builds it."""
+    """The x86 assembly (AT&T) of one shape, built as the runtime builds it and
+    as a launch larger than the caches runs it (``always_streaming``: the
+    streamed gradient stores alone, not beside the plain ones)."""
     from ..compiler.build import lower_and_compile
+    from ..schedules.cpu_stores import always_streaming
 
     spec = cross_spec(op, dtype, classes, target, weighted, reduction)
-    return lower_and_compile(spec).mod.inspect_source("asm")
+    with always_streaming():
+        return lower_and_compile(spec).mod.inspect_source("asm")
 
 
 @dataclass
