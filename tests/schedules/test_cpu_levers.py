@@ -20,7 +20,10 @@ LEVERS = ["chunk_in_place", "logits_sum_in_max_loop", "sum_with_max", "one_hot_b
           "last_chunk_peeled", "prefetch_next_chunk", "prefetchw_gradient",
           "compared_ramps_as_offsets", "bf16_rounding_once", "vcvtneps2bf16", "vcvtne2ps2bf16",
           "vpermt2w", "sums_ride_the_exp", "smoothing_left_out", "row_shift",
-          "train_chunk_in_l1", "hand_knobs"]
+          "train_chunk_in_l1", "hand_knobs", "streamed_gradient"]
+# Rows of 4099 float32 classes are not 64-byte multiples: no store is streamed
+# (tests/schedules/test_cpu_stores.py covers that lever).
+UNALIGNED = {"streamed_gradient"}
 # Levers that change the arithmetic's order: other accumulators (the sums), the
 # one-hot term subtracted by chunk (LLVM contracts it into another FMA), other
 # chunks (the row's max and sums merged in another order), the exp-sum taken
@@ -43,7 +46,8 @@ def test_every_lever_changes_the_host_kernel_and_not_its_outputs(tmp_path):
     records = _levers(tmp_path)
     timed = [r for r in records if r["effect"] == "timed"]
     host = targets.tvm_target("llvm")
-    missing = ({"vcvtneps2bf16", "vcvtne2ps2bf16"} if not has_bf16_rounding(host) else set()) \
+    missing = UNALIGNED \
+        | ({"vcvtneps2bf16", "vcvtne2ps2bf16"} if not has_bf16_rounding(host) else set()) \
         | ({"vpermt2w"} if not has_word_permutes(host) else set()) \
         | ({"sums_ride_the_exp"} if not cpu.sums_ride_the_exp(host) else set()) \
         | ({"row_shift"} if not cpu.shifts_rows(host) else set()) \
@@ -65,7 +69,7 @@ def test_every_lever_changes_the_avx512_kernel(tmp_path):
     """Built for Zen 5 (AVX-512 with BF16) and counted, not run."""
     records = _levers(tmp_path, "--target", "llvm -mcpu=znver5")
     # with Zen 5's 48 KB of L1d the training chunk at C = 4099 is the forward's
-    same = {"train_chunk_in_l1"}
+    same = {"train_chunk_in_l1"} | UNALIGNED
     assert {r["lever"] for r in records if r["effect"] == "counted"} == set(LEVERS) - same
     assert {r["lever"] for r in records if r["effect"] == "same assembly"} == same
     assert not [r for r in records if r["effect"] == "timed"]

@@ -1,0 +1,62 @@
+"""float32 gradient stores streamed past the caches (``schedules/cpu_stores.py``):
+which kernels get non-temporal stores (a float32 gradient whose rows are
+64-byte multiples, on AVX-512 and AVX2; cross-compiled, only assembly is made),
+that a kernel carries both versions and a launch picks one by the gradient's
+size, and that the streamed path writes the same bits as the plain one and
+matches torch's gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ce_tvm
+from ce_tvm.compiler.build import lower_and_compile
+from ce_tvm.schedules.cpu_stores import STREAM_MIN_BYTES
+from ce_tvm.testing import cpu_static
+
+
+@pytest.mark.parametrize("mcpu", ["znver4", "haswell"])
+@pytest.mark.parametrize("op", ["train", "backward"])
+def test_aligned_float32_gradients_stream(op, mcpu):
+    """As a launch above the size runs it: every gradient store non-temporal, no
+    ``prefetchw`` of the gradient."""
+    asm = cpu_static.cpu_asm(op, "float32", 2048, f"llvm -mcpu={mcpu}")
+    assert "vmovntps" in asm and "prefetchw" not in asm
+    assert not [line for line in asm.splitlines()
+                if "vmovaps\t%" in line and "%rsp" not in line and "(" in line]
+
+
+@pytest.mark.parametrize("dtype,classes", [("float32", 2050), ("bfloat16", 2048)],
+                         ids=["unaligned-rows", "bfloat16"])
+def test_others_keep_plain_stores(dtype, classes):
+    asm = cpu_static.cpu_asm("train", dtype, classes, "llvm -mcpu=znver4")
+    assert "vmovnt" not in asm and "prefetchw" in asm
+
+
+def test_the_kernel_holds_both_versions():
+    """Built as the runtime builds it, the training kernel has the streamed
+    stores and, for a small gradient, the plain ones with their ``prefetchw``."""
+    spec = cpu_static.cross_spec("train", "float32", 2048, "llvm -mcpu=znver4")
+    asm = lower_and_compile(spec).mod.inspect_source("asm")
+    assert "vmovntps" in asm and "prefetchw" in asm
+
+
+def test_streamed_gradient_matches_torch_and_the_plain_path():
+    """A 64 MiB float32 gradient (streamed) against float64 torch, and its first
+    rows against the same rows launched alone (plain stores): bit for bit,
+    since a summed loss's rows do not depend on one another."""
+    classes = 2048
+    rows = STREAM_MIN_BYTES // (4 * classes)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, classes, generator=gen) * 3
+    y = torch.randint(0, classes, (rows,), generator=gen)
+    y[::5] = -100
+    grads = []
+    for n in (rows, 64):
+        xg = x[:n].clone().requires_grad_()
+        ce_tvm.cross_entropy(xg, y[:n], reduction="sum", label_smoothing=0.1).backward()
+        grads.append(xg.grad)
+    assert torch.equal(grads[0][:64], grads[1])
+    ref = x.double().requires_grad_()
+    F.cross_entropy(ref, y, reduction="sum", label_smoothing=0.1).backward()
+    torch.testing.assert_close(grads[0].double(), ref.grad, rtol=1e-5, atol=1e-7)
