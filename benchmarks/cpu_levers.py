@@ -148,7 +148,8 @@ LEVERS = (
           knobs=lambda hand: replace(hand, prefetch=0)),
     Lever("prefetchw_gradient", ("train",),
           "the exp loop prefetches the gradient's lines for writing",
-          without=_patched(cpu, "_prefetch_in", lambda seq, grad=None: _PREFETCH_IN(seq))),
+          without=_patched(cpu, "_prefetch_in",
+                           lambda seq, grad=None, streamed=(): _PREFETCH_IN(seq))),
     Lever("streamed_gradient", ("train", "backward"),
           "the gradient's aligned vector stores non-temporal (cpu_stores), its prefetchw "
           "dropped, where it is at least STREAM_MIN_BYTES",
