@@ -474,6 +474,8 @@ def schedule_train(sch, target: Target, knobs: CPUKnobs):
 # lines at the elements it reads; the row's gradient then waits in L2
 # (in-process A/B, 2-core AVX2 EPYC: fp32 1024x32000 31.4 -> 27.4 ms,
 # 4096x32000, 1024x50257 and 512x128256 3% faster; bf16 within noise).
+# Where ``cpu_stores`` streams the gradient's stores past the caches instead,
+# those prefetches run only on the plain path.
 
 PREFETCH_ATTR = "ce_tvm_prefetch_distance"
 TIR_PIPELINE = "ce_tvm_llvm"
