@@ -5,8 +5,9 @@ backward (also of their gradients), the one-pass training kernel
 tuning search's ``schedule_knobs``; and the lowering pipeline
 (``TIR_PIPELINE``: TVM's, then the prefetches ``prefetch_ahead`` marks,
 compared ramps rewritten, below, bfloat16 widened by a word permutation where
-it pays and the CPU has one, ``cpu_widening``, and rounded once, by AVX-512
-BF16 where the CPU has it, ``cpu_narrowing``). The numbers they run with (vector width,
+it pays and the CPU has one, ``cpu_widening``, rounded once, by AVX-512
+BF16 where the CPU has it, ``cpu_narrowing``, and a large float32 gradient's
+stores made non-temporal, ``cpu_stores``). The numbers they run with (vector width,
 chunk, knobs and their choices) are ``cpu_knobs``'s.
 
 Expects the blocks that ``ce_tvm.kernels`` names (see its module docstring);
