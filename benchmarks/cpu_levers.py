@@ -150,7 +150,7 @@ LEVERS = (
           "the exp loop prefetches the gradient's lines for writing",
           without=_patched(cpu, "_prefetch_in",
                            lambda seq, grad=None, streamed=(): _PREFETCH_IN(seq))),
-    Lever("streamed_gradient", ("train", "backward"),
+    Lever("streamed_gradient", ("train", "backward", "log_probs_grad"),
           "the gradient's aligned vector stores non-temporal (cpu_stores), its prefetchw "
           "dropped, where it is at least STREAM_MIN_BYTES",
           without=_patched(cpu_stores, "_streamable", lambda store, values: False)),
@@ -328,7 +328,8 @@ def main(argv=None) -> int:
     names = [lv.name for lv in LEVERS]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levers", nargs="+", choices=names, default=names)
-    parser.add_argument("--ops", nargs="+", choices=("forward", "train", "backward", "log_probs"),
+    parser.add_argument("--ops", nargs="+", choices=("forward", "train", "backward", "log_probs",
+                                                     "log_probs_grad"),
                         default=["forward", "train", "backward", "log_probs"])
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "float16"),
                         default=["float32", "bfloat16"])

@@ -123,7 +123,12 @@ from .cpu_knobs import shifts_rows as shifts_rows
 from .cpu_knobs import stages_chunk as stages_chunk
 from .cpu_knobs import train_chunk as train_chunk
 from .cpu_narrowing import bf16_rounding
-from .cpu_stores import fits_in_cache, stream_gradient_stores, streamed_gradients
+from .cpu_stores import (
+    fits_in_cache,
+    keep_gradient_cached,
+    stream_gradient_stores,
+    streamed_gradients,
+)
 from .cpu_widening import bf16_widening
 
 # TVM's LoopPartition also splits constant-extent loops on ``likely``
@@ -696,6 +701,7 @@ def divergence(func, target: Target, knobs: CPUKnobs | None = None):
     order = [blk for name in names for blk in rfs.get(name, [sch.get_sblock(name)])]
     row, roots = divergence_row(sch, order)
     sch.parallel(row)
+    keep_gradient_cached(sch, row)
     for blocks in rfs.values():
         if len(blocks) == 1:
             continue

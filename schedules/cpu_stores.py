@@ -24,7 +24,10 @@ in two versions, chosen per launch by the gradient's size
 (``STREAM_MIN_BYTES``), and the ``prefetchw`` of the gradient's lines runs
 only where the stores are plain (``fits_in_cache``). 16-bit gradients keep
 plain stores: on a 2-core Zen 4 streaming made the bf16 backward slower
-(docs/performance.md, "float32 gradients streamed past the caches").
+(docs/performance.md, "float32 gradients streamed past the caches"); so does
+the divergence, whose schedule marks its rows ``keep_gradient_cached`` (it
+writes a row's gradient after whole-row passes over two models' logits, bound
+by its arithmetic: 2-4% slower streamed).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from ._common import GRAD_OUTPUTS, binds, collect_nodes, unbound
 # and 0.75-0.90x from 128 MiB up.
 STREAM_MIN_BYTES = 64 << 20
 IMPORT_ATTR = "pragma_import_llvm"
+# A loop annotation (traced, so a tuning record replays it): the kernel's
+# gradient stores stay plain.
+CACHED_ATTR = "ce_tvm_gradient_cached"
 _TBAA = ('!{0} = !{{!"tvm-tbaa"}}\n'
          '!{1} = !{{!"ce_tvm.streamed_gradient", !{0}, i64 0}}\n'
          '!{2} = !{{!{1}, !{1}, i64 0}}\n')
@@ -85,8 +91,16 @@ def _streamable(store, values: dict) -> bool:
     return offset.coeff % min(size, 64) == 0 and offset.base % min(size, 64) == 0
 
 
+def keep_gradient_cached(sch, loop) -> None:
+    """Mark a kernel (by ``loop``, one of its loops) whose gradient stores stay plain."""
+    sch.annotate(loop, CACHED_ATTR, 1)
+
+
 def streamed_gradients(func) -> list:
-    """The gradient buffers ``func`` has streamable stores to (``stream_gradient_stores``)."""
+    """The gradient buffers ``func`` has streamable stores to (``stream_gradient_stores``);
+    none in a kernel marked ``keep_gradient_cached``."""
+    if any(CACHED_ATTR in f.annotations for f in collect_nodes(func.body, tirx.For)):
+        return []
     found, values = {}, binds(func.body)
     for store in collect_nodes(func.body, tirx.BufferStore):
         if _streamable(store, values):

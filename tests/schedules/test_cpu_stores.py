@@ -1,6 +1,7 @@
 """float32 gradient stores streamed past the caches (``schedules/cpu_stores.py``):
 which kernels get non-temporal stores (a float32 gradient whose rows are
-64-byte multiples, on AVX-512 and AVX2; cross-compiled, only assembly is made),
+64-byte multiples, on AVX-512 and AVX2, not the divergence's; cross-compiled,
+only assembly is made),
 that a kernel carries both versions and a launch picks one by the gradient's
 size, and that the streamed path writes the same bits as the plain one and
 matches torch's gradient."""
@@ -10,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import ce_tvm
-from ce_tvm.compiler.build import lower_and_compile
+from ce_tvm.compiler.build import KernelSpec, lower_and_compile
 from ce_tvm.schedules.cpu_stores import STREAM_MIN_BYTES
 from ce_tvm.testing import cpu_static
+from ce_tvm.tools.cli import TUNED_VARIANTS
 
 
 @pytest.mark.parametrize("mcpu", ["znver4", "haswell"])
@@ -39,6 +41,14 @@ def test_the_kernel_holds_both_versions():
     spec = cpu_static.cross_spec("train", "float32", 2048, "llvm -mcpu=znver4")
     asm = lower_and_compile(spec).mod.inspect_source("asm")
     assert "vmovntps" in asm and "prefetchw" in asm
+
+
+@pytest.mark.parametrize("op,streamed", [("log_probs_grad", True), ("divergence", False)])
+def test_which_other_gradient_kernels_stream(op, streamed):
+    """The log-probs' backward streams; the divergence, marked
+    ``keep_gradient_cached`` by its schedule, does not."""
+    spec = KernelSpec(op, "float32", 2048, TUNED_VARIANTS[op]("sum"), "llvm")
+    assert ("vmovntps" in lower_and_compile(spec).mod.inspect_source("asm")) == streamed
 
 
 def test_streamed_gradient_matches_torch_and_the_plain_path():
