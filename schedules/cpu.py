@@ -6,8 +6,8 @@ tuning search's ``schedule_knobs``; and the lowering pipeline
 (``TIR_PIPELINE``: TVM's, then the prefetches ``prefetch_ahead`` marks,
 compared ramps rewritten, below, bfloat16 widened by a word permutation where
 it pays and the CPU has one, ``cpu_widening``, rounded once, by AVX-512
-BF16 where the CPU has it, ``cpu_narrowing``, and a large float32 gradient's
-stores made non-temporal, ``cpu_stores``). The numbers they run with (vector width,
+BF16 where the CPU has it, ``cpu_narrowing``, and a large float32 ``[N, C]``
+output's stores made non-temporal, ``cpu_stores``). The numbers they run with (vector width,
 chunk, knobs and their choices) are ``cpu_knobs``'s.
 
 Expects the blocks that ``ce_tvm.kernels`` names (see its module docstring);
@@ -125,9 +125,9 @@ from .cpu_knobs import train_chunk as train_chunk
 from .cpu_narrowing import bf16_rounding
 from .cpu_stores import (
     fits_in_cache,
-    keep_gradient_cached,
-    stream_gradient_stores,
-    streamed_gradients,
+    keep_outputs_cached,
+    stream_output_stores,
+    streamed_outputs,
 )
 from .cpu_widening import bf16_widening
 
@@ -622,7 +622,7 @@ def prefetch_marked_loops(func, mod, ctx):
         return func
     grads = [st.buffer for st in collect_nodes(func.body, tirx.BufferStore)
              if st.buffer.name == X_GRAD]
-    grad, streamed = (grads[0] if grads else None), streamed_gradients(func)
+    grad, streamed = (grads[0] if grads else None), streamed_outputs(func)
     return func.with_body(tvm_ffi.structural_map(
         func.body, [(tirx.SeqStmt, lambda seq: _prefetch_in(seq, grad, streamed))],
         order="post"))
@@ -673,7 +673,7 @@ def compared_ramps_as_offsets(func, mod, ctx):
 def _pipeline():
     lower, finalize_host, finalize_device = tvm.tirx.compilation_pipeline.PIPELINE_MAP["s_tir"]()
     return (tvm.transform.Sequential([lower, prefetch_marked_loops, compared_ramps_as_offsets,
-                                      bf16_widening, bf16_rounding, stream_gradient_stores]),
+                                      bf16_widening, bf16_rounding, stream_output_stores]),
             finalize_host, finalize_device)
 
 
@@ -701,7 +701,7 @@ def divergence(func, target: Target, knobs: CPUKnobs | None = None):
     order = [blk for name in names for blk in rfs.get(name, [sch.get_sblock(name)])]
     row, roots = divergence_row(sch, order)
     sch.parallel(row)
-    keep_gradient_cached(sch, row)
+    keep_outputs_cached(sch, row)
     for blocks in rfs.values():
         if len(blocks) == 1:
             continue

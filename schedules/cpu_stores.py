@@ -1,31 +1,33 @@
-"""float32 gradient stores that skip the read-for-ownership (non-temporal stores).
+"""float32 ``[N, C]`` outputs stored past the caches (non-temporal stores).
 
-A kernel that writes an ``[N, C]`` gradient overwrites every cache line of it
-whole. A plain store first reads the line from memory (write-allocate), so the
-gradient costs a read and a write of memory, and the training kernel's
-``prefetchw`` (``schedules/cpu.py``) only moves that read earlier. A
-non-temporal store (``vmovntps``) writes the line to memory through a
-write-combining buffer without reading it, and leaves it out of the caches.
+A kernel that writes an ``[N, C]`` output (a gradient; the seed API's
+``log_prob``) overwrites every cache line of it whole. A plain store first
+reads the line from memory (write-allocate), so the output costs a read and a
+write of memory, and the training kernel's ``prefetchw`` (``schedules/cpu.py``)
+only moves that read earlier. A non-temporal store (``vmovntps``) writes the
+line to memory through a write-combining buffer without reading it, and
+leaves it out of the caches.
 
 TVM 0.27 cannot say so: TIR has no non-temporal store and its LLVM codegen
-sets no ``!nontemporal``. ``stream_gradient_stores`` (a pass after lowering)
-turns each float32 vector store of a gradient whose address is a multiple of
-64 bytes (or of the vector's, if smaller) into a call of a small LLVM function
-that stores with ``!nontemporal`` (``pragma_import_llvm``, which TVM's codegen
-links in and inlines). That store carries a type-based alias tag of its own
-under TVM's root, so LLVM still knows it writes no other buffer (without one,
-LLVM reloaded the label in every vector step of the gradient loop).
+sets no ``!nontemporal``. ``stream_output_stores`` (a pass after lowering)
+turns each float32 vector store of such an output whose address is a multiple
+of 64 bytes (or of the vector's, if smaller) into a call of a small LLVM
+function that stores with ``!nontemporal`` (``pragma_import_llvm``, which
+TVM's codegen links in and inlines). That store carries a type-based alias tag
+of its own under TVM's root, so LLVM still knows it writes no other buffer
+(without one, LLVM reloaded the label in every vector step of the gradient
+loop).
 
 The stores are aligned when C is a multiple of 16 (the runtime hands the
 kernels 64-byte aligned tensors): a 50257-class row keeps its plain stores.
-Streaming pays only for a gradient larger than the caches; one that fits is
+Streaming pays only for an output larger than the caches; one that fits is
 read back from them by whatever consumes it. So each loop of such stores runs
-in two versions, chosen per launch by the gradient's size
+in two versions, chosen per launch by the output's size
 (``STREAM_MIN_BYTES``), and the ``prefetchw`` of the gradient's lines runs
-only where the stores are plain (``fits_in_cache``). 16-bit gradients keep
-plain stores: on a 2-core Zen 4 streaming made the bf16 backward slower
-(docs/performance.md, "float32 gradients streamed past the caches"); so does
-the divergence, whose schedule marks its rows ``keep_gradient_cached`` (it
+only where the stores are plain (``fits_in_cache``). 16-bit outputs keep plain
+stores: on a 2-core Zen 4 streaming made the bf16 backward slower
+(docs/performance.md, "float32 [N, C] outputs streamed past the caches"); so
+does the divergence, whose schedule marks it ``keep_outputs_cached`` (it
 writes a row's gradient after whole-row passes over two models' logits, bound
 by its arithmetic: 2-4% slower streamed).
 """
@@ -38,19 +40,22 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from ..kernels.stages import LOG_PROB
 from ._common import GRAD_OUTPUTS, binds, collect_nodes, unbound
 
-# A gradient of at least this many bytes is streamed past the caches. On a
+# The [N, C] outputs whose stores may be streamed.
+STREAMED_OUTPUTS = GRAD_OUTPUTS + (LOG_PROB,)
+# An output of at least this many bytes is streamed past the caches. On a
 # 2-core Zen 4 with 32 MiB of L3 streaming was 0.92-1.08x the time of plain
 # stores at 8-32 MiB (float32 training and backward kernels, by shape and run)
 # and 0.75-0.90x from 128 MiB up.
 STREAM_MIN_BYTES = 64 << 20
 IMPORT_ATTR = "pragma_import_llvm"
 # A loop annotation (traced, so a tuning record replays it): the kernel's
-# gradient stores stay plain.
-CACHED_ATTR = "ce_tvm_gradient_cached"
+# output stores stay plain.
+CACHED_ATTR = "ce_tvm_outputs_cached"
 _TBAA = ('!{0} = !{{!"tvm-tbaa"}}\n'
-         '!{1} = !{{!"ce_tvm.streamed_gradient", !{0}, i64 0}}\n'
+         '!{1} = !{{!"ce_tvm.streamed_output", !{0}, i64 0}}\n'
          '!{2} = !{{!{1}, !{1}, i64 0}}\n')
 _NONTEMPORAL = "!{0} = !{{i32 1}}\n"
 
@@ -74,12 +79,12 @@ def _store_ir(lanes: int) -> str:
 
 
 def _streamable(store, values: dict) -> bool:
-    """Whether ``store`` writes a contiguous float32 vector of a gradient, of 32
-    bytes or more, at an address that is a multiple of 64 bytes or of the
+    """Whether ``store`` writes a contiguous float32 vector of a streamed output,
+    of 32 bytes or more, at an address that is a multiple of 64 bytes or of the
     vector's bytes if fewer (given a 64-byte aligned buffer; ``values``:
     ``binds`` of the body)."""
     index = store.indices[-1] if store.indices else None
-    if (store.buffer.name not in GRAD_OUTPUTS or not isinstance(index, tirx.Ramp)
+    if (store.buffer.name not in STREAMED_OUTPUTS or not isinstance(index, tirx.Ramp)
             or not isinstance(index.stride, tirx.IntImm) or index.stride.value != 1
             or not str(store.value.ty).startswith("float32")):
         return False
@@ -91,14 +96,14 @@ def _streamable(store, values: dict) -> bool:
     return offset.coeff % min(size, 64) == 0 and offset.base % min(size, 64) == 0
 
 
-def keep_gradient_cached(sch, loop) -> None:
-    """Mark a kernel (by ``loop``, one of its loops) whose gradient stores stay plain."""
+def keep_outputs_cached(sch, loop) -> None:
+    """Mark a kernel (by ``loop``, one of its loops) whose output stores stay plain."""
     sch.annotate(loop, CACHED_ATTR, 1)
 
 
-def streamed_gradients(func) -> list:
-    """The gradient buffers ``func`` has streamable stores to (``stream_gradient_stores``);
-    none in a kernel marked ``keep_gradient_cached``."""
+def streamed_outputs(func) -> list:
+    """The output buffers ``func`` has streamable stores to (``stream_output_stores``);
+    none in a kernel marked ``keep_outputs_cached``."""
     if any(CACHED_ATTR in f.annotations for f in collect_nodes(func.body, tirx.For)):
         return []
     found, values = {}, binds(func.body)
@@ -122,7 +127,7 @@ def streams(buffer):
 
 @contextlib.contextmanager
 def always_streaming():
-    """Kernels built inside stream every aligned gradient store, whatever its
+    """Kernels built inside stream every aligned output store, whatever its
     size: the code a large launch runs, alone (to count its instructions)."""
     global STREAM_MIN_BYTES
     saved, STREAM_MIN_BYTES = STREAM_MIN_BYTES, 0
@@ -169,8 +174,8 @@ def _children(stmt) -> list:
 
 
 def _two_versions(loop, values: dict, used: set):
-    """``loop`` (whose own body stores to a gradient) as ``if streams: streamed
-    copy else loop`` when a store of it is streamable."""
+    """``loop`` (whose own body stores to a streamed output) as ``if streams:
+    streamed copy else loop`` when a store of it is streamable."""
     stores = [s for s in _direct_stores(loop.body) if _streamable(s, values)]
     if not stores:
         return loop
@@ -180,9 +185,10 @@ def _two_versions(loop, values: dict, used: set):
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
-def stream_gradient_stores(func, mod, ctx):
-    """Non-temporal stores of the gradient where aligned and large (module docstring)."""
-    if not streamed_gradients(func):
+def stream_output_stores(func, mod, ctx):
+    """Non-temporal stores of the ``[N, C]`` outputs where aligned and large
+    (module docstring)."""
+    if not streamed_outputs(func):
         return func
     used, values = set(), binds(func.body)
     body = tvm_ffi.structural_map(

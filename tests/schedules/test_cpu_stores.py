@@ -1,10 +1,9 @@
-"""float32 gradient stores streamed past the caches (``schedules/cpu_stores.py``):
-which kernels get non-temporal stores (a float32 gradient whose rows are
-64-byte multiples, on AVX-512 and AVX2, not the divergence's; cross-compiled,
-only assembly is made),
-that a kernel carries both versions and a launch picks one by the gradient's
-size, and that the streamed path writes the same bits as the plain one and
-matches torch's gradient."""
+"""float32 ``[N, C]`` outputs stored past the caches (``schedules/cpu_stores.py``):
+which kernels get non-temporal stores (a float32 gradient or seed ``log_prob``
+whose rows are 64-byte multiples, on AVX-512 and AVX2, not the divergence's;
+cross-compiled, only assembly is made), that a kernel carries both versions
+and a launch picks one by the output's size, and that the streamed path
+writes the same bits as the plain one and matches torch."""
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 
 import ce_tvm
 from ce_tvm.compiler.build import KernelSpec, lower_and_compile
+from ce_tvm.kernels.kinds import Variant
 from ce_tvm.schedules.cpu_stores import STREAM_MIN_BYTES
 from ce_tvm.testing import cpu_static
 from ce_tvm.tools.cli import TUNED_VARIANTS
@@ -43,11 +43,17 @@ def test_the_kernel_holds_both_versions():
     assert "vmovntps" in asm and "prefetchw" in asm
 
 
-@pytest.mark.parametrize("op,streamed", [("log_probs_grad", True), ("divergence", False)])
-def test_which_other_gradient_kernels_stream(op, streamed):
-    """The log-probs' backward streams; the divergence, marked
-    ``keep_gradient_cached`` by its schedule, does not."""
-    spec = KernelSpec(op, "float32", 2048, TUNED_VARIANTS[op]("sum"), "llvm")
+@pytest.mark.parametrize("op,variant,streamed", [
+    ("log_probs_grad", TUNED_VARIANTS["log_probs_grad"]("sum"), True),
+    ("forward", Variant("mean", log_prob=True), True),
+    ("forward", Variant("mean", log_prob=False), False),
+    ("divergence", TUNED_VARIANTS["divergence"]("sum"), False)],
+    ids=["log-probs-backward", "seed-forward", "forward", "divergence"])
+def test_which_other_kernels_stream(op, variant, streamed):
+    """The log-probs' backward and the seed API's forward (its ``log_prob``)
+    stream; a forward without ``log_prob`` has no ``[N, C]`` output; the
+    divergence, marked ``keep_outputs_cached`` by its schedule, does not."""
+    spec = KernelSpec(op, "float32", 2048, variant, "llvm")
     assert ("vmovntps" in lower_and_compile(spec).mod.inspect_source("asm")) == streamed
 
 
@@ -70,3 +76,17 @@ def test_streamed_gradient_matches_torch_and_the_plain_path():
     ref = x.double().requires_grad_()
     F.cross_entropy(ref, y, reduction="sum", label_smoothing=0.1).backward()
     torch.testing.assert_close(grads[0].double(), ref.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_streamed_log_prob_matches_torch_and_the_plain_path():
+    """The seed API's ``log_prob`` of 64 MiB (streamed) against float64 torch,
+    and its first rows against the same rows launched alone (plain stores)."""
+    classes = 2048
+    rows = STREAM_MIN_BYTES // (4 * classes)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, classes, generator=gen) * 3
+    y = torch.randint(0, classes, (rows,), generator=gen)
+    big = ce_tvm.cross_entropy_loss(x, y)[1]
+    assert torch.equal(big[:64], ce_tvm.cross_entropy_loss(x[:64], y[:64])[1])
+    torch.testing.assert_close(big.double(), torch.log_softmax(x.double(), -1),
+                               rtol=1e-6, atol=1e-5)
