@@ -72,8 +72,9 @@ def test_the_bare_partitioned_weight_is_an_error_that_names_zero3():
 
 
 def test_the_head_module_equals_the_stock_path_loss_and_log_probs_with_entropy():
-    """Losses of 2 SGD steps and every parameter after them, each rank its own rows."""
-    check("module", 2)
+    """Losses of 2 SGD steps and every parameter after them, each rank its own rows
+    (the log-probs with and without the entropy)."""
+    check("module", 3)
 
 
 def test_transformers_apply_untied_tied_and_under_zero_init():

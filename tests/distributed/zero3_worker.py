@@ -76,14 +76,17 @@ class Tiny(nn.Module):
             return F.cross_entropy(self.lm_head(hidden), targets, label_smoothing=0.1)
         kept = targets != -100
         index = targets.clamp_min(0)
-        if how == "ce_tvm_log_probs":
-            logp, entropy = ce_tvm.linear_log_probs(hidden, self.lm_head, index,
-                                                    temperature=0.7, return_entropy=True)
+        with_entropy = not how.endswith("_no_entropy")
+        if how.startswith("ce_tvm_log_probs"):
+            out = ce_tvm.linear_log_probs(hidden, self.lm_head, index, temperature=0.7,
+                                          return_entropy=with_entropy)
+            logp, entropy = out if with_entropy else (out, None)
         else:
             z = torch.log_softmax(self.lm_head(hidden) / 0.7, -1)
             logp = z.gather(-1, index[:, None])[:, 0]
             entropy = -(z.exp() * z).sum(-1)
-        return -(logp * kept).sum() / kept.sum() + 0.1 * entropy.mean()
+        loss = -(logp * kept).sum() / kept.sum()
+        return loss + 0.1 * entropy.mean() if with_entropy else loss
 
 
 def batch(rank, step):
@@ -109,10 +112,11 @@ def train_pair(fused, stock, step_loss, what):
 
 
 def check_module(rank, world):
-    """The head module under ZeRO-3: the loss (smoothing) and the log-probs with the
-    entropy (temperature), each against the stock path."""
+    """The head module under ZeRO-3: the loss (smoothing) and the log-probs with
+    and without the entropy (temperature), each against the stock path."""
     checked = 0
-    for fused_how, stock_how in (("ce_tvm", "stock"), ("ce_tvm_log_probs", "stock_log_probs")):
+    for fused_how, stock_how in (("ce_tvm", "stock"), ("ce_tvm_log_probs", "stock_log_probs"),
+                                 ("ce_tvm_log_probs_no_entropy", "stock_log_probs_no_entropy")):
         torch.manual_seed(0)
         model = Tiny()
         copied = copy.deepcopy(model)  # before ZeRO-3 partitions model's parameters
