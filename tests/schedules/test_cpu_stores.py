@@ -8,10 +8,15 @@ writes the same bits as the plain one and matches torch."""
 import pytest
 import torch
 import torch.nn.functional as F
+import tvm
+import tvm_ffi
+from tvm import tirx
 
 import ce_tvm
 from ce_tvm.compiler.build import KernelSpec, lower_and_compile
 from ce_tvm.kernels.kinds import Variant
+from ce_tvm.schedules import cpu, cpu_stores
+from ce_tvm.schedules._common import collect_nodes
 from ce_tvm.schedules.cpu_stores import STREAM_MIN_BYTES
 from ce_tvm.testing import cpu_static
 from ce_tvm.tools.cli import TUNED_VARIANTS
@@ -41,6 +46,47 @@ def test_the_kernel_holds_both_versions():
     spec = cpu_static.cross_spec("train", "float32", 2048, "llvm -mcpu=znver4")
     asm = lower_and_compile(spec).mod.inspect_source("asm")
     assert "vmovntps" in asm and "prefetchw" in asm
+
+
+def _calls(node, name: str) -> list:
+    return [c for c in collect_nodes(node, tvm.ir.expr.Call) if c.op.same_as(tvm.ir.Op.get(name))]
+
+
+def test_a_launch_streams_from_the_size_on(monkeypatch):
+    """In the lowered training kernel the streamed stores are the ``then`` of a
+    test that holds from ``STREAM_MIN_BYTES`` of gradient on (N read from the
+    launch's arguments), the plain stores its ``else``."""
+    lowered = []
+    real = cpu.stream_output_stores
+
+    @tvm.tirx.transform.prim_func_pass(opt_level=0)
+    def recording(func, mod, ctx):
+        lowered.append(real(tvm.IRModule({"main": func}))["main"])
+        return lowered[-1]
+
+    monkeypatch.setattr(cpu, "stream_output_stores", recording)
+    classes = 2048
+    lower_and_compile(KernelSpec("train", "float32", classes, TUNED_VARIANTS["train"]("mean"),
+                                 "llvm"))
+    (func,) = lowered
+    tests = [n for n in collect_nodes(func.body, tirx.IfThenElse)
+             if any("ce_tvm_stream" in str(c.args[0])
+                    for c in _calls(n.then_case, "tirx.call_extern"))]
+    assert tests
+    threshold_rows = STREAM_MIN_BYTES // (4 * classes)
+    for test in tests:
+        assert [s for s in collect_nodes(test.else_case, tirx.BufferStore)
+                if s.buffer.name == "x_grad"]
+        assert not [s for s in collect_nodes(test.then_case, tirx.BufferStore)
+                    if s.buffer.name == "x_grad"]
+        for rows in (threshold_rows - 1, threshold_rows):
+            def shape_read(call, rows=rows):  # the launch's N, an int64 field of its args
+                named = call.op.same_as(tvm.ir.Op.get("tirx.tvm_struct_get"))
+                return tirx.const(rows, "int64") if named and str(call.ty) == "int64" else call
+            held = tvm.sym.Analyzer().simplify(tvm_ffi.structural_map(
+                cpu_stores.unbound(test.condition, cpu_stores.binds(func.body)),
+                [(tvm.ir.expr.Call, shape_read)], order="post"))
+            assert bool(held.value) == (rows == threshold_rows), (rows, test.condition)
 
 
 @pytest.mark.parametrize("op,variant,streamed", [
