@@ -37,7 +37,7 @@ import torch
 
 from ce_tvm.compiler.build import SCHEDULE_OF_OP, KernelSpec, declared_func
 from ce_tvm.runtime.registry import configure_thread_pool
-from ce_tvm.schedules import cpu, cpu_narrowing, cpu_stores, cpu_widening
+from ce_tvm.schedules import cpu, cpu_narrowing, cpu_reductions, cpu_stores, cpu_widening
 from ce_tvm.schedules.cpu_knobs import CPUKnobs, forward_chunk, hand_knobs
 from ce_tvm.store import records, targets
 from ce_tvm.testing.cpu_static import (
@@ -154,6 +154,14 @@ LEVERS = (
           "the gradient's aligned vector stores non-temporal (cpu_stores), its prefetchw "
           "dropped, where it is at least STREAM_MIN_BYTES",
           without=_patched(cpu_stores, "_streamable", lambda store, values: False)),
+    Lever("tree_lane_reductions", ("forward", "train", "log_probs"),
+          "a reduction's vector accumulators merged by halves, not lane by lane "
+          "(cpu_reductions)",
+          without=_patched(cpu_reductions, "_as_tree", lambda loop: loop)),
+    Lever("tree_lane_reductions_eps0", ("forward", "train"),
+          "the same in the kernels a call with eps = 0 runs",
+          without=_patched(cpu_reductions, "_as_tree", lambda loop: loop),
+          declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),), both=True),
     Lever("compared_ramps_as_offsets", ("train",),
           "column ramps compared as a base plus constant offsets",
           without=_both(_patched(cpu, "_compare_offsets", lambda cmp: cmp),

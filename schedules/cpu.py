@@ -123,6 +123,7 @@ from .cpu_knobs import shifts_rows as shifts_rows
 from .cpu_knobs import stages_chunk as stages_chunk
 from .cpu_knobs import train_chunk as train_chunk
 from .cpu_narrowing import bf16_rounding
+from .cpu_reductions import tree_lane_reductions
 from .cpu_stores import (
     fits_in_cache,
     keep_outputs_cached,
@@ -672,8 +673,9 @@ def compared_ramps_as_offsets(func, mod, ctx):
 
 def _pipeline():
     lower, finalize_host, finalize_device = tvm.tirx.compilation_pipeline.PIPELINE_MAP["s_tir"]()
-    return (tvm.transform.Sequential([lower, prefetch_marked_loops, compared_ramps_as_offsets,
-                                      bf16_widening, bf16_rounding, stream_output_stores]),
+    return (tvm.transform.Sequential([lower, tree_lane_reductions, prefetch_marked_loops,
+                                      compared_ramps_as_offsets, bf16_widening, bf16_rounding,
+                                      stream_output_stores]),
             finalize_host, finalize_device)
 
 

@@ -20,7 +20,8 @@ LEVERS = ["chunk_in_place", "logits_sum_in_max_loop", "sum_with_max", "one_hot_b
           "last_chunk_peeled", "prefetch_next_chunk", "prefetchw_gradient",
           "compared_ramps_as_offsets", "bf16_rounding_once", "vcvtneps2bf16", "vcvtne2ps2bf16",
           "vpermt2w", "sums_ride_the_exp", "smoothing_left_out", "row_shift",
-          "train_chunk_in_l1", "hand_knobs", "streamed_gradient"]
+          "train_chunk_in_l1", "hand_knobs", "streamed_gradient", "tree_lane_reductions",
+          "tree_lane_reductions_eps0"]
 # Rows of 4099 float32 classes are not 64-byte multiples: no store is streamed
 # (tests/schedules/test_cpu_stores.py covers that lever).
 UNALIGNED = {"streamed_gradient"}
@@ -28,9 +29,9 @@ UNALIGNED = {"streamed_gradient"}
 # one-hot term subtracted by chunk (LLVM contracts it into another FMA), other
 # chunks (the row's max and sums merged in another order), the exp-sum taken
 # against the row's shift rather than each chunk's max (with the forward's
-# kernel without label smoothing).
+# kernel without label smoothing), a sum's vector accumulators merged by halves.
 REASSOCIATING = ("hand_knobs", "one_hot_by_chunk", "train_chunk_in_l1", "row_shift",
-                 "smoothing_left_out")
+                 "smoothing_left_out", "tree_lane_reductions", "tree_lane_reductions_eps0")
 
 
 def _levers(tmp_path, *extra) -> list:
