@@ -162,6 +162,12 @@ LEVERS = (
           "the same in the kernels a call with eps = 0 runs",
           without=_patched(cpu_reductions, "_as_tree", lambda loop: loop),
           declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),), both=True),
+    Lever("next_row_prefetch", ("train",),
+          "the streamed gradient's loops prefetch the next row's logits into L2, in the "
+          "kernels a call with eps = 0 runs (cpu.prefetch_next_row)",
+          without=_patched(cpu, "_next_row_in", lambda loop, *args: loop),
+          declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),), both=True,
+          applies=lambda spec, target: cpu.shifts_rows(target)),
     Lever("compared_ramps_as_offsets", ("train",),
           "column ramps compared as a base plus constant offsets",
           without=_both(_patched(cpu, "_compare_offsets", lambda cmp: cmp),

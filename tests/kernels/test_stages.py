@@ -21,7 +21,7 @@ from ce_tvm.kernels import (
     training,
 )
 from ce_tvm.kernels.kinds import Variant
-from ce_tvm.schedules import _common
+from ce_tvm.schedules import _common, cpu_stores
 
 SCHEDULES = Path(__file__).resolve().parents[2] / "schedules"
 
@@ -308,6 +308,52 @@ def test_cpu_training_exp_loop_fetches_the_gradient_lines_for_writing(dtype):
             assert written and set(written) == {stages.X_GRAD}
             read = _prefetched_buffers(func)
             assert len(written) == len(read), (written, read)
+
+
+@pytest.mark.parametrize("mcpu,dtype,smoothing,fetches", [
+    ("znver4", "float32", False, True),
+    ("znver4", "float32", True, False),  # label smoothing's terms: measured slower
+    ("znver4", "bfloat16", False, False),  # its gradient is not streamed
+    ("haswell", "float32", False, False)])  # AVX2: no row shift
+def test_cpu_streamed_gradient_loops_prefetch_the_next_row(mcpu, dtype, smoothing, fetches):
+    """A training kernel that takes each row against its first chunk's max and
+    streams its float32 gradient: every loop that stores the gradient
+    prefetches, into L2, the logits exactly one row (C elements) below the
+    elements it writes, on a launch that streams only (``prefetch_next_row``)."""
+    import tvm
+
+    from ce_tvm.schedules import cpu
+    from ce_tvm.testing.cpu_static import cross_spec
+
+    classes = 12800
+    spec = cross_spec("train", dtype, classes, f"llvm -mcpu={mcpu}")
+    spec = spec.__class__(spec.op, spec.dtype, spec.classes,
+                          Variant("mean", False, False, smoothing=smoothing), spec.target)
+    func = _lowered(spec, "prefetch_next_rows")
+    loops = [f for f in cpu.collect_nodes(func.body, tirx.For)
+             if any(st.buffer.name == stages.X_GRAD
+                    for st in cpu.collect_nodes(f.body, tirx.BufferStore))
+             and not cpu.collect_nodes(f.body, tirx.For)]
+    assert loops
+    analyzer = tvm.sym.Analyzer()
+    for loop in loops:
+        guards = [g for g in cpu.collect_nodes(loop.body, tirx.IfThenElse)
+                  if cpu.collect_nodes(g.then_case, tvm.ir.expr.Call)]
+        to_l2 = [c for c in cpu.collect_nodes(loop.body, tvm.ir.expr.Call)
+                 if c.op.name == "tirx.prefetch" and int(c.args[2]) == 2]
+        assert bool(to_l2) == fetches
+        if not fetches:
+            continue
+        assert guards and all(str(cpu_stores.STREAM_MIN_BYTES) in str(g.condition)
+                              for g in guards)
+        store = next(st for st in cpu.collect_nodes(loop.body, tirx.BufferStore)
+                     if st.buffer.name == stages.X_GRAD)
+        written = cpu.unbound(store.indices[-1], cpu.binds(loop.body)).base
+        lines = sorted(int(analyzer.simplify(
+            cpu.unbound(c.args[0].args[0].indices[-1], cpu.binds(loop.body)) - written))
+            for c in to_l2)
+        assert {c.args[0].args[0].source.name for c in to_l2} == {stages.LOGITS}
+        assert lines == [classes + i * 16 for i in range(len(lines))] and len(lines) == 2
 
 
 def test_cpu_overlap_test_runs_on_the_last_chunk_only():

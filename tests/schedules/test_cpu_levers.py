@@ -21,10 +21,11 @@ LEVERS = ["chunk_in_place", "logits_sum_in_max_loop", "sum_with_max", "one_hot_b
           "compared_ramps_as_offsets", "bf16_rounding_once", "vcvtneps2bf16", "vcvtne2ps2bf16",
           "vpermt2w", "sums_ride_the_exp", "smoothing_left_out", "row_shift",
           "train_chunk_in_l1", "hand_knobs", "streamed_gradient", "tree_lane_reductions",
-          "tree_lane_reductions_eps0"]
-# Rows of 4099 float32 classes are not 64-byte multiples: no store is streamed
-# (tests/schedules/test_cpu_stores.py covers that lever).
-UNALIGNED = {"streamed_gradient"}
+          "tree_lane_reductions_eps0", "next_row_prefetch"]
+# Rows of 4099 float32 classes are not 64-byte multiples: no store is streamed,
+# and no next row prefetched where it streams (tests/schedules/test_cpu_stores.py
+# and tests/kernels/test_stages.py cover those levers).
+UNALIGNED = {"streamed_gradient", "next_row_prefetch"}
 # Levers that change the arithmetic's order: other accumulators (the sums), the
 # one-hot term subtracted by chunk (LLVM contracts it into another FMA), other
 # chunks (the row's max and sums merged in another order), the exp-sum taken
