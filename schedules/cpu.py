@@ -567,8 +567,7 @@ def _with_prefetch(loop, staged, grad=None, streamed=()):
         first = start + _first_index(reads[0], reads[0].source, body, inner)
     else:
         return loop
-    step = tvm.sym.Analyzer().simplify(tvm_ffi.structural_map(first, [(tirx.Var, lambda v: (
-        v + tirx.const(1, v.ty) if v.same_as(var) else v))]) - first)
+    step = _per_iteration(first, var)
     if not isinstance(step, tirx.IntImm):
         return loop
     fetches = _line_prefetches(logits, first + tirx.const(distance, first.ty), step, write=False)
@@ -579,6 +578,12 @@ def _with_prefetch(loop, staged, grad=None, streamed=()):
                        if any(grad.same_as(b) for b in streamed) else writes)
     return tirx.For(var, loop.min, loop.extent, loop.kind, tirx.SeqStmt(fetches + [body]),
                     loop.thread_binding, loop.annotations)
+
+
+def _per_iteration(first, var):
+    """How far the flat index ``first`` moves in one iteration of the loop over ``var``."""
+    return tvm.sym.Analyzer().simplify(tvm_ffi.structural_map(first, [(tirx.Var, lambda v: (
+        v + tirx.const(1, v.ty) if v.same_as(var) else v))]) - first)
 
 
 def _line_prefetches(buffer, start, count, write: bool, locality: int = 3) -> list:
@@ -666,17 +671,15 @@ def _next_row_in(loop, logits, classes: int, streamed):
     if not any(grad.same_as(b) for b in streamed):
         return loop
     first = _first_index(stores[0], grad, body)
-    var = loop.loop_var
-    step = tvm.sym.Analyzer().simplify(tvm_ffi.structural_map(first, [(tirx.Var, lambda v: (
-        v + tirx.const(1, v.ty) if v.same_as(var) else v))]) - first)
+    step = _per_iteration(first, loop.loop_var)
     if not isinstance(step, tirx.IntImm):
         return loop
     fetches = _line_prefetches(logits, first + tirx.const(classes, first.ty), step,
                                write=False, locality=2)
     fetch = tirx.IfThenElse(streams(grad), fetches[0] if len(fetches) == 1
                             else tirx.SeqStmt(fetches), None)
-    return tirx.For(var, loop.min, loop.extent, loop.kind, tirx.SeqStmt([fetch, body]),
-                    loop.thread_binding, loop.annotations)
+    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
+                    tirx.SeqStmt([fetch, body]), loop.thread_binding, loop.annotations)
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
