@@ -3,12 +3,13 @@ shard's statistics, of probability targets and of the log-probs), the
 backward (also of their gradients), the one-pass training kernel
 (``train``), the shard combine (``per_row``) and the divergence; the
 tuning search's ``schedule_knobs``; and the lowering pipeline
-(``TIR_PIPELINE``: TVM's, then the prefetches ``prefetch_ahead`` marks,
-compared ramps rewritten, below, bfloat16 widened by a word permutation where
-it pays and the CPU has one, ``cpu_widening``, rounded once, by AVX-512
+(``TIR_PIPELINE``: TVM's, then vector accumulators merged by halves,
+``cpu_reductions``, the prefetches ``prefetch_ahead`` and ``prefetch_next_row``
+mark, compared ramps rewritten, below, bfloat16 widened by a word permutation
+where it pays and the CPU has one, ``cpu_widening``, rounded once, by AVX-512
 BF16 where the CPU has it, ``cpu_narrowing``, and a large float32 ``[N, C]``
-output's stores made non-temporal, ``cpu_stores``). The numbers they run with (vector width,
-chunk, knobs and their choices) are ``cpu_knobs``'s.
+output's stores made non-temporal, ``cpu_stores``). The numbers they run with
+(vector width, chunk, knobs and their choices) are ``cpu_knobs``'s.
 
 Expects the blocks that ``ce_tvm.kernels`` names (see its module docstring);
 the math is never touched here, only where and how each block runs.
@@ -646,9 +647,10 @@ def prefetch_marked_loops(func, mod, ctx):
 # they write, so the next sweep reads from L2. Measured on a 2-core Zen 4 in
 # one process (docs/performance.md, "The next row prefetched while the
 # gradient streams out"): the kernels that take each row against its first
-# chunk's max (``eps = 0``, AVX-512) 1.19-1.28x faster at six shapes; the
-# kernels with label smoothing's terms 0.92-1.09x, so the schedule marks only
-# the former (``prefetch_next_row``).
+# chunk's max (``eps = 0``, AVX-512) 1.14-1.27x faster at five shapes; the
+# kernels with label smoothing's terms 0.92-1.09x, and every kernel with plain
+# stores 0.89-1.02x, so the schedule marks only the former
+# (``prefetch_next_row``) and the pass adds nothing where the stores are plain.
 
 NEXT_ROW_ATTR = "ce_tvm_prefetch_next_row"
 
