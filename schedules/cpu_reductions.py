@@ -10,8 +10,9 @@ scalar operations in one dependency chain: on AVX-512 31 shuffles and 32
 max's chain. The training kernel's chunk loop spent about 0.23 instructions
 per element of a row there (363 per 1600-class chunk, Zen 4).
 
-``tree_lane_reductions`` (a pass after lowering) rewrites such a loop, when
-``L`` is a power of two and ``op`` is a sum, max or min, as ``log2(L)``
+``tree_lane_reductions`` (a pass after lowering) rewrites such a loop (one
+merge, or several side by side, each into its own value: the log-probs' two
+sums), when ``L`` is a power of two and ``op`` is a sum, max or min, as ``log2(L)``
 vector steps: the upper half of the lanes combined with the lower half, until
 one lane is left, then combined with the reduction's initial value. A max or
 min is the same value; a sum is the same terms added in another order (as the
