@@ -2,6 +2,7 @@
 
 import ast
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -326,9 +327,8 @@ def test_cpu_streamed_gradient_loops_prefetch_the_next_row(mcpu, dtype, smoothin
     from ce_tvm.testing.cpu_static import cross_spec
 
     classes = 12800
-    spec = cross_spec("train", dtype, classes, f"llvm -mcpu={mcpu}")
-    spec = spec.__class__(spec.op, spec.dtype, spec.classes,
-                          Variant("mean", False, False, smoothing=smoothing), spec.target)
+    spec = replace(cross_spec("train", dtype, classes, f"llvm -mcpu={mcpu}"),
+                   variant=Variant("mean", False, False, smoothing=smoothing))
     func = _lowered(spec, "prefetch_next_rows")
     loops = [f for f in cpu.collect_nodes(func.body, tirx.For)
              if any(st.buffer.name == stages.X_GRAD
