@@ -168,6 +168,11 @@ LEVERS = (
           without=_patched(cpu, "_next_row_in", lambda loop, *args: loop),
           declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),), both=True,
           applies=lambda spec, target: cpu.shifts_rows(target)),
+    Lever("next_row_prefetch_smoothing", ("train",),
+          "the streamed gradient's loops prefetch the next row's logits into L2, in the "
+          "kernels with label smoothing's terms (cpu.prefetch_next_row)",
+          without=_patched(cpu, "_next_row_in", lambda loop, *args: loop), both=True,
+          applies=lambda spec, target: cpu.shifts_rows(target)),
     Lever("compared_ramps_as_offsets", ("train",),
           "column ramps compared as a base plus constant offsets",
           without=_both(_patched(cpu, "_compare_offsets", lambda cmp: cmp),
@@ -203,6 +208,11 @@ LEVERS = (
           "max and exp-sum (and kept exp) in one loop (cpu.shifts_rows), not after its max",
           without=_patched(cpu, "shifts_rows", lambda target: False),
           declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),), both=True,
+          applies=lambda spec, target: cpu.shifts_rows(target)),
+    Lever("row_shift_smoothing", ("forward", "train"),
+          "with label smoothing's terms too (eps = 0.1), each row against its first "
+          "chunk's max: the chunk's max, logits' sum and exp-sum (and kept exp) in one loop",
+          without=_patched(cpu, "shifts_rows", lambda target: False), both=True,
           applies=lambda spec, target: cpu.shifts_rows(target)),
     Lever("train_chunk_in_l1", ("train",),
           "the training kernel's chunk fits half the L1d with its kept exp (train_chunk), "

@@ -182,15 +182,19 @@ STAGES_BF16 = ("shard_stats", "log_probs")
 
 def shifts_rows(target: Target) -> bool:
     """Whether the kernels that may (``Variant.shifts_rows``: the forward and
-    training kernels a call with ``eps = 0`` runs, the log-probs without the
-    entropy) take each row against the max of its first chunk
+    training kernels a training step runs, the log-probs without the entropy)
+    take each row against the max of its first chunk
     (``kernels.choices.row_shift``), so that a chunk's max and exp-sum (and
     kept ``exp``) are one loop that streams it in (``logits_sum_in_max_loop``,
     ``exp_with_max``, ``ride_along``): on AVX-512. In-process A/B on a 2-core
     Zen 4 EPYC, hand schedule, at 4096 x 32000, 8192 x 50257 and 2048 x
     128256: the forward 1.10-1.13x faster in bf16 and 1.01-1.11x in float32,
     the training kernel 1.01-1.10x (two runs, ``benchmarks/cpu_levers.py``,
-    ``row_shift``); the log-probs without the entropy 1.08-1.12x in float32
+    ``row_shift``, without label smoothing); with it (``row_shift_smoothing``)
+    the forward 1.03-1.14x in float32, in bf16 1.06-1.09x but 0.94x at C =
+    50257 with the hand knobs (the overlapping last chunk's loop spills a
+    register; its tuned record takes one accumulator), the training kernel
+    1.02-1.15x; the log-probs without the entropy 1.08-1.12x in float32
     and 1.32-1.43x in bf16 (against the bf16 chunk copied to float32, as it
     was). On AVX2 the merged loop needs more than its 16 registers: the
     forward 2.4-2.5 -> 3.1-3.2 instructions per element (``znver3``,

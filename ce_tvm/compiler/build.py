@@ -102,7 +102,7 @@ def exact_path_specs(spec: KernelSpec) -> list[KernelSpec]:
     loss_dtype = accum_dtype(spec.dtype) if v.wide_loss else spec.dtype
     return [KernelSpec("shard_stats", spec.dtype, spec.classes,
                        Variant("mean", v.weighted, softcap=v.softcap, tempered=v.tempered,
-                               smoothing=False), spec.target, spec.options),
+                               smoothing=v.smoothing), spec.target, spec.options),
             KernelSpec("shard_combine", loss_dtype, spec.classes, Variant(v.reduction),
                        spec.target, spec.options)]
 
@@ -230,21 +230,30 @@ SCHEDULE_OF_OP = {"forward": "forward", "train": "train", "shard_stats": "forwar
 def scheduled_func(spec: KernelSpec) -> tvm.tirx.PrimFunc:
     """The compute of ``spec`` with its tuning record, or its target's hand schedule
     (the schedule module's function named after the op, else ``SCHEDULE_OF_OP``'s).
-    A record of a sibling kernel (``KernelSpec.record_name``) schedules it with
-    the record's knobs, where the schedule module can (``schedule_with_knobs``:
-    the CPU's), else the hand schedule does."""
+    A record replays its trace on the compute it was tuned on. On another
+    compute (a sibling kernel's record, ``KernelSpec.record_name``; a record
+    tuned before its kernel's compute changed) the record's knobs schedule the
+    kernel, where the schedule module can (``schedule_with_knobs``: the CPU's),
+    else the hand schedule does."""
     func = declared_func(spec)
     module = schedule_module(spec.target)
-    if spec.tuned and spec.record_name() != spec.name():
-        by_knobs = getattr(module, "schedule_with_knobs", None)
-        if by_knobs is not None:
-            return by_knobs(func, spec.op, spec.tvm_target(), records.record_knobs(spec.tuned))
-    elif spec.tuned:
-        try:
-            return records.apply_record(spec.tuned, func, spec.tvm_target())
-        except RuntimeError as err:  # a record of an older compute: never fail the build
-            log.warning("ce_tvm: %s (it was tuned for another version of the compute); "
-                        "using the hand schedule. Retune it with ce-tvm tune.", err)
+    if spec.tuned:
+        stale = None
+        if spec.record_name() == spec.name():
+            try:
+                return records.apply_record(spec.tuned, func, spec.tvm_target())
+            except RuntimeError as err:  # a record of an older compute: never fail the build
+                stale = err
+        by_knobs, knobs = getattr(module, "schedule_with_knobs", None), \
+            records.record_knobs(spec.tuned)
+        if by_knobs is not None and knobs:
+            if stale:
+                log.info("ce_tvm: %s (it was tuned on another version of the compute); "
+                         "its knobs schedule it. Retune it with ce-tvm tune.", stale)
+            return by_knobs(func, spec.op, spec.tvm_target(), knobs)
+        if stale:
+            log.warning("ce_tvm: %s (it was tuned on another version of the compute); "
+                        "using the hand schedule. Retune it with ce-tvm tune.", stale)
     schedule = getattr(module, spec.op, None) or getattr(module, SCHEDULE_OF_OP[spec.op])
     return schedule(func, spec.tvm_target(), **spec.schedule_options())
 

@@ -100,9 +100,9 @@ class Variant:
 
     def shifts_rows(self) -> bool:
         """Whether this forward may take its rows against a shift, where its
-        schedule asks (``choices.row_shift``): a loss kernel without label
-        smoothing, ``log_prob``, accuracy or a softcap (what a training step at
-        ``eps = 0`` runs); a log-prob kernel (``columns``) without a softcap, the
+        schedule asks (``choices.row_shift``): a loss kernel without
+        ``log_prob``, accuracy or a softcap (what a training step runs, with
+        label smoothing or without); a log-prob kernel (``columns``) without a softcap, the
         statistics or the entropy (whose sum would cancel the gap between the
         row's max and its shift). Its ``lse`` (a log-prob kernel's
         ``log_expsum``) is then ``+inf`` for a row whose max lies too far above
@@ -110,7 +110,7 @@ class Variant:
         such a row again exactly, as it does a row that is not finite."""
         if self.columns:
             return not (self.softcap or self.stats or self.entropy)
-        return not (self.smoothing or self.log_prob or self.accuracy or self.softcap)
+        return not (self.log_prob or self.accuracy or self.softcap)
 
     def tag(self) -> str:
         """A short string naming the variant (used in cache keys and file names)."""

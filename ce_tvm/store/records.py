@@ -12,6 +12,10 @@ trace in meta_schedule's JSON database format: ``database_workload.json``
 number, then the trace and its run times). The trace draws every knob with a
 sampling instruction; a knob of the compute (the CPU's ``chunk``) is also in
 ``knobs``, and the kernel is declared with it before the trace replays.
+A trace replays only on the compute it was tuned on; on another (its
+kernel's compute changed since) the build schedules the kernel by the
+record's ``knobs`` (``compiler.build.scheduled_func``), and a shipped
+record's summary says why (``by_knobs``).
 
 Records are looked up, first match wins, in ``$CE_TVM_TUNING_LOGS``
 (``os.pathsep``-separated), the per-user directory ``user_logs_dir()`` (where

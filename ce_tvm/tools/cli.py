@@ -179,6 +179,21 @@ def record_spec(kernel_name: str) -> KernelSpec:
     return spec
 
 
+def record_cross_spec(directory: Path) -> KernelSpec:
+    """The kernel of the tuning record in ``directory`` (``<key>/<record>``, e.g.
+    ``llvm-znver5-2c/llvm-forward-...``), with the record as its own, built for
+    the record's CPU (its key's name) instead of this host's: the compute its
+    trace replays on."""
+    from ..testing.cpu_static import cross_spec
+
+    rid = f"{directory.parent.name}/{directory.name}"
+    tuned = record_spec(json.loads((directory / "summary.json").read_text())["kernel"])
+    cpu = directory.parent.name.split("-")[1]
+    return replace(cross_spec("forward", "float32", 1, f"llvm -mcpu={cpu}"), op=tuned.op,
+                   dtype=tuned.dtype, classes=tuned.classes, variant=tuned.variant,
+                   tuned=rid, tuned_digest=records.record_digest(rid))
+
+
 def _tuned_specs(args) -> list[KernelSpec]:
     unknown = set(args.ops.split(",")) - set(TUNED_VARIANTS)
     if unknown:

@@ -1,5 +1,6 @@
-"""A forward at ``eps = 0`` (and a log-prob forward without the entropy) on an
-AVX-512 CPU takes each row against the max of its first chunk
+"""A loss forward or training step (with or without label smoothing; not with
+``log_prob``, accuracy or a softcap), and a log-prob forward without the
+entropy, on an AVX-512 CPU take each row against the max of its first chunk
 (``Variant.shifts_rows``, ``kernels.choices.row_shift``). A row whose max lies
 more than ``ROW_SHIFT_RANGE`` above that shift, or one that is not finite, is
 computed again by kernels that take each chunk against its own max
@@ -52,13 +53,16 @@ def _logits(dtype, spike: float, weighted: bool = False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_a_row_far_above_its_shift_is_computed_again_exactly(again, dtype, reduction, weighted):
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_a_row_far_above_its_shift_is_computed_again_exactly(again, dtype, reduction, weighted,
+                                                               eps):
     x, y, w = _logits(dtype, 90.0, weighted)
-    loss = ce_tvm.cross_entropy(x, y, w, reduction=reduction, lse_square_scale=1e-3)
+    loss = ce_tvm.cross_entropy(x, y, w, reduction=reduction, lse_square_scale=1e-3,
+                                label_smoothing=eps)
     assert len(again) == SHIFTED
     ref, _, _, _ = reference.forward(x.double().numpy(), y.numpy(),
                                      None if w is None else w.double().numpy(),
-                                     reduction, -100, 0.0, 1e-3)
+                                     reduction, -100, eps, 1e-3)
     assert_close(loss.reshape(-1), ref.reshape(-1), TOL[dtype], "loss")
 
 
@@ -101,14 +105,15 @@ def test_rows_within_the_range_take_one_sweep(again, dtype):
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_the_gradient_after_a_second_computation(again, reduction, weighted):
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_the_gradient_after_a_second_computation(again, reduction, weighted, eps):
     """``none``: the backward reads the ``lse`` the exact kernels wrote;
     ``mean``/``sum``: the one-pass training kernel's call is computed again,
     the gradient by the backward from the logits."""
     x, y, w = _logits(torch.float32, 90.0, weighted)
     xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    loss = ce_tvm.cross_entropy(xs, y, w, reduction=reduction)
-    ref = F.cross_entropy(xr, y, w, reduction=reduction)
+    loss = ce_tvm.cross_entropy(xs, y, w, reduction=reduction, label_smoothing=eps)
+    ref = F.cross_entropy(xr, y, w, reduction=reduction, label_smoothing=eps)
     loss.sum().backward()
     ref.sum().backward()
     assert len(again) == SHIFTED
@@ -117,19 +122,21 @@ def test_the_gradient_after_a_second_computation(again, reduction, weighted):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_training_kernel_within_the_range(again, dtype):
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_the_training_kernel_within_the_range(again, dtype, eps):
     """The one-pass kernel's kept ``exp`` against the shift: loss and gradient as
     float64, no second computation."""
     x, y, _ = _logits(dtype, 0.0)
     x[2, C - 3] = float(x[2, :2000].float().max()) + ROW_SHIFT_RANGE - 2
     xs = x.clone().requires_grad_()
-    loss = ce_tvm.cross_entropy(xs, y)
+    loss = ce_tvm.cross_entropy(xs, y, label_smoothing=eps)
     loss.backward()
     assert not again
-    ref, log_prob, _, lse = reference.forward(x.double().numpy(), y.numpy(), None, "mean")
+    ref, log_prob, _, lse = reference.forward(x.double().numpy(), y.numpy(), None, "mean",
+                                              label_smoothing=eps)
     assert_close(loss.reshape(1), ref, TOL[dtype], "loss")
     grad = reference.backward(torch.ones(1, dtype=torch.float64).numpy(), log_prob, y.numpy(),
-                              reduction="mean", lse=lse)
+                              reduction="mean", lse=lse, label_smoothing=eps)
     assert_close(xs.grad, grad, TOL[dtype], "grad")
 
 

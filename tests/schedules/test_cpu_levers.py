@@ -21,18 +21,21 @@ LEVERS = ["chunk_in_place", "logits_sum_in_max_loop", "sum_with_max", "one_hot_b
           "compared_ramps_as_offsets", "bf16_rounding_once", "vcvtneps2bf16", "vcvtne2ps2bf16",
           "vpermt2w", "sums_ride_the_exp", "smoothing_left_out", "row_shift",
           "train_chunk_in_l1", "hand_knobs", "streamed_gradient", "tree_lane_reductions",
-          "tree_lane_reductions_eps0", "next_row_prefetch"]
+          "tree_lane_reductions_eps0", "next_row_prefetch", "row_shift_smoothing",
+          "next_row_prefetch_smoothing"]
 # Rows of 4099 float32 classes are not 64-byte multiples: no store is streamed,
 # and no next row prefetched where it streams (tests/schedules/test_cpu_stores.py
 # and tests/kernels/test_stages.py cover those levers).
-UNALIGNED = {"streamed_gradient", "next_row_prefetch"}
+UNALIGNED = {"streamed_gradient", "next_row_prefetch", "next_row_prefetch_smoothing"}
 # Levers that change the arithmetic's order: other accumulators (the sums), the
 # one-hot term subtracted by chunk (LLVM contracts it into another FMA), other
 # chunks (the row's max and sums merged in another order), the exp-sum taken
 # against the row's shift rather than each chunk's max (with the forward's
-# kernel without label smoothing), a sum's vector accumulators merged by halves.
+# kernel without label smoothing, or with it), a sum's vector accumulators
+# merged by halves.
 REASSOCIATING = ("hand_knobs", "one_hot_by_chunk", "train_chunk_in_l1", "row_shift",
-                 "smoothing_left_out", "tree_lane_reductions", "tree_lane_reductions_eps0")
+                 "row_shift_smoothing", "smoothing_left_out", "tree_lane_reductions",
+                 "tree_lane_reductions_eps0")
 
 
 def _levers(tmp_path, *extra) -> list:
@@ -52,7 +55,7 @@ def test_every_lever_changes_the_host_kernel_and_not_its_outputs(tmp_path):
         | ({"vcvtneps2bf16", "vcvtne2ps2bf16"} if not has_bf16_rounding(host) else set()) \
         | ({"vpermt2w"} if not has_word_permutes(host) else set()) \
         | ({"sums_ride_the_exp"} if not cpu.sums_ride_the_exp(host) else set()) \
-        | ({"row_shift"} if not cpu.shifts_rows(host) else set()) \
+        | ({"row_shift", "row_shift_smoothing"} if not cpu.shifts_rows(host) else set()) \
         | ({"train_chunk_in_l1"} if all(cpu.train_chunk(4099, dtype, host) == cpu.forward_chunk(
             4099, dtype, host) for dtype in ("float32", "bfloat16")) else set())
     assert {r["lever"] for r in timed} == set(LEVERS) - missing

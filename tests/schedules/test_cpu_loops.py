@@ -50,11 +50,12 @@ def test_logits_sum_rides_the_max_loop(op, mcpu, dtype, weighted):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_a_row_against_its_shift_sweeps_each_chunk_once(mcpu, shifts, dtype, weighted):
-    """Without label smoothing the AVX-512 forward takes a row against its first
-    chunk's max (``ce_row_shift``, under the row loop before the chunks): a
-    chunk's max and exp-sum share one loop (``cpu.shifts_rows``). With label
-    smoothing, or on AVX2, the exp-sum still waits for the chunk's max."""
-    for op, one_sweep in (("forward-ns", shifts), ("forward", False)):
+    """The AVX-512 forward, with label smoothing's sum or without, takes a row
+    against its first chunk's max (``ce_row_shift``, under the row loop before
+    the chunks): a chunk's max and exp-sum (and the logits' sum) share one loop
+    (``cpu.shifts_rows``). On AVX2 the exp-sum still waits for the chunk's max;
+    with ``log_prob`` written, on every CPU."""
+    for op, one_sweep in (("forward-ns", shifts), ("forward", shifts), ("forward-lp", False)):
         spec = cross_spec(op, dtype, 4099, f"llvm -mcpu={mcpu}", weighted)  # declared for mcpu
         max_steps, exp_steps = _step_loops(spec, mcpu, (MAX_RF, EXPSUM_RF))
         assert max_steps.same_as(exp_steps) == one_sweep

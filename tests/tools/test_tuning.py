@@ -432,21 +432,28 @@ SHIPPED_RECORDS = sorted(p.parent for p in records.PACKAGE_LOGS.glob("*/*/summar
 
 
 @pytest.mark.parametrize("directory", SHIPPED_RECORDS, ids=lambda d: f"{d.parent.name}/{d.name}")
-def test_shipped_record_replays_on_the_current_compute(directory, tmp_path, monkeypatch):
+def test_shipped_record_schedules_the_current_compute(directory, tmp_path, monkeypatch):
     """Every record in the package is keyed to today's compute of its kernel and
-    its trace replays there: a compute change that leaves a record stale (the
-    build would warn and use the hand schedule) fails here. Re-tune it on its
-    machine, or re-key it (``benchmarks/rekey_tuning_logs.py``)."""
-    from ce_tvm.tools.cli import record_spec
+    its trace replays there, or its summary says why its knobs schedule the
+    kernel instead (``by_knobs``: tuned on a CPU not at hand, before its
+    kernel's compute changed), and they do, as the build schedules it. A
+    compute change that leaves a record stale unsaid fails here: re-tune it
+    on its machine, or re-key or mark it (``benchmarks/rekey_tuning_logs.py``)."""
+    from ce_tvm.tools.cli import record_cross_spec
 
     monkeypatch.setenv("CE_TVM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("CE_TVM_TUNING_LOGS", raising=False)
     summary = json.loads((directory / "summary.json").read_text())
-    rid = f"{directory.parent.name}/{directory.name}"
-    spec = replace(record_spec(summary["kernel"]), tuned=rid,
-                   tuned_digest=records.record_digest(rid))
-    func = declared_func(spec)  # as the build declares it: the record's chunk and stage
-    records.apply_record(rid, func, spec.tvm_target())  # raises on a stale record
+    spec = record_cross_spec(directory)
+    rid = spec.tuned
+    func = declared_func(spec)  # as the build declares it there: the record's chunk and stage
+    if "by_knobs" not in summary:
+        records.apply_record(rid, func, spec.tvm_target())  # raises on a stale record
+        return
+    with pytest.raises(RuntimeError, match="no entry for this kernel"):
+        records.apply_record(rid, func, spec.tvm_target())  # a mark left on a current record
+    by_knobs = CPU.schedule_with_knobs(func, spec.op, spec.tvm_target(), summary["knobs"])
+    assert tvm_ffi.structural_equal(build.scheduled_func(spec), by_knobs)
 
 
 def test_log_prob_records_replay_and_match_the_reference(tmp_path, monkeypatch):
