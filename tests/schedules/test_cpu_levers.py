@@ -31,11 +31,11 @@ UNALIGNED = {"streamed_gradient", "next_row_prefetch", "next_row_prefetch_smooth
 # one-hot term subtracted by chunk (LLVM contracts it into another FMA), other
 # chunks (the row's max and sums merged in another order), the exp-sum taken
 # against the row's shift rather than each chunk's max (with the forward's
-# kernel without label smoothing, or with it), a sum's vector accumulators
-# merged by halves.
+# kernel without label smoothing, or with it; a staged chunk takes no shift),
+# a sum's vector accumulators merged by halves.
 REASSOCIATING = ("hand_knobs", "one_hot_by_chunk", "train_chunk_in_l1", "row_shift",
-                 "row_shift_smoothing", "smoothing_left_out", "tree_lane_reductions",
-                 "tree_lane_reductions_eps0")
+                 "row_shift_smoothing", "chunk_in_place", "smoothing_left_out",
+                 "tree_lane_reductions", "tree_lane_reductions_eps0")
 
 
 def _levers(tmp_path, *extra) -> list:
