@@ -328,6 +328,38 @@ def test_record_round_trips_and_applies_at_other_row_counts(tuned_logs, monkeypa
     assert spec in runtime.loaded_specs()  # the losses above ran the tuned kernel
 
 
+def test_a_record_of_another_compute_schedules_by_its_knobs(tuned_logs, tmp_path, monkeypatch,
+                                                          caplog):
+    """A record whose trace was tuned on another version of its kernel's compute
+    (its workload's hash no longer today's) schedules the kernel by its knobs,
+    not by the hand schedule, and says so; the loss through it matches torch."""
+    logs = tmp_path / "logs"
+    shutil.copytree(tuned_logs, logs)
+    _force(logs, applied=True)
+    workload = logs / FORWARD.record_id(TUNED_ROWS) / "database_workload.json"
+    line = json.loads(workload.read_text().splitlines()[0])
+    line[0] = str(int(line[0]) + 1)  # the hash of another compute
+    workload.write_text(json.dumps(line) + "\n")
+    monkeypatch.setenv("CE_TVM_TUNING_LOGS", str(logs))
+    records.forget()
+    spec = _spec("forward", torch.randn(5, C), FORWARD.variant)
+    assert spec.tuned == FORWARD.record_id(TUNED_ROWS)
+    func, target = declared_func(spec), spec.tvm_target()
+    with pytest.raises(RuntimeError, match="no entry for this kernel"):
+        records.apply_record(spec.tuned, func, target)
+    knobs = records.record_knobs(spec.tuned)
+    assert knobs
+    with caplog.at_level(logging.INFO, logger="ce_tvm"):
+        scheduled = build.scheduled_func(spec)
+    assert tvm_ffi.structural_equal(scheduled, CPU.schedule_with_knobs(func, "forward", target,
+                                                                        knobs))
+    assert any("its knobs schedule it" in r.getMessage() for r in caplog.records)
+    xs, ys = torch.randn(7, C), torch.randint(0, C, (7,))
+    torch.testing.assert_close(ce_tvm.cross_entropy(xs, ys, label_smoothing=0.1),
+                               F.cross_entropy(xs, ys, label_smoothing=0.1),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_kernels_without_label_smoothing_take_their_siblings_records_by_knobs(
         tuned_logs, tmp_path, monkeypatch):
     """A call with ``eps = 0`` runs the forward and training kernels without label
