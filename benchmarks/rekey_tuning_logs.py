@@ -33,6 +33,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from ce_tvm.compiler import build
 from ce_tvm.store import records
+from ce_tvm.store.files import copy_file, write_file
 from ce_tvm.tools.cli import record_cross_spec
 
 
@@ -65,10 +66,10 @@ def rekey(directory: Path, note: str, by_knobs: bool = False) -> bool:
         s_tir.Trace.apply_json_to_schedule(trace[1][0], s_tir.Schedule(mod["main"]))
         with tempfile.TemporaryDirectory() as tmp:
             ms.database.JSONDatabase(work_dir=tmp).commit_workload(mod)
-            (directory / "database_workload.json").write_text(
-                (Path(tmp) / "database_workload.json").read_text())
+            copy_file(Path(tmp) / "database_workload.json",
+                      directory / "database_workload.json", mode=0o644)
         summary["rekeyed"] = note
-    (directory / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_file(directory / "summary.json", json.dumps(summary, indent=1).encode(), mode=0o644)
     return True
 
 

@@ -116,6 +116,11 @@ def collect_nodes(node, kind) -> list:
     return found
 
 
+def depends_on(expr, var) -> bool:
+    """Whether the variable ``var`` occurs in ``expr``."""
+    return any(v.same_as(var) for v in collect_nodes(expr, tirx.Var))
+
+
 def binds(body) -> dict:
     """The values of the ``Bind`` variables of ``body`` (CSE binds indices)."""
     return {b.var: b.value for b in collect_nodes(body, tirx.Bind)}

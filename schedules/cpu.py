@@ -93,6 +93,7 @@ from ._common import (
     binds,
     classes_of,
     collect_nodes,
+    depends_on,
     divergence_row,
     has_stage,
     init_row_totals,
@@ -511,10 +512,6 @@ def _chunk(sch) -> int:
     return int(sch.get(sch.get_loops(sch.get_sblock(CHUNK_MAX))[-1]).extent)
 
 
-def _depends_on(expr, var) -> bool:
-    return any(v.same_as(var) for v in collect_nodes(expr, tirx.Var))
-
-
 def _first_index(access, buffer, body, inner=()):
     """The flat index, in scalars, of the first element a load or store of
     ``buffer`` reads or writes: ``Bind``s of ``body`` substituted, a ``Ramp``'s
@@ -543,7 +540,7 @@ def _staged_chunk(stmt):
             start = tvm.sym.Analyzer().simplify(_first_index(sources[0], logits, stmt)
                                                 - _first_index(store, store.buffer, stmt))
             copy_loops = [f.loop_var for f in collect_nodes(stmt, tirx.For)]
-            return None if any(_depends_on(start, v) for v in copy_loops) else (logits, start)
+            return None if any(depends_on(start, v) for v in copy_loops) else (logits, start)
     return None
 
 
@@ -559,7 +556,7 @@ def _with_prefetch(loop, staged, grad=None, streamed=()):
     body, var = loop.body, loop.loop_var
     inner = [f.loop_var for f in collect_nodes(body, tirx.For)]
     direct = [(ld.source, first) for ld in _loads(body, LOGITS)
-              if _depends_on(first := _first_index(ld, ld.source, body, inner), var)]
+              if depends_on(first := _first_index(ld, ld.source, body, inner), var)]
     reads = _loads(body, CHUNK_LOGITS)
     if direct:
         logits, first = direct[0]

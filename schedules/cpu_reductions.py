@@ -25,7 +25,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from ._common import collect_nodes
+from ._common import collect_nodes, depends_on
 
 _OPS = (tirx.Add, tirx.Max, tirx.Min)
 _LOAD = tvm.ir.expr.TensorLoad  # what tirx.BufferLoad makes
@@ -61,15 +61,9 @@ def _lane_base(index, j):
     """``b`` when ``index`` is ``j`` or ``b + j`` (``b`` free of ``j``), else None."""
     if index.same_as(j):
         return tirx.const(0, str(j.ty))
-    if isinstance(index, tirx.Add) and index.b.same_as(j) and not _uses(index.a, j):
+    if isinstance(index, tirx.Add) and index.b.same_as(j) and not depends_on(index.a, j):
         return index.a
     return None
-
-
-def _uses(expr, var) -> bool:
-    found = []
-    tvm_ffi.structural_map(expr, [(tirx.Var, lambda v: found.append(v) or v)])
-    return any(v.same_as(var) for v in found)
 
 
 def _same_element(load, store) -> bool:
@@ -93,14 +87,14 @@ def _merged_by_halves(init, update, j, lanes: int, written: list):
     """The store of one merge as a tree of halves, or None if it is not one."""
     value = update.value
     if (type(value) not in _OPS or tvm.runtime.DataType(str(value.ty)).lanes != 1
-            or any(_uses(i, j) for i in update.indices)):
+            or any(depends_on(i, j) for i in update.indices)):
         return None
     acc, lane = (value.a, value.b) if _same_element(value.a, update) else (value.b, value.a)
     if (not _same_element(acc, update) or not isinstance(lane, _LOAD)
             or len(lane.indices) != 1 or any(lane.source.same_as(b) for b in written)):
         return None
     base = _lane_base(lane.indices[0], j)
-    if base is None or (init is not None and (_uses(init.value, j) or any(
+    if base is None or (init is not None and (depends_on(init.value, j) or any(
             load.source.same_as(b) for load in collect_nodes(init.value, _LOAD)
             for b in written))):
         return None
