@@ -153,7 +153,14 @@ LEVERS = (
     Lever("streamed_gradient", ("train", "backward", "log_probs_grad"),
           "the gradient's aligned vector stores non-temporal (cpu_stores), its prefetchw "
           "dropped, where it is at least STREAM_MIN_BYTES",
-          without=_patched(cpu_stores, "_streamable", lambda store, values: False)),
+          without=_both(_patched(cpu_stores, "_streamable", lambda store, values: False),
+                        _patched(cpu_stores, "_stageable", lambda loop, values: None)),
+          dtypes=("float32",)),
+    Lever("staged_gradient", ("train", "backward", "log_probs_grad"),
+          "a gradient whose rows are not 64-byte multiples staged in L1 by blocks and "
+          "copied out non-temporally from each block's first line boundary (cpu_stores)",
+          without=_patched(cpu_stores, "_stageable", lambda loop, values: None),
+          dtypes=("float32",)),
     Lever("tree_lane_reductions", ("forward", "train", "log_probs"),
           "a reduction's vector accumulators merged by halves, not lane by lane "
           "(cpu_reductions)",
@@ -167,12 +174,12 @@ LEVERS = (
           "kernels a call with eps = 0 runs (cpu.prefetch_next_row)",
           without=_patched(cpu, "_next_row_in", lambda loop, *args: loop),
           declared=(("smoothing", False),), scalars=(("label_smoothing", 0.0),), both=True,
-          applies=lambda spec, target: cpu.shifts_rows(target)),
+          applies=lambda spec, target: cpu.shifts_rows(target), dtypes=("float32",)),
     Lever("next_row_prefetch_smoothing", ("train",),
           "the streamed gradient's loops prefetch the next row's logits into L2, in the "
           "kernels with label smoothing's terms (cpu.prefetch_next_row)",
           without=_patched(cpu, "_next_row_in", lambda loop, *args: loop), both=True,
-          applies=lambda spec, target: cpu.shifts_rows(target)),
+          applies=lambda spec, target: cpu.shifts_rows(target), dtypes=("float32",)),
     Lever("compared_ramps_as_offsets", ("train",),
           "column ramps compared as a base plus constant offsets",
           without=_both(_patched(cpu, "_compare_offsets", lambda cmp: cmp),

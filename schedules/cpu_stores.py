@@ -19,7 +19,12 @@ of its own under TVM's root, so LLVM still knows it writes no other buffer
 loop).
 
 The stores are aligned when C is a multiple of 16 (the runtime hands the
-kernels 64-byte aligned tensors): a 50257-class row keeps its plain stores.
+kernels 64-byte aligned tensors). Where a row is not (C = 50257), a loop that
+writes consecutive vectors of the output and nothing else is staged
+(``_staged``): blocks of its vectors go to a scratch buffer in L1, and each
+block is copied out with non-temporal stores from the first 64-byte boundary
+on, its first and last 16 lanes by plain (unaligned) stores that overlap the
+streamed ones with the same values.
 Streaming pays only for an output larger than the caches; one that fits is
 read back from them by whatever consumes it. So each loop of such stores runs
 in two versions, chosen per launch by the output's size
@@ -50,6 +55,11 @@ STREAMED_OUTPUTS = GRAD_OUTPUTS + (LOG_PROB,)
 # stores at 8-32 MiB (float32 training and backward kernels, by shape and run)
 # and 0.75-0.90x from 128 MiB up.
 STREAM_MIN_BYTES = 64 << 20
+# A staged loop goes through its scratch buffer in blocks of at most this many
+# float32 elements (8 KB: L1, beside what the loop reads).
+STAGE_BLOCK_ELEMENTS = 2048
+# float32 lanes of a 64-byte line: a staged block's non-temporal stores.
+_LINE_LANES = 16
 IMPORT_ATTR = "pragma_import_llvm"
 # A loop annotation (traced, so a tuning record replays it): the kernel's
 # output stores stay plain.
@@ -78,22 +88,85 @@ def _store_ir(lanes: int) -> str:
             "  ret void\n}\n")
 
 
-def _streamable(store, values: dict) -> bool:
-    """Whether ``store`` writes a contiguous float32 vector of a streamed output,
-    of 32 bytes or more, at an address that is a multiple of 64 bytes or of the
-    vector's bytes if fewer (given a 64-byte aligned buffer; ``values``:
-    ``binds`` of the body)."""
+def _output_vector(store) -> bool:
+    """Whether ``store`` writes a contiguous float32 vector of 32 bytes or more
+    (a power of two) to a streamed output."""
     index = store.indices[-1] if store.indices else None
     if (store.buffer.name not in STREAMED_OUTPUTS or not isinstance(index, tirx.Ramp)
             or not isinstance(index.stride, tirx.IntImm) or index.stride.value != 1
             or not str(store.value.ty).startswith("float32")):
         return False
+    size = int(index.lanes) * _bytes(store.buffer.dtype)
+    return size >= 32 and not size & (size - 1)
+
+
+_FIRST_LANES = f"ce_tvm_store_first_float32x{_LINE_LANES}"
+
+
+def _first_lanes_ir() -> str:
+    """An LLVM function ``(ptr, value, count)`` that stores the first ``count``
+    of the ``_LINE_LANES`` float32 lanes ``value`` (``llvm.masked.store``: the
+    other lanes' memory is not touched), with the tag ``!3``."""
+    lanes = _LINE_LANES
+    vec, ints = f"<{lanes} x float>", f"<{lanes} x i32>"
+    iota = ", ".join(f"i32 {i}" for i in range(lanes))
+    return (f"define void @{_FIRST_LANES}(ptr %p, {vec} %v, i32 %n) {{\n"
+            f"  %b = insertelement {ints} poison, i32 %n, i64 0\n"
+            f"  %s = shufflevector {ints} %b, {ints} poison, {ints} zeroinitializer\n"
+            f"  %m = icmp slt {ints} <{iota}>, %s\n"
+            f"  call void @llvm.masked.store.v{lanes}f32.p0({vec} %v, ptr %p, i32 4, "
+            f"<{lanes} x i1> %m), !tbaa !3\n"
+            "  ret void\n}\n"
+            f"declare void @llvm.masked.store.v{lanes}f32.p0({vec}, ptr, i32, <{lanes} x i1>)\n")
+
+
+def _streamable(store, values: dict) -> bool:
+    """Whether ``store`` writes an output vector (``_output_vector``) at an
+    address that is a multiple of 64 bytes or of the vector's bytes if fewer
+    (given a 64-byte aligned buffer; ``values``: ``binds`` of the body)."""
+    if not _output_vector(store):
+        return False
+    index = store.indices[-1]
     element = _bytes(store.buffer.dtype)
     size = int(index.lanes) * element
-    if size < 32 or size & (size - 1):
-        return False
     offset = tvm.sym.Analyzer().modular_set(unbound(index.base, values) * element)
     return offset.coeff % min(size, 64) == 0 and offset.base % min(size, 64) == 0
+
+
+def _substitute(node, var, value):
+    """``node`` with ``var`` replaced by ``value`` (once: ``value`` may hold ``var``)."""
+    return tvm_ffi.structural_map(node, [(tirx.Var, lambda v: value if v.same_as(var) else v)])
+
+
+def _sole_store(loop):
+    """The one store of a serial ``loop`` whose body holds binds, statements
+    without stores (prefetches) and that store, last; else ``None``."""
+    body = loop.body
+    stmts = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+    if loop.kind != tirx.ForKind.SERIAL or not isinstance(stmts[-1], tirx.BufferStore):
+        return None
+    for stmt in stmts[:-1]:
+        if collect_nodes(stmt, tirx.BufferStore) or collect_nodes(stmt, tirx.For):
+            return None
+    return stmts[-1]
+
+
+def _stageable(loop, values: dict):
+    """The store ``_staged`` can take out of ``loop``: its sole store, a float32
+    output vector (``_output_vector``) that is not aligned, at consecutive vectors
+    from one iteration to the next, over at least four lines; else ``None``."""
+    store = _sole_store(loop)
+    if (store is None or str(store.buffer.dtype) != "float32" or not _output_vector(store)
+            or _streamable(store, values) or not isinstance(loop.extent, tirx.IntImm)):
+        return None
+    lanes = int(store.indices[-1].lanes)
+    if loop.extent.value * lanes < 4 * _LINE_LANES:
+        return None
+    base = unbound(store.indices[-1].base, values)
+    var = loop.loop_var
+    step = tvm.sym.Analyzer().simplify(
+        _substitute(base, var, var + tirx.const(1, var.ty)) - base)
+    return store if isinstance(step, tirx.IntImm) and step.value == lanes else None
 
 
 def keep_outputs_cached(sch, loop) -> None:
@@ -102,14 +175,16 @@ def keep_outputs_cached(sch, loop) -> None:
 
 
 def streamed_outputs(func) -> list:
-    """The output buffers ``func`` has streamable stores to (``stream_output_stores``);
-    none in a kernel marked ``keep_outputs_cached``."""
+    """The output buffers ``func`` has streamable or stageable stores to
+    (``stream_output_stores``); none in a kernel marked ``keep_outputs_cached``."""
     if any(CACHED_ATTR in f.annotations for f in collect_nodes(func.body, tirx.For)):
         return []
     found, values = {}, binds(func.body)
-    for store in collect_nodes(func.body, tirx.BufferStore):
-        if _streamable(store, values):
-            found.setdefault(store.buffer.name, store.buffer)
+    stores = [s for s in collect_nodes(func.body, tirx.BufferStore) if _streamable(s, values)]
+    stores += [s for s in (_stageable(loop, values) for loop in collect_nodes(func.body, tirx.For))
+               if s is not None]
+    for store in stores:
+        found.setdefault(store.buffer.name, store.buffer)
     return list(found.values())
 
 
@@ -147,9 +222,7 @@ def _streamed(store, values: dict, used: set):
         return store
     index = store.indices[-1]
     used.add(int(index.lanes))
-    address = tirx.address_of(tirx.BufferLoad(store.buffer, [index.base]))
-    return tirx.Evaluate(tirx.call_extern("void", _store_function(int(index.lanes)),
-                                          address, store.value))
+    return _nontemporal(store.buffer, index.base, store.value, int(index.lanes))
 
 
 def _direct_stores(stmt) -> list:
@@ -173,15 +246,121 @@ def _children(stmt) -> list:
     return [body] if isinstance(body, tirx.Stmt) else []
 
 
-def _two_versions(loop, values: dict, used: set):
+def _nontemporal(buffer, index, value, lanes: int):
+    """A non-temporal store of the ``lanes`` float32 lanes ``value`` at
+    ``buffer[index]`` (aligned to 64 bytes or to their size)."""
+    address = tirx.address_of(tirx.BufferLoad(buffer, [index]))
+    return tirx.Evaluate(tirx.call_extern("void", _store_function(lanes), address, value))
+
+
+def _stage_block(loop, store, stage, first, count: int, values: dict):
+    """Iterations ``[first, first + count)`` of ``loop`` (its sole output ``store``
+    consecutive vectors) into ``stage``, then copied to the output: the whole
+    64-byte lines it covers by non-temporal stores (the output is 64-byte
+    aligned), the elements before the first and the last 1 to 31 by plain masked
+    stores (a plain store to a line just streamed would wait for it to leave the
+    write-combining buffer). The block is read whole before any of it is written:
+    an output written over its input holds."""
+    var, lanes = loop.loop_var, int(store.indices[-1].lanes)
+    inner = tirx.Var(f"{var.name}_staged", var.ty)
+
+    def to_stage(st):
+        if not st.buffer.same_as(store.buffer):
+            return st
+        offset = inner * tirx.const(lanes, var.ty)
+        return tirx.BufferStore(stage, st.value, [tirx.Ramp(offset, tirx.const(1, var.ty), lanes)])
+
+    body = _substitute(loop.body, var, first + inner)
+    staged = tirx.For(inner, tirx.const(0, var.ty), tirx.const(count, var.ty),
+                      tirx.ForKind.SERIAL, tvm_ffi.structural_map(
+                          body, [(tirx.BufferStore, to_stage)], order="post"))
+    start = _substitute(unbound(store.indices[-1].base, values), var, first)
+    one, width = tirx.const(1, var.ty), tirx.const(_LINE_LANES, var.ty)
+    head = tirx.floormod(tirx.const(0, var.ty) - start, width)
+
+    def first_lanes(at, n):  # output[start + at + i] = stage[at + i], i < n <= 16
+        address = tirx.address_of(tirx.BufferLoad(store.buffer, [start + at]))
+        value = tirx.BufferLoad(stage, [tirx.Ramp(at, one, _LINE_LANES)])
+        return tirx.Evaluate(tirx.call_extern("void", _FIRST_LANES, address, value,
+                                              tirx.Cast("int32", n)))
+
+    # A constant count of whole lines (LLVM unrolls it without a remainder loop),
+    # one short of those the block may cover; the rest, 1 to 31 elements, masked.
+    lines = count * lanes // _LINE_LANES - 1
+    line = tirx.Var(f"{var.name}_line", var.ty)
+    at = head + line * width
+    streamed = tirx.For(line, tirx.const(0, var.ty), tirx.const(lines, var.ty),
+                        tirx.ForKind.SERIAL, _nontemporal(
+                            store.buffer, start + at,
+                            tirx.BufferLoad(stage, [tirx.Ramp(at, one, _LINE_LANES)]),
+                            _LINE_LANES))
+    rest_at = head + tirx.const(lines * _LINE_LANES, var.ty)
+    rest = tirx.const(count * lanes, var.ty) - rest_at
+    return [staged, first_lanes(tirx.const(0, var.ty), head), streamed,
+            first_lanes(rest_at, tirx.min(rest, width)),
+            first_lanes(rest_at + width, tirx.max(rest - width, tirx.const(0, var.ty)))]
+
+
+def _staged(loop, store, stage, values: dict):
+    """``loop`` through ``stage`` in blocks of ``STAGE_BLOCK_ELEMENTS`` (the last
+    one up to a line more, so that none is shorter than a line: ``_stage_block``)."""
+    lanes, extent = int(store.indices[-1].lanes), loop.extent.value
+    per_block = max(1, STAGE_BLOCK_ELEMENTS // lanes)
+    blocks, rest = divmod(extent, per_block)
+    if blocks and 0 < rest * lanes < _LINE_LANES:
+        blocks, rest = blocks - 1, rest + per_block
+    var = loop.loop_var
+    stmts = []
+    if blocks == 1:
+        stmts += _stage_block(loop, store, stage, loop.min, per_block, values)
+    elif blocks:
+        block = tirx.Var(f"{var.name}_block", var.ty)
+        first = loop.min + block * tirx.const(per_block, var.ty)
+        stmts.append(tirx.For(block, tirx.const(0, var.ty), tirx.const(blocks, var.ty),
+                              tirx.ForKind.SERIAL, tirx.SeqStmt(
+                                  _stage_block(loop, store, stage, first, per_block, values))))
+    if rest:
+        first = loop.min + tirx.const(blocks * per_block, var.ty)
+        stmts += _stage_block(loop, store, stage, first, rest, values)
+    return stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts)
+
+
+def _two_versions(loop, values: dict, used: set, stage):
     """``loop`` (whose own body stores to a streamed output) as ``if streams:
-    streamed copy else loop`` when a store of it is streamable."""
+    streamed copy else loop`` when a store of it is streamable, or stageable
+    (``_staged`` through ``stage``)."""
     stores = [s for s in _direct_stores(loop.body) if _streamable(s, values)]
-    if not stores:
+    if stores:
+        streamed = tvm_ffi.structural_map(
+            loop, [(tirx.BufferStore, lambda s: _streamed(s, values, used))], order="post")
+        return tirx.IfThenElse(streams(stores[0].buffer), streamed, loop)
+    store = _stageable(loop, values)
+    if store is None:
         return loop
-    streamed = tvm_ffi.structural_map(
-        loop, [(tirx.BufferStore, lambda s: _streamed(s, values, used))], order="post")
-    return tirx.IfThenElse(streams(stores[0].buffer), streamed, loop)
+    used.add(_LINE_LANES)
+    return tirx.IfThenElse(streams(store.buffer), _staged(loop, store, stage, values), loop)
+
+
+def _uses(stmt, buffer) -> bool:
+    return any(s.buffer.same_as(buffer) for s in collect_nodes(stmt, tirx.BufferStore))
+
+
+def _with_stage(body, stage):
+    """``body`` with ``stage`` allocated at the top of each parallel loop that
+    uses it (a scratch buffer a thread), or of ``body`` if none does."""
+    def allocate(stmt):
+        return tirx.SeqStmt([tirx.AllocBuffer(stage), stmt])
+
+    def in_parallel(loop):
+        if loop.kind != tirx.ForKind.PARALLEL or not _uses(loop.body, stage):
+            return loop
+        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, allocate(loop.body),
+                        loop.thread_binding, loop.annotations)
+
+    placed = tvm_ffi.structural_map(body, [(tirx.For, in_parallel)], order="post")
+    if placed.same_as(body) and _uses(body, stage):
+        return allocate(body)
+    return placed
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
@@ -191,12 +370,17 @@ def stream_output_stores(func, mod, ctx):
     if not streamed_outputs(func):
         return func
     used, values = set(), binds(func.body)
-    body = tvm_ffi.structural_map(
-        func.body, [(tirx.For, lambda loop: _two_versions(loop, values, used))],
-        order="post")
+    # A block's last line may read up to two lines past it (masked off).
+    stage = tirx.decl_buffer((STAGE_BLOCK_ELEMENTS + 3 * _LINE_LANES,), "float32",
+                             "ce_tvm_stage")
+    body = _with_stage(tvm_ffi.structural_map(
+        func.body, [(tirx.For, lambda loop: _two_versions(loop, values, used, stage))],
+        order="post"), stage)
     if not used:
         return func
     code = "".join(_store_ir(lanes) for lanes in sorted(used))
+    if _uses(body, stage):
+        code += _first_lanes_ir()
     code += _NONTEMPORAL.format(0) + _TBAA.format(1, 2, 3)
     func = func.with_body(tirx.AttrStmt(tvm.ir.StringImm(""), IMPORT_ATTR,
                                         tvm.ir.StringImm(code), body))

@@ -1,9 +1,11 @@
 """float32 ``[N, C]`` outputs stored past the caches (``schedules/cpu_stores.py``):
-which kernels get non-temporal stores (a float32 gradient or seed ``log_prob``
-whose rows are 64-byte multiples, on AVX-512 and AVX2, not the divergence's;
-cross-compiled, only assembly is made), that a kernel carries both versions
-and a launch picks one by the output's size, and that the streamed path
-writes the same bits as the plain one and matches torch."""
+which kernels get non-temporal stores (a float32 gradient or seed ``log_prob``,
+its rows 64-byte multiples or staged by blocks where they are not, on AVX-512
+and AVX2, not the divergence's; cross-compiled, only assembly is made), that a
+kernel carries both versions and a launch picks one by the output's size, and
+that the streamed path writes the same bits as the plain one and matches torch."""
+
+import re
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from tvm import tirx
 import ce_tvm
 from ce_tvm.compiler.build import KernelSpec, lower_and_compile
 from ce_tvm.kernels.kinds import Variant
+from ce_tvm.runtime import launch
+from ce_tvm.runtime.options import LossOptions
 from ce_tvm.schedules import cpu, cpu_stores
 from ce_tvm.schedules._common import collect_nodes
 from ce_tvm.schedules.cpu_stores import STREAM_MIN_BYTES
@@ -33,19 +37,24 @@ def test_aligned_float32_gradients_stream(op, mcpu):
                 if "vmovaps\t%" in line and "%rsp" not in line and "(" in line]
 
 
-@pytest.mark.parametrize("dtype,classes", [("float32", 2050), ("bfloat16", 2048)],
-                         ids=["unaligned-rows", "bfloat16"])
-def test_others_keep_plain_stores(dtype, classes):
-    asm = cpu_static.cpu_asm("train", dtype, classes, "llvm -mcpu=znver4")
+@pytest.mark.parametrize("mcpu,masked", [("znver4", r"vmovups\t%zmm\d+, .*\) \{%k"),
+                                          ("haswell", r"vmaskmovps\t%ymm\d+, %ymm\d+, .*\)")])
+@pytest.mark.parametrize("op", ["train", "backward"])
+def test_unaligned_float32_gradients_stream_by_blocks(op, mcpu, masked):
+    """Rows of 2050 classes (not 64-byte multiples): each block of the gradient is
+    streamed from its first line boundary, its first and last elements stored
+    under a mask (AVX-512's masked move, AVX2's ``vmaskmovps``: no AVX-512
+    instruction), and the gradient's lines are not prefetched for writing."""
+    asm = cpu_static.cpu_asm(op, "float32", 2050, f"llvm -mcpu={mcpu}")
+    assert "vmovntps" in asm and "prefetchw" not in asm
+    assert re.search(masked, asm)
+    if mcpu == "haswell":
+        assert "zmm" not in asm
+
+
+def test_bfloat16_gradients_keep_plain_stores():
+    asm = cpu_static.cpu_asm("train", "bfloat16", 2048, "llvm -mcpu=znver4")
     assert "vmovnt" not in asm and "prefetchw" in asm
-
-
-def test_the_kernel_holds_both_versions():
-    """Built as the runtime builds it, the training kernel has the streamed
-    stores and, for a small gradient, the plain ones with their ``prefetchw``."""
-    spec = cpu_static.cross_spec("train", "float32", 2048, "llvm -mcpu=znver4")
-    asm = lower_and_compile(spec).mod.inspect_source("asm")
-    assert "vmovntps" in asm and "prefetchw" in asm
 
 
 def _calls(node, name: str) -> list:
@@ -136,3 +145,48 @@ def test_streamed_log_prob_matches_torch_and_the_plain_path():
     assert torch.equal(big[:64], ce_tvm.cross_entropy_loss(x[:64], y[:64])[1])
     torch.testing.assert_close(big.double(), torch.log_softmax(x.double(), -1),
                                rtol=1e-6, atol=1e-5)
+
+
+def _rows_to_stream(classes: int) -> int:
+    return -(-STREAM_MIN_BYTES // (4 * classes))
+
+
+def test_staged_gradient_matches_torch_and_the_plain_path():
+    """Rows of 2049 classes start at every offset within a line: the staged
+    gradient of a launch at the size (its blocks streamed) against float64 torch,
+    and its first rows against the same rows launched alone (plain stores), bit
+    for bit."""
+    classes = 2049
+    rows = _rows_to_stream(classes)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, classes, generator=gen) * 3
+    y = torch.randint(0, classes, (rows,), generator=gen)
+    y[::7] = -100
+    grads = []
+    for n in (rows, 64):
+        xg = x[:n].clone().requires_grad_()
+        ce_tvm.cross_entropy(xg, y[:n], reduction="sum", label_smoothing=0.1).backward()
+        grads.append(xg.grad)
+    assert torch.equal(grads[0][:64], grads[1])
+    ref = x.double().requires_grad_()
+    F.cross_entropy(ref, y, reduction="sum", label_smoothing=0.1).backward()
+    torch.testing.assert_close(grads[0].double(), ref.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_staged_gradient_written_over_its_logits():
+    """The backward writing its gradient over the logits (as the fused linear
+    loss's chunks do), staged at an unaligned row length: the same bits as
+    into a buffer of its own."""
+    classes = 2049
+    rows = _rows_to_stream(classes)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, classes, generator=gen) * 3
+    y = torch.randint(0, classes, (rows,), generator=gen)
+    options = LossOptions.from_schema("sum", -100, 0.1, 0.0, 0.0, 1.0)
+    lse = launch.forward(x, y, None, options, log_prob=False).lse
+    grad = torch.ones(1)
+    apart = launch.backward(grad, torch.zeros(1), x, lse, y, None, options, source_kind="logits")
+    over = launch.backward(grad, torch.zeros(1), x, lse, y, None, options, source_kind="logits",
+                           out=x)
+    assert over.data_ptr() == x.data_ptr()
+    assert torch.equal(over, apart)
