@@ -160,7 +160,8 @@ LEVERS = (
           "a gradient whose rows are not 64-byte multiples staged in L1 by blocks and "
           "copied out non-temporally from each block's first line boundary (cpu_stores)",
           without=_patched(cpu_stores, "_stageable", lambda loop, values: None),
-          dtypes=("float32",)),
+          dtypes=("float32",),
+          applies=lambda spec, target: cpu_stores.stages_unaligned_rows(target)),
     Lever("tree_lane_reductions", ("forward", "train", "log_probs"),
           "a reduction's vector accumulators merged by halves, not lane by lane "
           "(cpu_reductions)",
