@@ -79,6 +79,40 @@ static float *uniform_floats(int n) {
 FMA_THROUGHPUT(, fma_throughput_ns, __m256, _mm256_set1_ps, _mm256_fmadd_ps)
 FMA_THROUGHPUT(ZMM, zmm_fma_throughput_ns, __m512, _mm512_set1_ps, _mm512_fmadd_ps)
 
+/* Whether OP shares the FMA pipes: 12 zmm FMA chains an iteration, alone and
+   with 6 independent OPs beside them (ns per iteration). Where the time does
+   not grow, OP issues to other pipes. */
+#define ZMM_BESIDE_FMA(NAME, T, SET1, OP)                                       \
+  ZMM static double NAME(long reps, int with_op) {                              \
+    __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);           \
+    __m512 a0 = m, a1 = m, a2 = m, a3 = m, a4 = m, a5 = m;                      \
+    __m512 a6 = c, a7 = c, a8 = c, a9 = c, a10 = c, a11 = c;                     \
+    T b0 = SET1(1), b1 = SET1(2), b2 = SET1(3), b3 = SET1(4), b4 = SET1(5);     \
+    T b5 = SET1(6), k = SET1(7);                                                \
+    double t0 = now();                                                          \
+    for (long i = 0; i < reps; i++) {                                           \
+      a0 = _mm512_fmadd_ps(a0, m, c); a1 = _mm512_fmadd_ps(a1, m, c);           \
+      a2 = _mm512_fmadd_ps(a2, m, c); a3 = _mm512_fmadd_ps(a3, m, c);           \
+      a4 = _mm512_fmadd_ps(a4, m, c); a5 = _mm512_fmadd_ps(a5, m, c);           \
+      a6 = _mm512_fmadd_ps(a6, m, c); a7 = _mm512_fmadd_ps(a7, m, c);           \
+      a8 = _mm512_fmadd_ps(a8, m, c); a9 = _mm512_fmadd_ps(a9, m, c);           \
+      a10 = _mm512_fmadd_ps(a10, m, c); a11 = _mm512_fmadd_ps(a11, m, c);       \
+      if (with_op) {                                                            \
+        b0 = OP(b0, k); b1 = OP(b1, k); b2 = OP(b2, k);                         \
+        b3 = OP(b3, k); b4 = OP(b4, k); b5 = OP(b5, k);                         \
+      }                                                                         \
+      KEEP(a0); KEEP(a1); KEEP(a2); KEEP(a3); KEEP(a4); KEEP(a5);               \
+      KEEP(a6); KEEP(a7); KEEP(a8); KEEP(a9); KEEP(a10); KEEP(a11);             \
+      KEEP(b0); KEEP(b1); KEEP(b2); KEEP(b3); KEEP(b4); KEEP(b5);               \
+    }                                                                           \
+    return (now() - t0) / reps * 1e9;                                           \
+  }
+#define ZMM_SLLI(v, k) _mm512_slli_epi32(v, 1)
+ZMM_BESIDE_FMA(beside_maxps_ns, __m512, _mm512_set1_ps, _mm512_max_ps)
+ZMM_BESIDE_FMA(beside_addps_ns, __m512, _mm512_set1_ps, _mm512_add_ps)
+ZMM_BESIDE_FMA(beside_mulps_ns, __m512, _mm512_set1_ps, _mm512_mul_ps)
+ZMM_BESIDE_FMA(beside_pslld_ns, __m512i, _mm512_set1_epi32, ZMM_SLLI)
+
 static double fma_latency_ns(long reps) {
   __m256 a = _mm256_set1_ps(1.0f), m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
   double t0 = now();
@@ -342,6 +376,11 @@ int main(void) {
            zthr, zthr / 16, thr / 8);
     printf("zmm exp floor (8 FMA-class instructions per 16 lanes, degree 5): %.3f ns per element per core\n",
            zthr / 2);
+    printf("12 zmm FMAs: %.3f ns; with 6 vmaxps beside them %.3f, vaddps %.3f, vpslld %.3f, "
+           "vmulps %.3f ns (where the time does not grow, the op issues beside the FMAs)\n",
+           beside_maxps_ns(50000000L, 0), beside_maxps_ns(50000000L, 1),
+           beside_addps_ns(50000000L, 1), beside_pslld_ns(50000000L, 1),
+           beside_mulps_ns(50000000L, 1));
     printf("zmm exp-sum loop by hand, degree 5 (float32 result): %.3f ns per element per core\n",
            zmm_exp_sum_ns_per_element(4096, 4000, 0));
     printf("zmm exp-sum loop by hand, degree 4 (16-bit result): %.3f ns per element per core\n",

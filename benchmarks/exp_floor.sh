@@ -7,5 +7,5 @@ set -euo pipefail
 grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo || { echo "needs AVX2 and FMA"; exit 1; }
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-"${CC:-cc}" -O2 -mavx2 -mfma "$(dirname "$0")/exp_floor.c" -o "$out/exp_floor"
+"${CC:-cc}" -O2 -mavx2 -mfma "$(dirname "$0")/exp_floor.c" -o "$out/exp_floor" -lm
 taskset -c 0 "$out/exp_floor" 2>/dev/null || "$out/exp_floor"
