@@ -155,12 +155,13 @@ def _sole_store(loop):
 
 def stages_unaligned_rows(target) -> bool:
     """Whether kernels for ``target`` stage their unaligned output rows
-    (``_staged``): on AVX-512. In one process on a 2-core Zen 4, float32, the
-    training kernel took 1.15-1.23x less time staged at 8192 x 50257 and
-    4096 x 32001 (four runs), the backward 1.02-1.19x; the AVX2 build of the
-    same kernels, run there, 0.91-1.07x (training) and 0.80-1.11x (backward),
-    with twice the instructions per element for the block's copy. AVX2 keeps the
-    plain stores there."""
+    (``_staged``): on AVX-512. In one process on a 2-core Zen 4, float32, at
+    8192 x 50257, 4096 x 32001 and 1024 x 151655, the plain stores took
+    1.08-1.25x the staged time in the training kernel and 1.02-1.27x in the
+    backward (docs/performance.md); the AVX2 build of the same kernels, run
+    there, 0.91-1.07x (training) and 0.80-1.11x (backward), with twice the
+    instructions per element for the block's copy. AVX2 keeps the plain stores
+    there."""
     return bool(codegen.target_has_features("avx512f", target))
 
 
