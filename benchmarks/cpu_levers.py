@@ -151,8 +151,9 @@ LEVERS = (
           without=_patched(cpu, "_prefetch_in",
                            lambda seq, grad=None, streamed=(): _PREFETCH_IN(seq))),
     Lever("streamed_gradient", ("train", "backward", "log_probs_grad"),
-          "the gradient's aligned vector stores non-temporal (cpu_stores), its prefetchw "
-          "dropped, where it is at least STREAM_MIN_BYTES",
+          "the gradient's stores non-temporal (cpu_stores: aligned rows, and on AVX-512 "
+          "unaligned ones by blocks), its prefetchw dropped, where it is at least "
+          "STREAM_MIN_BYTES",
           without=_both(_patched(cpu_stores, "_streamable", lambda store, values: False),
                         _patched(cpu_stores, "_stageable", lambda loop, values: None)),
           dtypes=("float32",)),
