@@ -199,11 +199,17 @@ LEVERS = (
           without=_patched(cpu_narrowing, "_by_instruction",
                            lambda value, lanes, pairs=True: _BY_INSTRUCTION(value, lanes, False)),
           dtypes=("bfloat16",), applies=_has_bf16_instruction),
-    Lever("vpermt2w", ("forward", "train"),
-          "bfloat16 widened by one word permutation per 16 lanes in the streaming loop, "
+    Lever("vpermt2w", ("log_probs",),
+          "bfloat16 widened by one word permutation per 16 lanes where an accumulator "
+          "takes them not by pairs (a buffer reused for another stage's), "
           "not a zero-extension and a shift",
           without=_patched(cpu_widening, "has_word_permutes", lambda target: False),
           dtypes=("bfloat16",), applies=_has_word_permutes),
+    Lever("pairs_widening", ("forward", "train", "log_probs"),
+          "bfloat16 that a loop only accumulates widened by 32-bit pairs (a shift and a "
+          "mask per 16 lanes, the lanes reordered), not a zero-extension and a shift",
+          without=_patched(cpu_widening, "_pairs_in_loop", lambda loop, register_lanes: loop),
+          dtypes=("bfloat16",)),
     Lever("sums_ride_the_exp", ("log_probs",),
           "the plain log-probs' two sums in the kept exp's loop",
           without=_patched(cpu, "sums_ride_the_exp", lambda target: False),

@@ -5,8 +5,9 @@ backward (also of their gradients), the one-pass training kernel
 tuning search's ``schedule_knobs``; and the lowering pipeline
 (``TIR_PIPELINE``: TVM's, then vector accumulators merged by halves,
 ``cpu_reductions``, the prefetches ``prefetch_ahead`` and ``prefetch_next_row``
-mark, compared ramps rewritten, below, bfloat16 widened by a word permutation
-where it pays and the CPU has one, ``cpu_widening``, rounded once, by AVX-512
+mark, compared ramps rewritten, below, bfloat16 widened by 32-bit pairs where
+a loop only accumulates it, else by a word permutation where it pays and the
+CPU has one, ``cpu_widening``, rounded once, by AVX-512
 BF16 where the CPU has it, ``cpu_narrowing``, and a large float32 ``[N, C]``
 output's stores made non-temporal, ``cpu_stores``). The numbers they run with
 (vector width, chunk, knobs and their choices) are ``cpu_knobs``'s.
@@ -133,7 +134,7 @@ from .cpu_stores import (
     streamed_outputs,
     streams,
 )
-from .cpu_widening import bf16_widening
+from .cpu_widening import bf16_pairs_widening, bf16_widening
 
 # TVM's LoopPartition also splits constant-extent loops on ``likely``
 # conditions: the chunk loop of a row whose last chunk overlaps the one before
@@ -745,7 +746,8 @@ def _pipeline():
     lower, finalize_host, finalize_device = tvm.tirx.compilation_pipeline.PIPELINE_MAP["s_tir"]()
     return (tvm.transform.Sequential([lower, tree_lane_reductions, prefetch_marked_loops,
                                       prefetch_next_rows, compared_ramps_as_offsets,
-                                      bf16_widening, bf16_rounding, stream_output_stores]),
+                                      bf16_pairs_widening, bf16_widening, bf16_rounding,
+                                      stream_output_stores]),
             finalize_host, finalize_device)
 
 

@@ -47,7 +47,8 @@ Method:
 5. Categories, per instruction of an element loop, from the data flow in
    its body (first match wins): ``store`` a streaming store; ``load`` a
    streaming load that only moves or widens, and the widening after it
-   (``vpslld $16``, ``vpunpck*wd``) of loaded values; ``narrow`` integer
+   (``vpslld $16``, ``vpunpck*wd``, the mask ``vpand`` of a bf16 pair's
+   high word) of loaded values; ``narrow`` integer
    vector work whose results only reach stores (bf16 rounding and packing:
    ``vpsrld``/``vpaddd``/``vpmovdw``/``vpackusdw``/``vcvtne[2]ps2bf16``, and the
    ``vinsert*`` joining narrowed halves);
@@ -104,7 +105,7 @@ _MOVE = re.compile(r"^(v?mov|vbroadcast|vpbroadcast|lea|vpmovzx|vpmovsx|vcvt|cvt
                    r"|vpunpck|vunpck)")
 _LEGACY_RMW = re.compile(r"^(add|sub|inc|dec|neg|not|and|or|xor|shl|shr|sar|imul|adc|sbb|rol|ror)")
 _WIDEN = re.compile(r"^(vpslld|vpunpck[lh]wd|vpmovzxwd|vpmovsxwd|vcvtph2ps|vinserti|vpermq"
-                    r"|vperm2i128|vpblendw|vperm[ti]2w)")
+                    r"|vperm2i128|vpblendw|vperm[ti]2w|vpand[dq]?$)")
 _NARROWING = re.compile(r"^(vcvtne2?ps2bf16|vpmov[us]?dw|vpackusdw|vpackssdw)")
 
 

@@ -22,7 +22,7 @@ LEVERS = ["chunk_in_place", "logits_sum_in_max_loop", "sum_with_max", "one_hot_b
           "vpermt2w", "sums_ride_the_exp", "smoothing_left_out", "row_shift",
           "train_chunk_in_l1", "hand_knobs", "streamed_gradient", "tree_lane_reductions",
           "tree_lane_reductions_eps0", "next_row_prefetch", "row_shift_smoothing",
-          "next_row_prefetch_smoothing", "staged_gradient"]
+          "next_row_prefetch_smoothing", "staged_gradient", "pairs_widening"]
 # Levers of AVX-512 kernels alone. Rows of 4099 float32 classes are not 64-byte
 # multiples: there their gradient is streamed by blocks through a scratch buffer
 # (staged_gradient), the next row prefetched with it.
@@ -33,10 +33,11 @@ AVX512_ONLY = {"row_shift", "row_shift_smoothing", "next_row_prefetch",
 # chunks (the row's max and sums merged in another order), the exp-sum taken
 # against the row's shift rather than each chunk's max (with the forward's
 # kernel without label smoothing, or with it; a staged chunk takes no shift),
-# a sum's vector accumulators merged by halves.
+# a sum's vector accumulators merged by halves, a row's elements summed in pair
+# order.
 REASSOCIATING = ("hand_knobs", "one_hot_by_chunk", "train_chunk_in_l1", "row_shift",
                  "row_shift_smoothing", "chunk_in_place", "smoothing_left_out",
-                 "tree_lane_reductions", "tree_lane_reductions_eps0")
+                 "tree_lane_reductions", "tree_lane_reductions_eps0", "pairs_widening")
 
 
 def _levers(tmp_path, *extra) -> list:
