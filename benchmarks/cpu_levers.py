@@ -208,7 +208,7 @@ LEVERS = (
     Lever("pairs_widening", ("forward", "train", "log_probs"),
           "bfloat16 that a loop only accumulates widened by 32-bit pairs (a shift and a "
           "mask per 16 lanes, the lanes reordered), not a zero-extension and a shift",
-          without=_patched(cpu_widening, "_pairs_in_loop", lambda loop, register_lanes: loop),
+          without=_patched(cpu_widening, "_pairs_in_loop", lambda loop, *_: loop),
           dtypes=("bfloat16",)),
     Lever("sums_ride_the_exp", ("log_probs",),
           "the plain log-probs' two sums in the kept exp's loop",

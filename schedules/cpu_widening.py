@@ -30,8 +30,11 @@ the loop takes the same order every step, the loop's other lane-varying
 values (a column compared with a bound) are reordered alike, and
 ``rfactor``'s partial results (``<stage>.rf``) are read only by the
 reduction across their lanes, which is commutative, so each row's max is the
-same and each sum the same terms, grouped otherwise. The bf16 forward on a
-2-core Zen 4: 1.08-1.21x faster (docs/performance.md).
+same and each sum the same terms, grouped otherwise. A buffer the function
+allocates that the loop writes once a step at fixed lanes and reads after,
+and nothing else reads (the log-probs' ``exp`` kept a vector at a time for
+its two sums), is a temporary in the same order. On a 2-core Zen 4 the bf16
+forward is 1.08-1.21x faster, the log-probs 1.06-1.08x (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.target import codegen
 
-from ._common import collect_nodes, depends_on
+from ._common import binds, collect_nodes, depends_on, unbound
 
 _WORDS_PER_REGISTER = 32  # 16-bit lanes of one zmm register
 # TVM's ``rfactor`` names its buffer of partial results ``<stage>.rf``
@@ -174,52 +177,126 @@ def _outside_loads(value, rewrite):
     return tvm_ffi.structural_map(rewrite(hidden), [(tirx.Var, lambda v: loads.get(v, v))])
 
 
-def _accumulated_words(store, step):
-    """The ``uint16xL`` words that ``store`` only widens and accumulates lane by
-    lane into an ``rfactor`` buffer, the same lanes at every ``step`` of its
-    loop, else ``None``: its value reads that buffer at the stored lanes, the
-    words inside legalised widenings, scalars and no other vector; no shuffle,
-    and every ramp outside a load ``L`` lanes (``_ramp_in_pair_order`` reorders
-    it)."""
-    index = store.indices[-1] if len(store.indices) == 1 else None
-    if not (isinstance(index, tirx.Ramp) and store.buffer.name.endswith(_RFACTOR_SUFFIX)
-            and not depends_on(index, step) and _is_plain_update(store, multiplied=True)):
+def _same_indices(a, b) -> bool:
+    """Whether the indices ``a`` and ``b`` are the same (constants of any
+    integer type by value: lowering mixes int32 and int64)."""
+    def constant(i):
+        if isinstance(i, tirx.IntImm):
+            return i.value
+        if isinstance(i, tirx.Ramp) and all(isinstance(v, tirx.IntImm)
+                                            for v in (i.base, i.stride)):
+            return ("ramp", i.base.value, i.stride.value, int(i.lanes))
         return None
+
+    return len(a) == len(b) and all(
+        constant(x) is not None and constant(x) == constant(y)
+        or tvm_ffi.structural_equal(x, y) for x, y in zip(a, b))
+
+
+def _lanewise_words(store, step, temporaries):
+    """Whether ``store`` works lane by lane at the same lanes every ``step`` of
+    its loop, and the ``uint16xL`` words it widens (``None`` for none), as
+    ``(ok, words)``. It writes an ``rfactor`` buffer whose value it reads at
+    the stored lanes (an accumulator), or one of ``temporaries`` (a buffer
+    only this loop reads, at the lanes it writes them); its value reads
+    besides only the words inside legalised widenings, ``temporaries`` at
+    their lanes, and scalars; no shuffle, and every ramp outside a load ``L``
+    lanes (``_ramp_in_pair_order`` reorders it)."""
+    index = store.indices[-1] if len(store.indices) == 1 else None
+    temporary = any(store.buffer.same_as(t) for t, _ in temporaries)
+    if not (index is not None and not depends_on(index, step) and (temporary or (
+            store.buffer.name.endswith(_RFACTOR_SUFFIX)
+            and _is_plain_update(store, multiplied=True)))):
+        return False, None
     widened = [w for call in collect_nodes(store.value, tvm.ir.expr.Call)
                if (w := _legalised_words(call)) is not None]
-    if not widened or any(not tvm_ffi.structural_equal(w, widened[0]) for w in widened):
-        return None
-    words = widened[0]
-    lanes = _lanes_of(str(words.ty), "uint16")
+    if any(not tvm_ffi.structural_equal(w, widened[0]) for w in widened):
+        return False, None
+    words = widened[0] if widened else None
+    lanes = _lanes_of(str(store.value.ty), str(store.value.ty).partition("x")[0])
     outside = []
     _outside_loads(store.value, lambda hidden: outside.extend(
         collect_nodes(hidden, tirx.Shuffle) + collect_nodes(hidden, tirx.Ramp)) or hidden)
-    if lanes % 2 or any(not isinstance(n, tirx.Ramp) or int(n.lanes) != lanes for n in outside):
-        return None
+    if not lanes or lanes % 2 or any(
+            not isinstance(n, tirx.Ramp) or int(n.lanes) != lanes for n in outside):
+        return False, None
     loads = collect_nodes(store.value, tvm.ir.expr.TensorLoad)
     for load in loads:
-        if load.source.same_as(store.buffer):
-            if not tvm_ffi.structural_equal(list(load.indices), list(store.indices)):
-                return None
-        elif "x" in str(load.ty) and not tvm_ffi.structural_equal(load, words):
-            return None
-    if sum(tvm_ffi.structural_equal(load, words) for load in loads) != len(widened):
-        return None  # the words are also read outside a widening
-    return words
+        # the lanes it reads: its own (an accumulator's), or where a temporary is written
+        lanes_read = [i for t, i in temporaries if load.source.same_as(t)] or (
+            [store.indices] if load.source.same_as(store.buffer) and not temporary else [])
+        if lanes_read:
+            if not _same_indices(load.indices, lanes_read[0]):
+                return False, None
+        elif "x" in str(load.ty) and not (
+                words is not None and tvm_ffi.structural_equal(load, words)):
+            return False, None
+    if words is not None and sum(
+            tvm_ffi.structural_equal(load, words) for load in loads) != len(widened):
+        return False, None  # the words are also read outside a widening
+    return True, words
 
 
-def _pairs_in_loop(loop, register_lanes: int):
-    """``loop`` in pair order, when every store in its body only accumulates the
-    same words (``_accumulated_words``), at least two registers of ``register_lanes``
-    floats (fewer would leave the pairs in half registers, joined by a shuffle),
-    and it binds no vector: the words widened by pairs, the ramps outside loads
-    reordered alike."""
+def _temporaries(statements, step, loads_in_func: dict, local: set) -> list:
+    """``(buffer, indices)`` of the buffers that ``statements`` (a loop body in
+    order, its binds substituted) write once, at ``indices`` fixed over
+    ``step``, and then read, and that nothing else in the function reads
+    (``loads_in_func``: loads per buffer) and that the function allocates
+    (``local``: its allocations' data, by name: a vector view of one holds
+    an expression of its own for the same storage)."""
+    found = []
+    for i, stmt in enumerate(statements):
+        if not isinstance(stmt, tirx.BufferStore) or stmt.buffer.name.endswith(_RFACTOR_SUFFIX) \
+                or str(stmt.buffer.data) not in local:
+            continue
+        buffer = stmt.buffer
+        reads = [ld for st in statements for ld in collect_nodes(st, tvm.ir.expr.TensorLoad)
+                 if ld.source.same_as(buffer)]
+        earlier = [ld for st in statements[:i + 1] for ld in collect_nodes(
+            st, tvm.ir.expr.TensorLoad) if ld.source.same_as(buffer)]
+        writes = [st for st in statements
+                  if isinstance(st, tirx.BufferStore) and st.buffer.same_as(buffer)]
+        if len(writes) == 1 and not earlier and reads \
+                and len(reads) == loads_in_func.get(buffer, 0) \
+                and not any(depends_on(i, step) for i in stmt.indices):
+            found.append((buffer, stmt.indices))
+    return found
+
+
+def _through_binds(stmt, values: dict):
+    """``stmt``, a store's value and indices with the ``binds`` ``values``
+    substituted; any other statement as it is."""
+    if not isinstance(stmt, tirx.BufferStore):
+        return stmt
+    return tirx.BufferStore(stmt.buffer, unbound(stmt.value, values),
+                            [unbound(i, values) for i in stmt.indices])
+
+
+def _statements(body) -> list:
+    """The statements of a loop body in order (its ``SeqStmt`` flattened)."""
+    if isinstance(body, tirx.SeqStmt):
+        return [s for part in body.seq for s in _statements(part)]
+    return [body]
+
+
+def _pairs_in_loop(loop, register_lanes: int, loads_in_func: dict, local: set):
+    """``loop`` in pair order, when every store in its body works lane by lane
+    (``_lanewise_words``) and they widen the same words, at least two
+    registers of ``register_lanes`` floats (fewer would leave the pairs in
+    half registers, joined by a shuffle), and it binds no vector: the words
+    widened by pairs, the ramps outside loads reordered alike."""
     stores = collect_nodes(loop.body, tirx.BufferStore)
     if not stores or collect_nodes(loop.body, tirx.For) or any(
             "x" in str(bind.var.ty) for bind in collect_nodes(loop.body, tirx.Bind)):
         return loop
-    words = [_accumulated_words(store, loop.loop_var) for store in stores]
-    if any(w is None or not tvm_ffi.structural_equal(w, words[0]) for w in words) or \
+    values = binds(loop.body)  # checked through the binds, which may hide the loop's variable
+    stores = [_through_binds(store, values) for store in stores]
+    statements = [_through_binds(stmt, values) for stmt in _statements(loop.body)]
+    temporaries = _temporaries(statements, loop.loop_var, loads_in_func, local)
+    checked = [_lanewise_words(store, loop.loop_var, temporaries) for store in stores]
+    words = [w for _, w in checked if w is not None]
+    if not all(ok for ok, _ in checked) or not words or any(
+            not tvm_ffi.structural_equal(w, words[0]) for w in words) or \
             _lanes_of(str(words[0].ty), "uint16") < 2 * register_lanes:
         return loop
 
@@ -246,6 +323,10 @@ def bf16_pairs_widening(func, mod, ctx):
     if target is None:
         return func
     register_lanes = 16 if codegen.target_has_features("avx512f", target) else 8
+    loads_in_func: dict = {}
+    for load in collect_nodes(func.body, tvm.ir.expr.TensorLoad):
+        loads_in_func[load.source] = loads_in_func.get(load.source, 0) + 1
+    local = {str(alloc.buffer.data) for alloc in collect_nodes(func.body, tirx.AllocBuffer)}
     return func.with_body(tvm_ffi.structural_map(
-        func.body, [(tirx.For, lambda loop: _pairs_in_loop(loop, register_lanes))],
-        order="post"))
+        func.body, [(tirx.For, lambda loop: _pairs_in_loop(
+            loop, register_lanes, loads_in_func, local))], order="post"))

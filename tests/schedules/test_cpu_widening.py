@@ -1,11 +1,12 @@
 """bfloat16 widening (``schedules/cpu_widening.py``).
 
 By 32-bit pairs, on every CPU: which loops (words only accumulated into
-``rfactor`` lanes, with or without a column test: yes; a copy, a second
-vector read: no; cross-compiled, only assembly is made), the same maxima bit
-for bit and the same sums within rounding as the legalised widening, on this
-host, and the forward kernel against float64 where its last chunk overlaps
-the one before.
+``rfactor`` lanes, with or without a column test, or kept a vector at a
+time for the sums: yes; a copy, a second vector read: no; cross-compiled,
+only assembly is made), the same maxima bit for bit and the same sums within
+rounding as the legalised widening, on this host, and the forward and
+log-prob kernels against float64 where their last chunk overlaps the one
+before.
 
 By a word permutation (the pairs pass left out): which targets get
 ``vpermt2w``, in which stores (a plain max or sum: yes; a value that
@@ -89,7 +90,7 @@ def _asm(kind: str, mcpu: str, lanes: int = 32) -> str:
 @pytest.fixture
 def no_pairs(monkeypatch):
     """The pairs pass left out (every loop kept as lowered)."""
-    monkeypatch.setattr(cpu_widening, "_pairs_in_loop", lambda loop, register_lanes: loop)
+    monkeypatch.setattr(cpu_widening, "_pairs_in_loop", lambda loop, *_: loop)
 
 
 @pytest.mark.parametrize("mcpu, lanes", [("znver4", 32), ("znver4", 64), ("haswell", 16),
@@ -137,7 +138,7 @@ def test_pairs_give_the_values_of_the_legalised_widening(kind, monkeypatch):
     x[:, :TAIL] += 1000  # a column test that misses its lanes shows at once
     w = torch.rand(COLUMNS, generator=gen)
     pairs = _run(kind, x, w)
-    monkeypatch.setattr(cpu_widening, "_pairs_in_loop", lambda loop, register_lanes: loop)
+    monkeypatch.setattr(cpu_widening, "_pairs_in_loop", lambda loop, *_: loop)
     legalised = _run(kind, x, w)
     v = x.double()
     expected = {"max": v.amax(1), "sum": v.sum(1), "squares": (v * v).sum(1),
@@ -149,20 +150,33 @@ def test_pairs_give_the_values_of_the_legalised_widening(kind, monkeypatch):
         assert_close(pairs, legalised.double(), 1e-6, kind)
 
 
+def test_log_probs_kernel_keeps_its_exp_in_pair_order():
+    """The bf16 log-probs at C = 32000 on ``znver4``: the loop that keeps each
+    vector's ``exp`` for its two sums (a temporary only that loop reads)
+    widens by pairs too, as does its max loop: no zero-extension left."""
+    asm = cpu_static.cpu_asm("log_probs", "bfloat16", 32000, "llvm -mcpu=znver4")
+    assert "vpmovzxwd" not in asm and not re.search(r"vpermt2w\s", asm)
+
+
+def _spiked(classes: int, rows_past_overlap: int = 40):
+    """bf16 logits ``[rows, classes]`` with one large logit per row, at every
+    column from the last chunk's start (inside the chunk before) to past the
+    overlap's end, and a target per row."""
+    chunk = forward_chunk(classes, "bfloat16", tvm_target("llvm"))
+    assert classes % chunk, "the row must end in an overlapping chunk"
+    first = classes - chunk
+    rows = min(2 * chunk - classes + rows_past_overlap, classes - first)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, classes, generator=gen)
+    x[torch.arange(rows), first + torch.arange(rows)] = 12.0
+    return x.to(torch.bfloat16), torch.randint(0, classes, (rows,), generator=gen)
+
+
 def test_forward_where_its_last_chunk_overlaps():
     """The bf16 forward at a row whose last chunk overlaps the one before (its
     loop tests which columns are new): one large logit per row, at every
     column from the overlap's start to past its end, each counted once."""
-    classes = 4099
-    chunk = forward_chunk(classes, "bfloat16", tvm_target("llvm"))
-    assert classes % chunk, "the row must end in an overlapping chunk"
-    first = classes - chunk  # the last chunk's start, inside the chunk before
-    rows = min(2 * chunk - classes + 40, classes - first)
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(rows, classes, generator=gen)
-    x[torch.arange(rows), first + torch.arange(rows)] = 12.0
-    x = x.to(torch.bfloat16)
-    y = torch.randint(0, classes, (rows,), generator=gen)
+    x, y = _spiked(4099)
     for eps in (0.0, 0.1):
         loss = ce_tvm.cross_entropy(x, y, reduction="none", label_smoothing=eps)
         expected = F.cross_entropy(x.double(), y, reduction="none", label_smoothing=eps)
@@ -254,3 +268,17 @@ def test_same_values_as_the_shift_on_this_cpu(kind, monkeypatch, no_pairs):
         expected = x.float().amax(1)
         kept = torch.arange(ROWS) != 1  # row 1 holds a NaN: maxps keeps one operand of two
         assert torch.equal(results[0][kept], expected[kept])
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_log_probs_where_the_last_chunk_overlaps(entropy):
+    """The bf16 log-probs (with and without the entropy) at such rows: each
+    column counted once, against float64."""
+    x, y = _spiked(4099)
+    out = ce_tvm.log_probs(x, y, return_entropy=entropy)
+    reference = torch.log_softmax(x.double(), -1)
+    logp = out[0] if entropy else out
+    assert_close(logp, reference.gather(1, y[:, None])[:, 0].numpy(), 1e-5, "log-probs")
+    if entropy:
+        expected = -(reference.exp() * reference).sum(-1)
+        assert_close(out[1], expected.numpy(), 1e-5, "entropy")
