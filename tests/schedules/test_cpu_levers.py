@@ -34,10 +34,11 @@ AVX512_ONLY = {"row_shift", "row_shift_smoothing", "next_row_prefetch",
 # against the row's shift rather than each chunk's max (with the forward's
 # kernel without label smoothing, or with it; a staged chunk takes no shift),
 # a sum's vector accumulators merged by halves, a row's elements summed in pair
-# order.
+# order (the bf16 log-probs' sums take it where they ride the kept exp's loop).
 REASSOCIATING = ("hand_knobs", "one_hot_by_chunk", "train_chunk_in_l1", "row_shift",
                  "row_shift_smoothing", "chunk_in_place", "smoothing_left_out",
-                 "tree_lane_reductions", "tree_lane_reductions_eps0", "pairs_widening")
+                 "tree_lane_reductions", "tree_lane_reductions_eps0", "pairs_widening",
+                 "sums_ride_the_exp")
 
 
 def _levers(tmp_path, *extra) -> list:
