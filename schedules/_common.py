@@ -116,6 +116,11 @@ def collect_nodes(node, kind) -> list:
     return found
 
 
+def statements(body) -> list:
+    """The statements of a loop body in order: a ``SeqStmt``'s, or the body alone."""
+    return list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+
+
 def depends_on(expr, var) -> bool:
     """Whether the variable ``var`` occurs in ``expr``."""
     return any(v.same_as(var) for v in collect_nodes(expr, tirx.Var))

@@ -25,7 +25,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from ._common import collect_nodes, depends_on
+from ._common import collect_nodes, depends_on, statements
 
 _OPS = (tirx.Add, tirx.Max, tirx.Min)
 _LOAD = tvm.ir.expr.TensorLoad  # what tirx.BufferLoad makes
@@ -39,7 +39,7 @@ def _is_first(cond, j) -> bool:
 def _merges(body, j) -> list | None:
     """``[(init store or None, update store)]`` of a lane loop's body (one merge,
     or several side by side, each into its own buffer), else None."""
-    stmts = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+    stmts = statements(body)
     merges, init = [], None
     for stmt in stmts:
         if (init is None and isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None

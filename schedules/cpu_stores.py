@@ -48,7 +48,7 @@ from tvm import tirx
 from tvm.target import codegen
 
 from ..kernels.stages import LOG_PROB
-from ._common import GRAD_OUTPUTS, binds, collect_nodes, unbound
+from ._common import GRAD_OUTPUTS, binds, collect_nodes, statements, unbound
 
 # The [N, C] outputs whose stores may be streamed.
 STREAMED_OUTPUTS = GRAD_OUTPUTS + (LOG_PROB,)
@@ -144,7 +144,7 @@ def _sole_store(loop):
     """The one store of a serial ``loop`` whose body holds binds, statements
     without stores (prefetches) and that store, last; else ``None``."""
     body = loop.body
-    stmts = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+    stmts = statements(body)
     if loop.kind != tirx.ForKind.SERIAL or not isinstance(stmts[-1], tirx.BufferStore):
         return None
     for stmt in stmts[:-1]:

@@ -44,7 +44,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.target import codegen
 
-from ._common import binds, collect_nodes, depends_on, unbound
+from ._common import binds, collect_nodes, depends_on, statements, unbound
 
 _WORDS_PER_REGISTER = 32  # 16-bit lanes of one zmm register
 # TVM's ``rfactor`` names its buffer of partial results ``<stage>.rf``
@@ -237,24 +237,24 @@ def _lanewise_words(store, step, temporaries):
     return True, words
 
 
-def _temporaries(statements, step, loads_in_func: dict, local: set) -> list:
-    """``(buffer, indices)`` of the buffers that ``statements`` (a loop body in
+def _temporaries(body: list, step, loads_in_func: dict, local: set) -> list:
+    """``(buffer, indices)`` of the buffers that ``body`` (a loop's statements in
     order, its binds substituted) write once, at ``indices`` fixed over
     ``step``, and then read, and that nothing else in the function reads
     (``loads_in_func``: loads per buffer) and that the function allocates
     (``local``: its allocations' data, by name: a vector view of one holds
     an expression of its own for the same storage)."""
     found = []
-    for i, stmt in enumerate(statements):
+    for i, stmt in enumerate(body):
         if not isinstance(stmt, tirx.BufferStore) or stmt.buffer.name.endswith(_RFACTOR_SUFFIX) \
                 or str(stmt.buffer.data) not in local:
             continue
         buffer = stmt.buffer
-        reads = [ld for st in statements for ld in collect_nodes(st, tvm.ir.expr.TensorLoad)
+        reads = [ld for st in body for ld in collect_nodes(st, tvm.ir.expr.TensorLoad)
                  if ld.source.same_as(buffer)]
-        earlier = [ld for st in statements[:i + 1] for ld in collect_nodes(
+        earlier = [ld for st in body[:i + 1] for ld in collect_nodes(
             st, tvm.ir.expr.TensorLoad) if ld.source.same_as(buffer)]
-        writes = [st for st in statements
+        writes = [st for st in body
                   if isinstance(st, tirx.BufferStore) and st.buffer.same_as(buffer)]
         if len(writes) == 1 and not earlier and reads \
                 and len(reads) == loads_in_func.get(buffer, 0) \
@@ -272,13 +272,6 @@ def _through_binds(stmt, values: dict):
                             [unbound(i, values) for i in stmt.indices])
 
 
-def _statements(body) -> list:
-    """The statements of a loop body in order (its ``SeqStmt`` flattened)."""
-    if isinstance(body, tirx.SeqStmt):
-        return [s for part in body.seq for s in _statements(part)]
-    return [body]
-
-
 def _pairs_in_loop(loop, register_lanes: int, loads_in_func: dict, local: set):
     """``loop`` in pair order, when every store in its body works lane by lane
     (``_lanewise_words``) and they widen the same words, at least two
@@ -291,8 +284,8 @@ def _pairs_in_loop(loop, register_lanes: int, loads_in_func: dict, local: set):
         return loop
     values = binds(loop.body)  # checked through the binds, which may hide the loop's variable
     stores = [_through_binds(store, values) for store in stores]
-    statements = [_through_binds(stmt, values) for stmt in _statements(loop.body)]
-    temporaries = _temporaries(statements, loop.loop_var, loads_in_func, local)
+    in_order = [_through_binds(stmt, values) for stmt in statements(loop.body)]
+    temporaries = _temporaries(in_order, loop.loop_var, loads_in_func, local)
     checked = [_lanewise_words(store, loop.loop_var, temporaries) for store in stores]
     words = [w for _, w in checked if w is not None]
     if not all(ok for ok, _ in checked) or not words or any(
