@@ -137,6 +137,12 @@ KNOB_VARIANTS = {"train": ({"threads": 512}, {"gradient_backwards": False},
                  "log_probs_grad": ({"unroll": 8}, {"threads": 512})}
 KNOB_TIMED = {"train": CE_TIMED, "forward": CE_TIMED, "backward": CE_TIMED,
               "log_probs": LOG_PROBS_TIMED, "log_probs_grad": LOG_PROBS_TIMED}
+# The fused heads' rows per chunk timed beside the default (an eighth of the rows
+# here): with 16-bit weights every chunk after the first reads and writes the float32
+# ``grad_W`` once more (2 x 4 x V x H bytes, 4.2 GB at 4096 x 128256: about 0.9 ms of
+# an H200's HBM a chunk), and each GEMM has a chunk's rows to amortise its pass
+# over ``W``. Fewer, larger chunks trade the logits' memory for both.
+CHUNK_ROWS_VARIANTS = (4, 2, 1)  # chunks: the batch's rows divided by each
 
 
 @dataclass(frozen=True)
@@ -781,6 +787,9 @@ def time_linear(plan: Plan):
         x, W = _head(plan, n, v, dtype, hidden=LINEAR_HIDDEN, seed=6)
         _, y, _ = _inputs(plan, n, v, dtype)
         fns = {name: _fwd_bwd(lambda t, V, f=f: f(t, V, y), [x, W]) for name, f in losses.items()}
+        fns.update({f"ce_tvm chunk_rows={rows}": _fwd_bwd(
+            lambda t, V, rows=rows: ce_tvm.linear_cross_entropy(t, V, y, chunk_rows=rows), [x, W])
+            for rows in _chunk_rows_variants(n)})
         logits, gx, gW = x.new_empty(n, v), torch.empty_like(x), torch.empty_like(W)
 
         def gemm3():  # the logits, then the input's and the weight's gradients
@@ -859,11 +868,21 @@ def time_distill(plan: Plan):
         xt, Wt = _head(plan, n, v, dtype, hidden=DISTILL_HIDDEN, seed=8)
         fns = {name: _fwd_bwd(lambda u, V, f=f: f(u, V, xt, Wt), [xs, Ws])
                for name, f in distillation_bench.METHODS.items()}
+        fns.update({f"ce_tvm chunk_rows={rows}": _fwd_bwd(
+            lambda u, V, rows=rows: ce_tvm.linear_distillation_loss(
+                u, V, xt, Wt, beta=distillation_bench.BETA, chunk_rows=rows), [xs, Ws])
+            for rows in _chunk_rows_variants(n)})
         fns["gemm"] = distillation_bench.gemm_floor(xs, Ws, xt, Wt)
         h = xs.shape[1]
         yield _timing_row(plan, f"distillation (beta {distillation_bench.BETA}) {n}x{h}x{v} "
                           f"{dtype}", fns, {}, "gemm", n=n, h=h, v=v, dtype=str(dtype),
                           beta=distillation_bench.BETA, trl_note=stand_in)
+
+
+def _chunk_rows_variants(n: int) -> list[int]:
+    """Rows per chunk of the fused heads timed beside the default: the batch in
+    ``CHUNK_ROWS_VARIANTS`` chunks."""
+    return sorted({max(1, -(-n // chunks)) for chunks in CHUNK_ROWS_VARIANTS})
 
 
 def time_training(plan: Plan):

@@ -43,6 +43,9 @@ def test_cpu_rehearsal_runs_every_section_and_records_each_row(tmp_path):
         training["ms"])
     kernels = next(r for r in timings if r["case"].startswith("log-prob kernels"))
     assert {"forward lane_vectors=1", "backward unroll=8"} <= set(kernels["ms"])
+    for head in ("time_linear", "time_distill"):  # rows per chunk beside the default
+        row = next(r for r in timings if r["section"] == head)
+        assert sum(name.startswith("ce_tvm chunk_rows=") for name in row["ms"]) >= 2
     ce = next(r for r in timings if r["section"] == "time_ce")
     assert {"ce_tvm", "eager", "copy"} <= set(ce["ms"])
     assert ce["left_out"]["compile"] == "CUDA only in this check"
