@@ -93,8 +93,8 @@ def main(argv=None) -> int:
                                                     runs=args.reps)
                     record.update(effect="timed", outputs=outputs, old_ms=old_ms, new_ms=new_ms,
                                   old_over_new=old_ms / new_ms,
-                                  insn_per_element=[cpu_levers.per_element(before[1], spec),
-                                                    cpu_levers.per_element(now[1], spec)])
+                                  insn_per_element=[cpu_levers.per_element(before[2], spec),
+                                                    cpu_levers.per_element(now[2], spec)])
                     del kernel_args
                 print(json.dumps(record), flush=True)
                 records.append(record)

@@ -37,7 +37,14 @@ import torch
 
 from ce_tvm.compiler.build import SCHEDULE_OF_OP, KernelSpec, declared_func
 from ce_tvm.runtime.registry import configure_thread_pool
-from ce_tvm.schedules import cpu, cpu_narrowing, cpu_reductions, cpu_stores, cpu_widening
+from ce_tvm.schedules import (
+    cpu,
+    cpu_lagged_rows,
+    cpu_narrowing,
+    cpu_reductions,
+    cpu_stores,
+    cpu_widening,
+)
 from ce_tvm.schedules.cpu_knobs import CPUKnobs, forward_chunk, hand_knobs
 from ce_tvm.store import records, targets
 from ce_tvm.testing.cpu_static import (
@@ -234,6 +241,13 @@ LEVERS = (
           "not the forward's chunk",
           without=_patched(cpu, "train_chunk", lambda classes, dtype, target:
                            cpu.forward_chunk(classes, dtype, target))),
+    Lever("lagged_rows", ("train",),
+          "a 16-bit training kernel's gradient written a row late, during the next row's "
+          "sweep, its stores non-temporal where its rows are whole lines and it is at "
+          "least STREAM_MIN_BYTES (cpu_lagged_rows)",
+          without=_patched(cpu_lagged_rows, "lags_rows", lambda target: False),
+          dtypes=("bfloat16", "float16"),
+          applies=lambda spec, target: cpu_lagged_rows.lags_rows(target)),
     Lever("hand_knobs", ("forward", "backward"),
           "the hand knobs (cpu_knobs.hand_knobs) against the defaults",
           knobs=lambda hand: CPUKnobs(), applies=_hand_knobs_differ),
@@ -255,11 +269,13 @@ def per_element(asm: str, spec: KernelSpec) -> float:
 
 
 def build(spec: KernelSpec, knobs: CPUKnobs, without=contextlib.nullcontext, load=True):
-    """``(kernel, assembly)``: ``spec`` declared, scheduled by hand with ``knobs`` and
-    compiled inside ``without``, loaded as the runtime runs it (``None`` unless
-    ``load``); the assembly as a launch larger than the caches runs it
-    (``cpu_stores.always_streaming``), the one that is counted: built again
-    only where the kernel streams its stores."""
+    """``(kernel, assembly, counted)``: ``spec`` declared, scheduled by hand with
+    ``knobs`` and compiled inside ``without``, loaded as the runtime runs it (``None``
+    unless ``load``); the assembly as a launch larger than the caches runs it
+    (``cpu_stores.always_streaming``: built again only where the kernel streams its
+    stores); ``counted``: that assembly, or where the kernel's gradient is written a
+    row late, the kernel's unlagged (``cpu_lagged_rows.unlagged``), whose loops
+    the counter attributes to a row (``per_element``)."""
     with without():
         func = declared_func(spec)
         scheduled = getattr(cpu, SCHEDULE_OF_OP[spec.op])(func, spec.tvm_target(), knobs)
@@ -269,7 +285,13 @@ def build(spec: KernelSpec, knobs: CPUKnobs, without=contextlib.nullcontext, loa
             with cpu_stores.always_streaming():
                 asm = tuning.compile_scheduled(scheduled, spec,
                                                entry=None).mod.inspect_source("asm")
-    return (tuning.loaded_as_the_runtime_runs_it(ex, "main") if load else None), asm
+        counted = asm
+        if (spec.op == "train" and DTYPE_BYTES[spec.dtype] == 2
+                and cpu_lagged_rows.lags_rows(spec.tvm_target())):
+            with cpu_stores.always_streaming(), cpu_lagged_rows.unlagged():
+                counted = tuning.compile_scheduled(scheduled, spec,
+                                                   entry=None).mod.inspect_source("asm")
+    return (tuning.loaded_as_the_runtime_runs_it(ex, "main") if load else None), asm, counted
 
 
 def _outputs(kernel, args) -> list:
@@ -304,7 +326,7 @@ def compare(lever: Lever, spec: KernelSpec, rows: int, reps: int, hand: tuple, a
                     load=args is not None)
     if variant[1] == hand[1]:
         return {**record, "effect": "same assembly"}
-    record["insn_per_element"] = [per_element(hand[1], spec), per_element(variant[1], spec)]
+    record["insn_per_element"] = [per_element(hand[2], spec), per_element(variant[2], spec)]
     if args is None:
         return {**record, "effect": "counted"}
     outputs = _difference(_outputs(hand[0], args), _outputs(variant[0], args))

@@ -5,7 +5,9 @@ backward (also of their gradients), the one-pass training kernel
 tuning search's ``schedule_knobs``; and the lowering pipeline
 (``TIR_PIPELINE``: TVM's, then vector accumulators merged by halves,
 ``cpu_reductions``, the prefetches ``prefetch_ahead`` and ``prefetch_next_row``
-mark, compared ramps rewritten, below, bfloat16 widened by 32-bit pairs where
+mark, a 16-bit training kernel's gradient written a row late, during the next
+row's sweep, ``cpu_lagged_rows``, compared ramps rewritten, below, bfloat16
+widened by 32-bit pairs where
 a loop only accumulates it, else by a word permutation where it pays and the
 CPU has one, ``cpu_widening``, rounded once, by AVX-512
 BF16 where the CPU has it, ``cpu_narrowing``, and a large float32 ``[N, C]``
@@ -125,6 +127,7 @@ from .cpu_knobs import knob_space as knob_space
 from .cpu_knobs import shifts_rows as shifts_rows
 from .cpu_knobs import stages_chunk as stages_chunk
 from .cpu_knobs import train_chunk as train_chunk
+from .cpu_lagged_rows import is_lagged, lagged_gradient_rows
 from .cpu_narrowing import bf16_rounding
 from .cpu_reductions import tree_lane_reductions
 from .cpu_stores import (
@@ -685,8 +688,11 @@ def _next_row_in(loop, logits, classes: int, streamed):
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0)
 def prefetch_next_rows(func, mod, ctx):
-    """In a kernel ``prefetch_next_row`` marked, ``_next_row_in`` on every loop."""
-    if not any(NEXT_ROW_ATTR in f.annotations for f in collect_nodes(func.body, tirx.For)):
+    """In a kernel ``prefetch_next_row`` marked, ``_next_row_in`` on every loop; not
+    in one whose gradient is written a row late (``cpu_lagged_rows``), while the
+    next row is swept: read already."""
+    if (not any(NEXT_ROW_ATTR in f.annotations for f in collect_nodes(func.body, tirx.For))
+            or is_lagged(func)):
         return func
     loads = _loads(func.body, LOGITS)
     rows = [d.buffer for d in collect_nodes(func.body, tirx.DeclBuffer)
@@ -744,7 +750,8 @@ def compared_ramps_as_offsets(func, mod, ctx):
 
 def _pipeline():
     lower, finalize_host, finalize_device = tvm.tirx.compilation_pipeline.PIPELINE_MAP["s_tir"]()
-    return (tvm.transform.Sequential([lower, tree_lane_reductions, prefetch_marked_loops,
+    return (tvm.transform.Sequential([lower, tree_lane_reductions, lagged_gradient_rows,
+                                      prefetch_marked_loops,
                                       prefetch_next_rows, compared_ramps_as_offsets,
                                       bf16_pairs_widening, bf16_widening, bf16_rounding,
                                       stream_output_stores]),

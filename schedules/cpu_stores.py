@@ -49,6 +49,7 @@ from tvm.target import codegen
 
 from ..kernels.stages import LOG_PROB
 from ._common import GRAD_OUTPUTS, binds, collect_nodes, statements, unbound
+from .cpu_lagged_rows import is_lagged
 
 # The [N, C] outputs whose stores may be streamed.
 STREAMED_OUTPUTS = GRAD_OUTPUTS + (LOG_PROB,)
@@ -76,30 +77,55 @@ def _bytes(dtype) -> int:
     return tvm.runtime.DataType(str(dtype)).bits // 8
 
 
-def _store_function(lanes: int) -> str:
-    return f"ce_tvm_stream_float32x{lanes}"
+def _store_function(vector: str) -> str:
+    return f"ce_tvm_stream_{vector}"
 
 
-def _store_ir(lanes: int) -> str:
-    """An LLVM function ``(ptr, value)`` that stores ``lanes`` float32 lanes
-    non-temporally (``!0``) with the tag ``!3``. ``align`` is at most a cache
-    line's: a wider vector is stored line by line."""
-    vec, align = f"<{lanes} x float>", min(lanes * 4, 64)
-    return (f"define void @{_store_function(lanes)}(ptr %p, {vec} %v) {{\n"
-            f"  store {vec} %v, ptr %p, align {align}, !nontemporal !0, !tbaa !3\n"
-            "  ret void\n}\n")
+# LLVM's element types of the vectors a streamed store writes.
+_LLVM_ELEMENTS = {"float32": "float", "float16": "half", "uint16": "i16", "int16": "i16"}
+
+
+def _store_ir(vector: str) -> str:
+    """An LLVM function ``(ptr, value)`` that stores the TIR vector type ``vector``
+    (``float32x16``, ``uint16x32``, ...) non-temporally (``!0``) with the tag ``!3``.
+    ``align`` is at most a cache line's: a wider vector is stored line by line.
+    16-bit lanes are stored as float32 ones behind an ``llvm.arithmetic.fence``:
+    LLVM selects no non-temporal store for a bfloat16 vector, and folds a plain
+    bitcast of one back into it (the bf16 rounding instruction's result)."""
+    element, lanes = vector.split("x")[0], int(vector.split("x")[1])
+    vec, align = f"<{lanes} x {_LLVM_ELEMENTS[element]}>", min(lanes * _bytes(element), 64)
+    if _bytes(element) == 4:
+        return (f"define void @{_store_function(vector)}(ptr %p, {vec} %v) {{\n"
+                f"  store {vec} %v, ptr %p, align {align}, !nontemporal !0, !tbaa !3\n"
+                "  ret void\n}\n")
+    wide = f"<{lanes // 2} x float>"
+    fence = f"llvm.arithmetic.fence.v{lanes // 2}f32"
+    return (f"define void @{_store_function(vector)}(ptr %p, {vec} %v) {{\n"
+            f"  %w = bitcast {vec} %v to {wide}\n"
+            f"  %f = call {wide} @{fence}({wide} %w)\n"
+            f"  store {wide} %f, ptr %p, align {align}, !nontemporal !0, !tbaa !3\n"
+            "  ret void\n}\n"
+            f"declare {wide} @{fence}({wide})\n")
 
 
 def _output_vector(store) -> bool:
-    """Whether ``store`` writes a contiguous float32 vector of 32 bytes or more
-    (a power of two) to a streamed output."""
+    """Whether ``store`` writes a contiguous vector of 32 bytes or more (a power of
+    two) to a streamed output: float32, or 16-bit lanes (streamed only in a
+    kernel ``cpu_lagged_rows`` restructured: ``_eligible``)."""
     index = store.indices[-1] if store.indices else None
     if (store.buffer.name not in STREAMED_OUTPUTS or not isinstance(index, tirx.Ramp)
             or not isinstance(index.stride, tirx.IntImm) or index.stride.value != 1
-            or not str(store.value.ty).startswith("float32")):
+            or str(store.value.ty).split("x")[0] not in _LLVM_ELEMENTS):
         return False
     size = int(index.lanes) * _bytes(store.buffer.dtype)
     return size >= 32 and not size & (size - 1)
+
+
+def _eligible(store, values: dict, sixteen: bool) -> bool:
+    """``_streamable``, and of a float32 output, or of a 16-bit one where ``sixteen``
+    (a lagged kernel's gradient, ``cpu_lagged_rows``; elsewhere 16-bit outputs
+    keep plain stores: the module docstring)."""
+    return _streamable(store, values) and (_bytes(store.buffer.dtype) == 4 or sixteen)
 
 
 _FIRST_LANES = f"ce_tvm_store_first_float32x{_LINE_LANES}"
@@ -198,8 +224,9 @@ def streamed_outputs(func) -> list:
     (``stream_output_stores``); none in a kernel marked ``keep_outputs_cached``."""
     if any(CACHED_ATTR in f.annotations for f in collect_nodes(func.body, tirx.For)):
         return []
-    found, values = {}, binds(func.body)
-    stores = [s for s in collect_nodes(func.body, tirx.BufferStore) if _streamable(s, values)]
+    found, values, sixteen = {}, binds(func.body), is_lagged(func)
+    stores = [s for s in collect_nodes(func.body, tirx.BufferStore)
+              if _eligible(s, values, sixteen)]
     if _stages(func):
         stores += [s for s in (_stageable(loop, values)
                                for loop in collect_nodes(func.body, tirx.For)) if s is not None]
@@ -237,12 +264,11 @@ def fits_in_cache(buffer):
     return tirx.Not(streams(buffer))
 
 
-def _streamed(store, values: dict, used: set):
-    if not _streamable(store, values):
+def _streamed(store, values: dict, used: set, sixteen: bool):
+    if not _eligible(store, values, sixteen):
         return store
-    index = store.indices[-1]
-    used.add(int(index.lanes))
-    return _nontemporal(store.buffer, index.base, store.value, int(index.lanes))
+    used.add(str(store.value.ty))
+    return _nontemporal(store.buffer, store.indices[-1].base, store.value)
 
 
 def _direct_stores(stmt) -> list:
@@ -266,11 +292,11 @@ def _children(stmt) -> list:
     return [body] if isinstance(body, tirx.Stmt) else []
 
 
-def _nontemporal(buffer, index, value, lanes: int):
-    """A non-temporal store of the ``lanes`` float32 lanes ``value`` at
-    ``buffer[index]`` (aligned to 64 bytes or to their size)."""
+def _nontemporal(buffer, index, value):
+    """A non-temporal store of the vector ``value`` at ``buffer[index]`` (aligned to
+    64 bytes or to its size)."""
     address = tirx.address_of(tirx.BufferLoad(buffer, [index]))
-    return tirx.Evaluate(tirx.call_extern("void", _store_function(lanes), address, value))
+    return tirx.Evaluate(tirx.call_extern("void", _store_function(str(value.ty)), address, value))
 
 
 def _stage_block(loop, store, stage, first, count: int, values: dict):
@@ -312,8 +338,7 @@ def _stage_block(loop, store, stage, first, count: int, values: dict):
     streamed = tirx.For(line, tirx.const(0, var.ty), tirx.const(lines, var.ty),
                         tirx.ForKind.SERIAL, _nontemporal(
                             store.buffer, start + at,
-                            tirx.BufferLoad(stage, [tirx.Ramp(at, one, _LINE_LANES)]),
-                            _LINE_LANES))
+                            tirx.BufferLoad(stage, [tirx.Ramp(at, one, _LINE_LANES)])))
     rest_at = head + tirx.const(lines * _LINE_LANES, var.ty)
     rest = tirx.const(count * lanes, var.ty) - rest_at
     return [staged, first_lanes(tirx.const(0, var.ty), head), streamed,
@@ -345,19 +370,20 @@ def _staged(loop, store, stage, values: dict):
     return stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts)
 
 
-def _two_versions(loop, values: dict, used: set, stage):
+def _two_versions(loop, values: dict, used: set, stage, sixteen: bool):
     """``loop`` (whose own body stores to a streamed output) as ``if streams:
-    streamed copy else loop`` when a store of it is streamable, or, given a
-    ``stage``, stageable (``_staged`` through it)."""
-    stores = [s for s in _direct_stores(loop.body) if _streamable(s, values)]
+    streamed copy else loop`` when a store of it is streamable (``_eligible``), or,
+    given a ``stage``, stageable (``_staged`` through it)."""
+    stores = [s for s in _direct_stores(loop.body) if _eligible(s, values, sixteen)]
     if stores:
         streamed = tvm_ffi.structural_map(
-            loop, [(tirx.BufferStore, lambda s: _streamed(s, values, used))], order="post")
+            loop, [(tirx.BufferStore, lambda s: _streamed(s, values, used, sixteen))],
+            order="post")
         return tirx.IfThenElse(streams(stores[0].buffer), streamed, loop)
     store = _stageable(loop, values) if stage is not None else None
     if store is None:
         return loop
-    used.add(_LINE_LANES)
+    used.add(f"float32x{_LINE_LANES}")
     return tirx.IfThenElse(streams(store.buffer), _staged(loop, store, stage, values), loop)
 
 
@@ -389,18 +415,18 @@ def stream_output_stores(func, mod, ctx):
     (module docstring)."""
     if not streamed_outputs(func):
         return func
-    used, values = set(), binds(func.body)
+    used, values, sixteen = set(), binds(func.body), is_lagged(func)
     # A block's last line may read up to two lines past it (masked off).
     stage = tirx.decl_buffer((STAGE_BLOCK_ELEMENTS + 3 * _LINE_LANES,), "float32",
                              "ce_tvm_stage") if _stages(func) else None
     body = tvm_ffi.structural_map(
-        func.body, [(tirx.For, lambda loop: _two_versions(loop, values, used, stage))],
+        func.body, [(tirx.For, lambda loop: _two_versions(loop, values, used, stage, sixteen))],
         order="post")
     if stage is not None:
         body = _with_stage(body, stage)
     if not used:
         return func
-    code = "".join(_store_ir(lanes) for lanes in sorted(used))
+    code = "".join(_store_ir(vector) for vector in sorted(used))
     if stage is not None and _uses(body, stage):
         code += _first_lanes_ir()
     code += _NONTEMPORAL.format(0) + _TBAA.format(1, 2, 3)

@@ -3,7 +3,8 @@
 
 - The comparison every operator test goes through: ce_tvm against the float64
   reference (``ce_tvm.testing.reference``): ``TOL``, ``assert_close``, ``Case``
-  and ``check_once``.
+  and ``check_once``; the training step's, ``check_training_step``.
+- A CPU build's TIR after one of its passes: ``lowered_after``.
 - Fresh processes (cache behaviour is only visible across processes):
   ``Forked``, ``run`` (the ``ce-tvm`` command and other programs), the probes.
 - The distillation losses' float64 reference from whole logits
@@ -150,6 +151,62 @@ def check_once(case: Case) -> None:
             per_row(gz).double().numpy(), lse[rows].double().numpy(), case.reduction,
             case.ignore_index, case.label_smoothing, case.zloss_scale, row_totals=row_totals)
         assert_close(x_grad[rows], ref, tol, f"x_grad rows {rows}")
+
+
+def training_inputs(n, c, dtype, weighted, ignore, seed=0, scale=3.0):
+    """Seeded logits ``[n, c]`` (``dtype``), targets (every third ignored with
+    ``ignore``) and class weights (or ``None``)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, c, generator=gen) * scale).to(dtype)
+    y = torch.randint(0, c, (n,), generator=gen)
+    if ignore:
+        y[::3] = -100
+    w = torch.rand(c, generator=gen) + 0.5 if weighted else None
+    return x, y, w
+
+
+def check_training_step(n, c, dtype, reduction, weighted, ignore, eps, zloss, upstream,
+                        seed=0) -> None:
+    """Loss and autograd gradient of ``ce_tvm.cross_entropy`` (the one-pass training
+    path under autograd) against the float64 reference; the caller's logits unwritten."""
+    x, y, w = training_inputs(n, c, dtype, weighted, ignore, seed)
+    xg = x.clone().requires_grad_()
+    loss = ce_tvm.cross_entropy(xg, y, w, reduction=reduction, label_smoothing=eps,
+                                lse_square_scale=zloss)
+    (loss * upstream).backward() if upstream != 1.0 else loss.backward()
+    wn = None if w is None else w.double().numpy()
+    ref_loss, log_prob, _, lse = reference.forward(
+        x.double().numpy(), y.numpy(), wn, reduction, -100, eps, zloss)
+    ref_grad = reference.backward(
+        np.array([upstream]), log_prob, y.numpy(), wn, None, lse, reduction, -100, eps, zloss)
+    tol = TOL[dtype]
+    assert_close(loss.reshape(1), ref_loss, tol, "loss")
+    assert xg.grad.dtype == dtype and xg.grad.shape == x.shape
+    assert_close(xg.grad, ref_grad, tol, "x grad")
+    assert torch.equal(xg.detach(), x)  # the caller's logits are never written
+
+
+def lowered_after(spec, after: str, scheduled=None):
+    """The PrimFunc of ``spec``'s CPU build (``scheduled``: this scheduled PrimFunc of
+    it, else the runtime's) right after the pass named ``after``."""
+    import tvm
+
+    from ce_tvm.compiler.build import scheduled_func
+    from ce_tvm.schedules import cpu
+
+    seen = []
+
+    @tvm.instrument.pass_instrument
+    class Capture:
+        def run_after_pass(self, mod, info):
+            if info.name == after:
+                seen.append(mod["main"])
+
+    with tvm.transform.PassContext(opt_level=3, instruments=[Capture()], config=cpu.PASS_CONFIG):
+        tvm.compile(scheduled or scheduled_func(spec), target=spec.tvm_target(),
+                    tir_pipeline=cpu.TIR_PIPELINE)
+    assert seen, f"the build ran no pass {after}"
+    return seen[-1]
 
 
 # --- Fresh processes ----------------------------------------------------------

@@ -67,6 +67,7 @@ checks the method and that an AVX2 target's code holds no AVX-512.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -736,15 +737,18 @@ def cross_spec(op: str, dtype: str, classes: int, target: str = "llvm -mcpu=znve
 
 
 def cpu_asm(op: str, dtype: str, classes: int, target: str = "llvm -mcpu=znver5",
-            weighted: bool = False, reduction: str = "mean") -> str:
+            weighted: bool = False, reduction: str = "mean", lagged: bool = True) -> str:
     """The x86 assembly (AT&T) of one shape, built as the runtime builds it and
     as a launch larger than the caches runs it (``always_streaming``: the
-    streamed gradient stores alone, not beside the plain ones)."""
+    streamed gradient stores alone, not beside the plain ones). ``lagged``
+    False: a 16-bit training kernel keeps each row's gradient in the row's
+    iteration (``cpu_lagged_rows.unlagged``), the form ``analyse`` counts."""
     from ..compiler.build import lower_and_compile
+    from ..schedules.cpu_lagged_rows import unlagged
     from ..schedules.cpu_stores import always_streaming
 
     spec = cross_spec(op, dtype, classes, target, weighted, reduction)
-    with always_streaming():
+    with always_streaming(), (contextlib.nullcontext() if lagged else unlagged()):
         return lower_and_compile(spec).mod.inspect_source("asm")
 
 
@@ -780,7 +784,7 @@ def avx512_lines(asm: str) -> list:
 def analyse(op: str, dtype: str, classes: int, target: str = "llvm -mcpu=znver5",
             weighted: bool = False, reduction: str = "mean") -> Summary:
     """``Summary`` of one shape (cached per process)."""
-    asm = cpu_asm(op, dtype, classes, target, weighted, reduction)
+    asm = cpu_asm(op, dtype, classes, target, weighted, reduction, lagged=False)
     loops = row_loops(analyse_asm(asm, DTYPE_BYTES[dtype], classes))
     mcpu = parse_target(target)["mcpu"]
     label = f"{op} {dtype} C={classes} {mcpu}"

@@ -12,45 +12,16 @@ import torch.nn.functional as F
 import ce_tvm
 from ce_tvm.losses.cross_entropy import cross_entropy_train
 from ce_tvm.testing import reference
-from support import TOL, assert_close
+from support import TOL, assert_close, check_training_step, training_inputs
 
 OPTIONS = list(itertools.product(
     ("sum", "mean"), (False, True), (False, True), (0.0, 0.1), (0.0, 1e-3), (1.0, 0.7)))
 
 
-def _inputs(n, c, dtype, weighted, ignore, seed=0, scale=3.0):
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(n, c, generator=gen) * scale).to(dtype)
-    y = torch.randint(0, c, (n,), generator=gen)
-    if ignore:
-        y[::3] = -100
-    w = torch.rand(c, generator=gen) + 0.5 if weighted else None
-    return x, y, w
-
-
-def _check(n, c, dtype, reduction, weighted, ignore, eps, zloss, upstream, seed=0):
-    """Loss and autograd gradient of the training path against SPEC in float64."""
-    x, y, w = _inputs(n, c, dtype, weighted, ignore, seed)
-    xg = x.clone().requires_grad_()
-    loss = ce_tvm.cross_entropy(xg, y, w, reduction=reduction, label_smoothing=eps,
-                                lse_square_scale=zloss)
-    (loss * upstream).backward() if upstream != 1.0 else loss.backward()
-    wn = None if w is None else w.double().numpy()
-    ref_loss, log_prob, _, lse = reference.forward(
-        x.double().numpy(), y.numpy(), wn, reduction, -100, eps, zloss)
-    ref_grad = reference.backward(
-        np.array([upstream]), log_prob, y.numpy(), wn, None, lse, reduction, -100, eps, zloss)
-    tol = TOL[dtype]
-    assert_close(loss.reshape(1), ref_loss, tol, "loss")
-    assert xg.grad.dtype == dtype and xg.grad.shape == x.shape
-    assert_close(xg.grad, ref_grad, tol, "x grad")
-    assert torch.equal(xg.detach(), x)  # the caller's logits are never written
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("reduction,weighted,ignore,eps,zloss,upstream", OPTIONS)
 def test_every_option(dtype, reduction, weighted, ignore, eps, zloss, upstream):
-    _check(7, 17, dtype, reduction, weighted, ignore, eps, zloss, upstream)
+    check_training_step(7, 17, dtype, reduction, weighted, ignore, eps, zloss, upstream)
 
 
 # Chunk boundaries of the CPU schedule (6144-class chunks, 32 float32 lanes):
@@ -59,11 +30,11 @@ def test_every_option(dtype, reduction, weighted, ignore, eps, zloss, upstream):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("c", [1, 2, 33, 6144, 6145, 32000, 50257])
 def test_chunk_boundaries(c, dtype):
-    _check(9, c, dtype, "mean", True, True, 0.1, 1e-3, 1.0, seed=c)
+    check_training_step(9, c, dtype, "mean", True, True, 0.1, 1e-3, 1.0, seed=c)
 
 
 def test_float64():
-    _check(5, 23, torch.float64, "mean", True, True, 0.1, 1e-2, 0.7)
+    check_training_step(5, 23, torch.float64, "mean", True, True, 0.1, 1e-2, 0.7)
 
 
 def test_every_row_ignored_gives_nan_loss_and_zero_gradient():
@@ -77,7 +48,7 @@ def test_every_row_ignored_gives_nan_loss_and_zero_gradient():
 
 def test_retained_graph_backward_twice_accumulates():
     """Logits from a layer (not a leaf): the kept gradient flows on, never modified."""
-    x, y, _ = _inputs(8, 50, torch.float32, False, True)
+    x, y, _ = training_inputs(8, 50, torch.float32, False, True)
     ref = x.clone().requires_grad_()
     F.cross_entropy(ref * 2, y, label_smoothing=0.1).backward()
     xg = x.clone().requires_grad_()
@@ -91,7 +62,7 @@ def test_retained_graph_backward_twice_accumulates():
 def test_retained_graph_on_a_leaf(monkeypatch):
     """A leaf's gradient through a retained graph: each backward adds the
     kept gradient (which autograd copies, since the graph still holds it)."""
-    x, y, _ = _inputs(8, 50, torch.float32, False, True)
+    x, y, _ = training_inputs(8, 50, torch.float32, False, True)
     ref = x.clone().requires_grad_()
     F.cross_entropy(ref, y).backward()
     xg = x.clone().requires_grad_()
@@ -106,7 +77,7 @@ def test_retained_graph_on_a_leaf(monkeypatch):
 def test_gradient_modified_between_backwards_does_not_leak():
     """While the graph is kept, a pass hands out a copy of the kept gradient:
     what the caller does to it cannot reach a later pass."""
-    x, y, _ = _inputs(8, 50, torch.float32, False, True)
+    x, y, _ = training_inputs(8, 50, torch.float32, False, True)
     ref = x.clone().requires_grad_()
     F.cross_entropy(ref, y).backward()
     xg = x.clone().requires_grad_()
@@ -118,7 +89,7 @@ def test_gradient_modified_between_backwards_does_not_leak():
 
 
 def test_reruns_are_bit_identical():
-    x, y, w = _inputs(64, 6145, torch.float32, True, True)
+    x, y, w = training_inputs(64, 6145, torch.float32, True, True)
     runs = []
     for _ in range(2):
         xg = x.clone().requires_grad_()
@@ -129,7 +100,7 @@ def test_reruns_are_bit_identical():
 
 
 def test_nan_stays_in_its_row():
-    x, y, _ = _inputs(6, 100, torch.float32, False, False)
+    x, y, _ = training_inputs(6, 100, torch.float32, False, False)
     x[2, 7] = float("nan")
     xg = x.clone().requires_grad_()
     ce_tvm.cross_entropy(xg, y, reduction="sum").backward()
@@ -142,7 +113,7 @@ def test_no_grad_and_none_take_the_forward_only_path(monkeypatch):
     calls = []
     monkeypatch.setattr(ce_tvm.losses.cross_entropy.launch, "train",
                         lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(AssertionError))
-    x, y, _ = _inputs(4, 10, torch.float32, False, False)
+    x, y, _ = training_inputs(4, 10, torch.float32, False, False)
     with torch.no_grad():
         ce_tvm.cross_entropy(x.clone().requires_grad_(), y)
     ce_tvm.cross_entropy(x, y)  # logits without requires_grad
@@ -157,7 +128,7 @@ def test_softcapped_smoothing_against_float64(c, weighted, dtype):
     """Label smoothing's sum of the capped logits: the capped chunk is staged
     after the max, so the sum cannot ride the max's loop (it read the chunk
     before it was written: NaN in 16 bits, a wrong loss in float32)."""
-    x, y, w = _inputs(12, c, dtype, weighted, True, seed=3)
+    x, y, w = training_inputs(12, c, dtype, weighted, True, seed=3)
     xg = x.clone().requires_grad_()
     loss = ce_tvm.cross_entropy(xg, y, w, label_smoothing=0.1, softcap=5.0,
                                 loss_dtype=torch.float32)
@@ -174,7 +145,7 @@ def test_softcapped_smoothing_against_float64(c, weighted, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_gradients_as_accurate_as_pytorchs(dtype):
     """The 16-bit gradient is rounded once: no worse than PyTorch's own."""
-    x, y, w = _inputs(64, 3001, dtype, True, True, seed=5)
+    x, y, w = training_inputs(64, 3001, dtype, True, True, seed=5)
     ref = reference.backward(
         np.array([1.0]), reference.forward(x.double().numpy(), y.numpy(), w.double().numpy(),
                                            "mean", -100, 0.1)[1],
@@ -188,7 +159,7 @@ def test_half_gradients_as_accurate_as_pytorchs(dtype):
 
 
 def test_opcheck():
-    x, y, w = _inputs(5, 19, torch.float32, True, True)
+    x, y, w = training_inputs(5, 19, torch.float32, True, True)
     # (..., softcap, temperature, token_accuracy)
     for args in [(w, "mean", -100, 0.1, 1e-3, 5.0, 0.8, True),
                  (None, "sum", -100, 0.0, 0.0, 0.0, 1.0, False)]:
@@ -207,7 +178,7 @@ def test_leaf_grad_is_the_gradient_buffer_and_backward_allocates_nothing(monkeyp
         return out
 
     monkeypatch.setattr(ce_tvm.losses.cross_entropy.launch, "train", spy)
-    x, y, _ = _inputs(64, 3000, torch.float32, False, True)
+    x, y, _ = training_inputs(64, 3000, torch.float32, False, True)
     xg = x.clone().requires_grad_()
     loss = ce_tvm.cross_entropy(xg, y, label_smoothing=0.1)
     with torch.profiler.profile(profile_memory=True) as prof:

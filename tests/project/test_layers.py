@@ -34,10 +34,11 @@ LAYERS = [
     ("kernels",),
     # one module per target
     # what the target modules share; the Ascend plan; the CPU's sizes and knobs, its
-    # bfloat16 rounding and widening, its streamed gradient stores, its lane merges
+    # bfloat16 rounding and widening, its streamed gradient stores, its lane merges,
+    # its training rows lagged
     ("schedules._common", "schedules.ascend_plan", "schedules.cpu_knobs",
      "schedules.cpu_narrowing", "schedules.cpu_reductions", "schedules.cpu_stores",
-     "schedules.cpu_widening"),
+     "schedules.cpu_widening", "schedules.cpu_lagged_rows"),
     ("schedules.cpu", "schedules.cuda", "schedules.ascend", "schedules"),
     # a kernel's name and files, without the compiler or torch
     ("store.paths",),  # where modules live and who may write them

@@ -22,23 +22,25 @@ LEVERS = ["chunk_in_place", "logits_sum_in_max_loop", "sum_with_max", "one_hot_b
           "vpermt2w", "sums_ride_the_exp", "smoothing_left_out", "row_shift",
           "train_chunk_in_l1", "hand_knobs", "streamed_gradient", "tree_lane_reductions",
           "tree_lane_reductions_eps0", "next_row_prefetch", "row_shift_smoothing",
-          "next_row_prefetch_smoothing", "staged_gradient", "pairs_widening"]
+          "next_row_prefetch_smoothing", "staged_gradient", "pairs_widening", "lagged_rows"]
 # Levers of AVX-512 kernels alone. Rows of 4099 float32 classes are not 64-byte
 # multiples: there their gradient is streamed by blocks through a scratch buffer
 # (staged_gradient), the next row prefetched with it.
 AVX512_ONLY = {"row_shift", "row_shift_smoothing", "next_row_prefetch",
-               "next_row_prefetch_smoothing", "staged_gradient"}
+               "next_row_prefetch_smoothing", "staged_gradient", "lagged_rows"}
 # Levers that change the arithmetic's order: other accumulators (the sums), the
 # one-hot term subtracted by chunk (LLVM contracts it into another FMA), other
 # chunks (the row's max and sums merged in another order), the exp-sum taken
 # against the row's shift rather than each chunk's max (with the forward's
 # kernel without label smoothing, or with it; a staged chunk takes no shift),
 # a sum's vector accumulators merged by halves, a row's elements summed in pair
-# order (the bf16 log-probs' sums take it where they ride the kept exp's loop).
+# order (the bf16 log-probs' sums take it where they ride the kept exp's loop),
+# the gradient's loops moved into the next row's (LLVM contracts a multiply and
+# a subtraction otherwise: one bf16 rounding in some elements).
 REASSOCIATING = ("hand_knobs", "one_hot_by_chunk", "train_chunk_in_l1", "row_shift",
                  "row_shift_smoothing", "chunk_in_place", "smoothing_left_out",
                  "tree_lane_reductions", "tree_lane_reductions_eps0", "pairs_widening",
-                 "sums_ride_the_exp")
+                 "sums_ride_the_exp", "lagged_rows")
 
 
 def _levers(tmp_path, *extra) -> list:

@@ -98,7 +98,7 @@ def test_real_kernel_loops_and_instruction_set(target, avx512):
     """The bf16 training kernel at C = 4000 (one chunk): element loops found,
     instructions per element positive and finite; the AVX2 target's assembly
     holds no AVX-512 (no zmm or mask register, no EVEX-only instruction)."""
-    asm = cpu_static.cpu_asm("train", "bfloat16", 4000, target)
+    asm = cpu_static.cpu_asm("train", "bfloat16", 4000, target, lagged=False)
     loops = cpu_static.row_loops(cpu_static.analyse_asm(asm, 2, 4000))
     assert sum(loop.element_loop for loop in loops) >= 3
     per_element = cpu_static.kernel_per_element(loops)
@@ -129,7 +129,7 @@ def test_a_loop_counted_up_to_zero_has_its_trip():
     """LLVM counts a loop from minus its length up to zero (``movq $-5600``,
     ``addq $160``, ``jne``): the peeled last chunk of C = 50257 runs 5600 elements
     a row, not a whole row (it was charged as a row before)."""
-    asm = cpu_static.cpu_asm("train", "bfloat16", 50257, "llvm -mcpu=znver5")
+    asm = cpu_static.cpu_asm("train", "bfloat16", 50257, "llvm -mcpu=znver5", lagged=False)
     loops = cpu_static.row_loops(cpu_static.analyse_asm(asm, 2, 50257))
     assert all(loop.trip for loop in loops if loop.element_loop)
     per_element = cpu_static.kernel_per_element(loops)

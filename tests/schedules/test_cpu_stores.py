@@ -1,7 +1,8 @@
-"""float32 ``[N, C]`` outputs stored past the caches (``schedules/cpu_stores.py``):
+"""``[N, C]`` outputs stored past the caches (``schedules/cpu_stores.py``):
 which kernels get non-temporal stores (a float32 gradient or seed ``log_prob``,
 its rows 64-byte multiples, on AVX-512 and AVX2, or staged by blocks where
-they are not, on AVX-512; not the divergence's; cross-compiled, only assembly is made), that a
+they are not, on AVX-512; a lagged 16-bit training gradient; not the
+divergence's, not a 16-bit backward; cross-compiled, only assembly is made), that a
 kernel carries both versions and a launch picks one by the output's size, and
 that the streamed path writes the same bits as the plain one and matches torch."""
 
@@ -53,9 +54,23 @@ def test_unaligned_float32_gradients_keep_plain_stores_on_avx2(op):
     assert "vmovnt" not in asm
 
 
-def test_bfloat16_gradients_keep_plain_stores():
-    asm = cpu_static.cpu_asm("train", "bfloat16", 2048, "llvm -mcpu=znver4")
-    assert "vmovnt" not in asm and "prefetchw" in asm
+@pytest.mark.parametrize("op, classes, mcpu", [("backward", 2048, "znver4"),
+                                               ("train", 2050, "znver4"),
+                                               ("train", 2048, "haswell")])
+def test_bfloat16_gradients_keep_plain_stores(op, classes, mcpu):
+    """The backward's, and the training kernel's where it is not lagged
+    (``cpu_lagged_rows``: AVX2) or its rows are not whole lines."""
+    asm = cpu_static.cpu_asm(op, "bfloat16", classes, f"llvm -mcpu={mcpu}")
+    assert "vmovnt" not in asm
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_lagged_16_bit_gradient_streams(dtype):
+    """The 16-bit training kernel on AVX-512, its gradient a row late
+    (``cpu_lagged_rows``): each store of a 64-byte line non-temporal, no
+    ``prefetchw`` of the gradient."""
+    asm = cpu_static.cpu_asm("train", dtype, 2048, "llvm -mcpu=znver4")
+    assert re.search(r"vmovnt(dq|ps)\t%zmm", asm) and "prefetchw" not in asm
 
 
 def _calls(node, name: str) -> list:

@@ -1,0 +1,106 @@
+"""A 16-bit training kernel's gradient written a row late, during the next row's
+sweep (``schedules/cpu_lagged_rows.py``): which kernels are restructured
+(cross-compiled, the TIR after the pass), that a row's gradient reads its own
+row's values (batches whose tasks hold several rows, a last task cut short, an
+overlapping last chunk, every option) against float64, and that the streamed
+gradient of a large launch holds the bits of the plain stores of a small one."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import tvm
+from tvm import tirx
+from tvm.target import Target
+
+import ce_tvm
+from ce_tvm.compiler.build import declared_func
+from ce_tvm.schedules import cpu, cpu_lagged_rows
+from ce_tvm.schedules._common import collect_nodes
+from ce_tvm.schedules.cpu_lagged_rows import LAGGED_ATTR, lags_rows
+from ce_tvm.schedules.cpu_stores import STREAM_MIN_BYTES
+from ce_tvm.store.targets import target_description
+from ce_tvm.testing.cpu_static import cross_spec
+from support import MEMORY, TOL, check_training_step, lowered_after
+
+LAGS_HERE = lags_rows(Target(target_description("llvm")))
+
+
+def _lagged(spec, scheduled=None) -> bool:
+    func = lowered_after(spec, "lagged_gradient_rows", scheduled)
+    return any(LAGGED_ATTR in f.annotations for f in collect_nodes(func.body, tirx.For))
+
+
+@pytest.mark.parametrize("dtype,mcpu,lagged", [
+    ("bfloat16", "znver4", True), ("float16", "znver4", True),
+    ("float32", "znver4", False),  # memory-bound already: not lagged
+    ("bfloat16", "haswell", False)])  # AVX2: not measured
+@pytest.mark.parametrize("classes", [2048, 4099])
+def test_which_kernels_lag(dtype, mcpu, lagged, classes):
+    assert _lagged(cross_spec("train", dtype, classes, f"llvm -mcpu={mcpu}")) == lagged
+
+
+def test_rows_split_into_tasks_by_the_schedule_are_left_alone():
+    """A record's ``row_grain`` (rows a task, split by the schedule) guards every
+    statement of a row: not the form the pass takes; the kernel stays as built."""
+    spec = cross_spec("train", "bfloat16", 2048, "llvm -mcpu=znver4")
+    split = cpu.schedule_with_knobs(declared_func(spec), "train", spec.tvm_target(),
+                                    {"row_grain": 8})
+    assert not _lagged(spec, split)
+
+
+def test_the_gradient_of_the_row_before_reads_its_own_values():
+    """In the lagged kernel the gradient's loops run inside the sweep's chunk loop,
+    on the row before (``row - 1``), and read the scales and terms of that row
+    from their ``_lag`` copies, never the scratch the sweep is writing."""
+    func = lowered_after(cross_spec("train", "bfloat16", 2048, "llvm -mcpu=znver4",
+                                    weighted=True), "lagged_gradient_rows")
+    (tasks,) = [f for f in collect_nodes(func.body, tirx.For) if LAGGED_ATTR in f.annotations]
+    grads = [st for st in collect_nodes(tasks.body, tirx.BufferStore) if st.buffer.name == "x_grad"]
+    assert grads
+    for store in grads:
+        names = {ld.source.name for ld in collect_nodes(store.value, tvm.ir.expr.TensorLoad)}
+        scratch = {n for n in names if n.startswith("ce_") and n != "ce_chunk_exp"}
+        assert scratch and all(n.endswith("_lag") for n in scratch), names
+
+
+@pytest.mark.skipif(not LAGS_HERE, reason="this CPU's training kernels are not lagged")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n,c", [(300, 2048), (200, 4099), (130, 32000)])
+def test_lagged_rows_against_float64(n, c, dtype):
+    """Several rows a task (``task_rows``: 4, 3 and 2 here), the last task short,
+    an overlapping last chunk (4099), with class weights, ignored rows, label
+    smoothing and the z-loss."""
+    check_training_step(n, c, dtype, "mean", True, True, 0.1, 1e-3, 1.0, seed=n)
+    check_training_step(n, c, dtype, "sum", False, False, 0.0, 0.0, 0.7, seed=c)
+
+
+@MEMORY
+@pytest.mark.skipif(not LAGS_HERE, reason="this CPU's training kernels are not lagged")
+def test_streamed_lagged_gradient_matches_the_plain_stores_and_torch():
+    """A bf16 gradient of 64 MiB (streamed: non-temporal stores) against its first
+    64 rows launched alone (below the size: plain stores, one row a task):
+    within one bf16 rounding (LLVM may contract a multiply and subtraction
+    differently in the two loops), and against float64 torch."""
+    classes = 2048
+    rows = -(-STREAM_MIN_BYTES // (2 * classes))
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(rows, classes, generator=gen) * 3).to(torch.bfloat16)
+    y = torch.randint(0, classes, (rows,), generator=gen)
+    y[::5] = -100
+    grads = []
+    for n in (rows, 64):
+        xg = x[:n].clone().requires_grad_()
+        ce_tvm.cross_entropy(xg, y[:n], reduction="sum", label_smoothing=0.1).backward()
+        grads.append(xg.grad)
+    ulp = grads[1].float().abs() * 2.0 ** -7 + 1e-30
+    assert bool(((grads[0][:64].float() - grads[1].float()).abs() <= ulp).all())
+    ref = x.double().requires_grad_()
+    F.cross_entropy(ref, y, reduction="sum", label_smoothing=0.1).backward()
+    torch.testing.assert_close(grads[0].double(), ref.grad, rtol=TOL[torch.bfloat16],
+                               atol=1e-6)
+
+
+def test_unlagged_builds_keep_each_gradient_in_its_row():
+    """``unlagged``: the form the static counter attributes to a row."""
+    with cpu_lagged_rows.unlagged():
+        assert not _lagged(cross_spec("train", "bfloat16", 2048, "llvm -mcpu=znver4"))
