@@ -91,41 +91,58 @@ def _substitute(node, values: dict):
     return tvm_ffi.structural_map(node, [(tirx.Var, lambda v: values.get(v, v))])
 
 
-def _kept_exp_index(stmt, var):
-    """``(first, step)``: the flat index of ``stmt``'s first access to the kept
-    ``exp`` with every loop variable at 0, and how far it moves as ``var`` (the
-    loop around ``stmt``) grows by one."""
-    accesses = _loads(stmt, CHUNK_EXP) + [
-        st for st in collect_nodes(stmt, tirx.BufferStore) if st.buffer.name == CHUNK_EXP]
-    index = unbound(accesses[0].indices[-1], binds(stmt))
-    if isinstance(index, tirx.Ramp):
-        index = index.base
+def _kept_exp_starts(stmt, var, stores: bool = False):
+    """``(first, step)`` of ``stmt``'s accesses to the kept ``exp`` (its loads, or
+    with ``stores`` its stores), in float32 elements: the lowest flat index they
+    touch with every loop variable at 0, and how far the first access moves as
+    ``var`` (the loop around ``stmt``) grows by one; ``(None, None)`` where either
+    is not a constant."""
+    accesses = ([st for st in collect_nodes(stmt, tirx.BufferStore) if st.buffer.name == CHUNK_EXP]
+                if stores else _loads(stmt, CHUNK_EXP))
     zero = {v: tirx.const(0, v.ty) for v in [f.loop_var for f in collect_nodes(stmt, tirx.For)]}
     zero[var] = tirx.const(0, var.ty)
-    analyzer = tvm.sym.Analyzer()
-    first = analyzer.simplify(_substitute(index, zero))
-    step = analyzer.simplify(_substitute(index, {**zero, var: tirx.const(1, var.ty)}) - first)
-    return first, step
+    analyzer, values, firsts, steps = tvm.sym.Analyzer(), binds(stmt), [], []
+    for access in accesses:
+        index = unbound(access.indices[-1], values)
+        if isinstance(index, tirx.Ramp):
+            index = index.base
+        buffer = access.buffer if stores else access.source
+        lanes = tvm.runtime.DataType(str(buffer.dtype)).lanes  # a buffer of vectors
+        index = index * tirx.const(lanes, index.ty) if lanes > 1 else index
+        firsts.append(analyzer.simplify(_substitute(index, zero)))
+        steps.append(analyzer.simplify(
+            _substitute(index, {**zero, var: tirx.const(1, var.ty)}) - firsts[-1]))
+    if not firsts or not all(isinstance(x, tirx.IntImm) for x in firsts + steps):
+        return None, None
+    return min(x.value for x in firsts), steps[0].value
 
 
-def _placed(grad_loops, chunk: int, chunks: int, k):
+def _placed(grad_loops, sweep):
     """``(in the sweep, after it)``: each gradient loop, or each iteration of it,
-    placed before the sweep's iteration ``k`` (of ``chunks``, ``chunk`` columns
-    each) that first overwrites the kept ``exp`` it reads, or after the sweep
-    (the columns only a peeled last chunk writes); ``None`` if a loop's access is
-    not one of those forms."""
+    placed before the iteration of ``sweep`` (whose iterations overwrite the kept
+    ``exp`` in consecutive ranges) that would first overwrite a column it reads,
+    or after the sweep where it reads only columns the sweep does not write
+    (those of a peeled last chunk, written after it); ``None`` where an access
+    is not of those forms. Only where a read starts matters: the sweep's
+    iterations before it wrote below that start."""
+    begin, chunk = _kept_exp_starts(sweep.body, sweep.loop_var, stores=True)
+    if begin is None or chunk <= 0:
+        return None
+    chunks, k = int(sweep.extent), sweep.loop_var
+    end = begin + chunks * chunk
+
+    def slot(column: int) -> int:
+        return (max(column, begin) - begin) // chunk
+
     inside, after = [], []
     for loop in grad_loops:
-        if not _loads(loop, CHUNK_EXP):
-            return None
         var, extent = loop.loop_var, int(loop.extent)
-        first, step = _kept_exp_index(loop.body, var)
-        if not isinstance(first, tirx.IntImm) or not isinstance(step, tirx.IntImm):
+        first, step = _kept_exp_starts(loop.body, var)
+        if first is None:
             return None
-        slot = first.value // chunk
-        at = tirx.Cast(var.ty, k) - tirx.const(slot, var.ty)
-        if step.value == chunk:  # one chunk an iteration: iteration i before chunk slot + i
-            swept = min(extent, max(0, chunks - slot))
+        at = tirx.Cast(var.ty, k) - tirx.const(slot(first), var.ty)
+        if step == chunk and first >= begin:  # a chunk an iteration: each before its own
+            swept = min(extent, max(0, chunks - slot(first)))
             if swept:
                 inside.append(tirx.IfThenElse(
                     tirx.And(at >= tirx.const(0, var.ty), at < tirx.const(swept, var.ty)),
@@ -133,13 +150,10 @@ def _placed(grad_loops, chunk: int, chunks: int, k):
             if swept < extent:
                 after.append(tirx.For(var, tirx.const(swept, var.ty),
                                       tirx.const(extent - swept, var.ty), loop.kind, loop.body))
-        elif step.value * extent <= chunk:  # within one chunk
-            if slot < chunks:
-                inside.append(tirx.IfThenElse(at == tirx.const(0, var.ty), loop, None))
-            else:
-                after.append(loop)
+        elif first < end:  # the whole loop before the iteration that writes its first column
+            inside.append(tirx.IfThenElse(at == tirx.const(0, var.ty), loop, None))
         else:
-            return None
+            after.append(loop)
     return inside, after
 
 
@@ -166,9 +180,8 @@ def _lagged(loop, rows):
     pre_binds = [s for s in pre if isinstance(s, tirx.Bind)]
     if any(collect_nodes(b.value, tvm.ir.expr.TensorLoad) for b in pre_binds):
         return loop  # a bind that reads the row's scratch must keep its place
-    _, chunk = _kept_exp_index(sweep.body, sweep.loop_var)
-    if not isinstance(chunk, tirx.IntImm) or chunk.value <= 0:
-        return loop
+    if any(CHUNK_EXP in _stores(stmt) for stmt in pre):
+        return loop  # the row's exp written before its sweep: not the form taken
 
     # the row's scratch the gradient reads, but the kept exp: copied after its row
     scratch = {str(s.buffer.data) for s in head if isinstance(s, tirx.AllocBuffer)}
@@ -198,8 +211,7 @@ def _lagged(loop, rows):
             return ld if lag is None else tirx.BufferLoad(lag, ld.indices)
         return tvm_ffi.structural_map(stmt, [(tvm.ir.expr.TensorLoad, lagged_load)], order="post")
 
-    placed = _placed([of_row_before(g) for g in grad_loops], chunk.value, int(sweep.extent),
-                     sweep.loop_var)
+    placed = _placed([of_row_before(g) for g in grad_loops], sweep)
     if placed is None:
         return loop
     inside, after = placed
@@ -209,9 +221,8 @@ def _lagged(loop, rows):
         rows, tirx.const(_ROWS_PER_TASK_DIVISOR, row.ty))))
     this_row = tirx.And(step < per_task, row < rows)
     row_before = tirx.And(step > tirx.const(0, row.ty), row - one < rows)
-    chunk_step = tirx.SeqStmt([tirx.IfThenElse(row_before, _block(inside), None),
-                               tirx.IfThenElse(this_row, sweep.body, None)] if inside else
-                              [tirx.IfThenElse(this_row, sweep.body, None)])
+    chunk_step = _block(([tirx.IfThenElse(row_before, _block(inside), None)] if inside else [])
+                        + [tirx.IfThenElse(this_row, sweep.body, None)])
     sweep = tirx.For(sweep.loop_var, sweep.min, sweep.extent, sweep.kind, chunk_step,
                      sweep.thread_binding, sweep.annotations)
     iteration = ([tirx.Bind(row, task * per_task + step)] + pre_binds
@@ -225,7 +236,7 @@ def _lagged(loop, rows):
     tasks = tirx.floordiv(rows + per_task - one, per_task)
     annotations = {**{k: v for k, v in loop.annotations.items()}, LAGGED_ATTR: 1}
     return tirx.For(task, tirx.const(0, row.ty), tasks, loop.kind,
-                    tirx.SeqStmt(head + [tirx.AllocBuffer(b) for b in lags.values()] + [steps]),
+                    _block(head + [tirx.AllocBuffer(b) for b in lags.values()] + [steps]),
                     loop.thread_binding, annotations)
 
 

@@ -65,13 +65,33 @@ def test_the_gradient_of_the_row_before_reads_its_own_values():
 
 @pytest.mark.skipif(not LAGS_HERE, reason="this CPU's training kernels are not lagged")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("n,c", [(300, 2048), (200, 4099), (130, 32000)])
+@pytest.mark.parametrize("n,c", [(300, 2048), (200, 4099), (130, 32000), (260, 2050),
+                                 (260, 100)])
 def test_lagged_rows_against_float64(n, c, dtype):
-    """Several rows a task (``task_rows``: 4, 3 and 2 here), the last task short,
-    an overlapping last chunk (4099), with class weights, ignored rows, label
+    """Several rows a task (``task_rows``: 2-4 here), the last task short, an
+    overlapping last chunk (4099), columns after the vector steps (2050), a row
+    shorter than two chunks (100), with class weights, ignored rows, label
     smoothing and the z-loss."""
     check_training_step(n, c, dtype, "mean", True, True, 0.1, 1e-3, 1.0, seed=n)
     check_training_step(n, c, dtype, "sum", False, False, 0.0, 0.0, 0.7, seed=c)
+
+
+@pytest.mark.skipif(not LAGS_HERE, reason="this CPU's training kernels are not lagged")
+@pytest.mark.parametrize("c", [37, 4099])
+def test_lagged_rows_with_the_token_accuracy(c):
+    """The kernel variant that also counts the rows' hits, whose gradient loops
+    read columns a loop after the sweep writes (the last chunk's)."""
+    gen = torch.Generator().manual_seed(c)
+    x = (torch.randn(260, c, generator=gen) * 3).to(torch.bfloat16)
+    y = torch.randint(0, c, (260,), generator=gen)
+    xg = x.clone().requires_grad_()
+    loss, accuracy = ce_tvm.cross_entropy(xg, y, label_smoothing=0.1,
+                                          return_token_accuracy=True)
+    loss.backward()
+    ref = x.double().requires_grad_()
+    F.cross_entropy(ref, y, label_smoothing=0.1).backward()
+    torch.testing.assert_close(xg.grad.double(), ref.grad, rtol=TOL[torch.bfloat16], atol=1e-5)
+    assert float(accuracy) == pytest.approx(float((x.float().argmax(1) == y).double().mean()))
 
 
 @MEMORY
