@@ -57,7 +57,8 @@ _LAGGING = [True]
 
 def lags_rows(target) -> bool:
     """Whether training kernels for ``target`` lag their gradient a row: on AVX-512,
-    where it was measured (not inside ``unlagged``)."""
+    where it was measured (not inside ``unlagged``). The AVX2 build, run on a Zen 4,
+    was 0.92-0.95x as fast lagged at 4096 x 32000 and 1.08x at 2048 x 128256."""
     return _LAGGING[0] and bool(codegen.target_has_features("avx512f", target))
 
 
