@@ -6,20 +6,22 @@ float32 row buffer (``ce_chunk_exp``), then writes the row's gradient from that
 buffer. The sweep is bound by its arithmetic and leaves memory idle; the
 gradient's loops are bound by memory. ``lagged_gradient_rows`` (a pass after
 lowering) runs the rows as a pipeline instead, in tasks of consecutive rows
-(``task_rows``): in the iteration of row ``n``, before each chunk of its sweep,
+(``TASK_ROWS``): in the iteration of row ``n``, before each chunk of its sweep,
 the gradient loops of row ``n - 1`` write the columns that chunk is about to
 overwrite in the buffer; one more iteration writes the task's last gradient.
 What else row ``n - 1``'s gradient reads from the row's scratch (the chunks'
 scales, the one-hot and smoothing terms) is copied to buffers of its own at
 the end of its iteration (``<name>_lag``). Nothing is computed otherwise or in
-another order: the outputs are bit for bit those of the kernel unlagged.
+another order; in the moved loops LLVM may contract a multiply and a
+subtraction otherwise, which moves a rare gradient element by one 16-bit
+rounding.
 
 Where the gradient's rows are whole 64-byte lines and the output is large, its
 stores are also made non-temporal (``cpu_stores``: the pass marks the task
 loop, ``LAGGED_ATTR``, and ``cpu_stores`` then streams 16-bit stores too): the
 lines go to memory from the write-combining buffers while the sweep computes,
 instead of being read for ownership first. On a 2-core Zen 4, bf16, the two
-together took the training kernel 1.17-1.19x faster at 4096 x 32000 and
+together took the training kernel 1.14-1.22x faster at 4096 x 32000 and
 2048 x 128256; lagged with plain stores (C = 50257, unaligned) 1.09x; at
 256 x 32000 (in cache) no change (docs/performance.md, "A row's gradient
 written during the next row's sweep").
@@ -235,7 +237,7 @@ def _lagged(loop, rows):
     steps = tirx.For(step, tirx.const(0, row.ty), per_task + one, tirx.ForKind.SERIAL,
                      tirx.SeqStmt(iteration))
     tasks = tirx.floordiv(rows + per_task - one, per_task)
-    annotations = {**{k: v for k, v in loop.annotations.items()}, LAGGED_ATTR: 1}
+    annotations = {**dict(loop.annotations.items()), LAGGED_ATTR: 1}
     return tirx.For(task, tirx.const(0, row.ty), tasks, loop.kind,
                     _block(head + [tirx.AllocBuffer(b) for b in lags.values()] + [steps]),
                     loop.thread_binding, annotations)
