@@ -2,8 +2,8 @@
 sweep (``schedules/cpu_lagged_rows.py``): which kernels are restructured
 (cross-compiled, the TIR after the pass), that a row's gradient reads its own
 row's values (batches whose tasks hold several rows, a last task cut short, an
-overlapping last chunk, every option) against float64, and that the streamed
-gradient of a large launch holds the bits of the plain stores of a small one."""
+overlapping last chunk, every option) against float64. The streamed gradient of
+a large launch against the plain stores of a small one: test_cpu_stores.py."""
 
 import pytest
 import torch
@@ -17,10 +17,9 @@ from ce_tvm.compiler.build import declared_func
 from ce_tvm.schedules import cpu, cpu_lagged_rows
 from ce_tvm.schedules._common import collect_nodes
 from ce_tvm.schedules.cpu_lagged_rows import LAGGED_ATTR, lags_rows
-from ce_tvm.schedules.cpu_stores import STREAM_MIN_BYTES
 from ce_tvm.store.targets import target_description
 from ce_tvm.testing.cpu_static import cross_spec
-from support import MEMORY, TOL, check_training_step, lowered_after
+from support import TOL, check_training_step, lowered_after
 
 LAGS_HERE = lags_rows(Target(target_description("llvm")))
 
@@ -92,32 +91,6 @@ def test_lagged_rows_with_the_token_accuracy(c):
     F.cross_entropy(ref, y, label_smoothing=0.1).backward()
     torch.testing.assert_close(xg.grad.double(), ref.grad, rtol=TOL[torch.bfloat16], atol=1e-5)
     assert float(accuracy) == pytest.approx(float((x.float().argmax(1) == y).double().mean()))
-
-
-@MEMORY
-@pytest.mark.skipif(not LAGS_HERE, reason="this CPU's training kernels are not lagged")
-def test_streamed_lagged_gradient_matches_the_plain_stores_and_torch():
-    """A bf16 gradient of 64 MiB (streamed: non-temporal stores) against its first
-    64 rows launched alone (below the size: plain stores, one row a task):
-    within one bf16 rounding (LLVM may contract a multiply and subtraction
-    differently in the two loops), and against float64 torch."""
-    classes = 2048
-    rows = -(-STREAM_MIN_BYTES // (2 * classes))
-    gen = torch.Generator().manual_seed(4)
-    x = (torch.randn(rows, classes, generator=gen) * 3).to(torch.bfloat16)
-    y = torch.randint(0, classes, (rows,), generator=gen)
-    y[::5] = -100
-    grads = []
-    for n in (rows, 64):
-        xg = x[:n].clone().requires_grad_()
-        ce_tvm.cross_entropy(xg, y[:n], reduction="sum", label_smoothing=0.1).backward()
-        grads.append(xg.grad)
-    ulp = grads[1].float().abs() * 2.0 ** -7 + 1e-30
-    assert bool(((grads[0][:64].float() - grads[1].float()).abs() <= ulp).all())
-    ref = x.double().requires_grad_()
-    F.cross_entropy(ref, y, reduction="sum", label_smoothing=0.1).backward()
-    torch.testing.assert_close(grads[0].double(), ref.grad, rtol=TOL[torch.bfloat16],
-                               atol=1e-6)
 
 
 def test_unlagged_builds_keep_each_gradient_in_its_row():
