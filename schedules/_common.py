@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import tvm
 import tvm_ffi
 from tvm import tirx
 
@@ -124,6 +125,17 @@ def statements(body) -> list:
 def depends_on(expr, var) -> bool:
     """Whether the variable ``var`` occurs in ``expr``."""
     return any(v.same_as(var) for v in collect_nodes(expr, tirx.Var))
+
+
+def loads_of(node, name: str) -> list:
+    """The loads of ``node`` from buffers named ``name``."""
+    return [ld for ld in collect_nodes(node, tvm.ir.expr.TensorLoad) if ld.source.name == name]
+
+
+def substituted(node, values: dict):
+    """``node`` with each variable of ``values`` replaced by its value, in one pass
+    (a value may hold the variable it replaces)."""
+    return tvm_ffi.structural_map(node, [(tirx.Var, lambda v: values.get(v, v))])
 
 
 def binds(body) -> dict:

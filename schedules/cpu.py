@@ -102,6 +102,7 @@ from ._common import (
     init_row_totals,
     inline_row_helpers,
     is_per_row,
+    loads_of,
     parallel_rows,
     place_grad_coefficients,
     place_row_stages,
@@ -530,15 +531,11 @@ def _first_index(access, buffer, body, inner=()):
     return index * tirx.const(lanes, index.ty) if lanes > 1 else index
 
 
-def _loads(node, name: str) -> list:
-    return [ld for ld in collect_nodes(node, tvm.ir.expr.TensorLoad) if ld.source.name == name]
-
-
 def _staged_chunk(stmt):
     """``(logits buffer, where the chunk starts in it)`` when ``stmt`` copies a
     chunk of the logits into ``ce_chunk_logits``, else ``None``."""
     for store in collect_nodes(stmt, tirx.BufferStore):
-        sources = _loads(store.value, LOGITS)
+        sources = loads_of(store.value, LOGITS)
         if store.buffer.name == CHUNK_LOGITS and sources:
             logits = sources[0].source
             start = tvm.sym.Analyzer().simplify(_first_index(sources[0], logits, stmt)
@@ -559,9 +556,9 @@ def _with_prefetch(loop, staged, grad=None, streamed=()):
     distance = int(loop.annotations[PREFETCH_ATTR])
     body, var = loop.body, loop.loop_var
     inner = [f.loop_var for f in collect_nodes(body, tirx.For)]
-    direct = [(ld.source, first) for ld in _loads(body, LOGITS)
+    direct = [(ld.source, first) for ld in loads_of(body, LOGITS)
               if depends_on(first := _first_index(ld, ld.source, body, inner), var)]
-    reads = _loads(body, CHUNK_LOGITS)
+    reads = loads_of(body, CHUNK_LOGITS)
     if direct:
         logits, first = direct[0]
     elif staged is not None and reads:
@@ -669,7 +666,7 @@ def _next_row_in(loop, logits, classes: int, streamed):
     launch that streams it) and reads no logits."""
     body = loop.body
     stores = [st for st in collect_nodes(body, tirx.BufferStore) if st.buffer.name == X_GRAD]
-    if not stores or _loads(body, LOGITS) or collect_nodes(body, tirx.For):
+    if not stores or loads_of(body, LOGITS) or collect_nodes(body, tirx.For):
         return loop
     grad = stores[0].buffer
     if not any(grad.same_as(b) for b in streamed):
@@ -694,7 +691,7 @@ def prefetch_next_rows(func, mod, ctx):
     if (not any(NEXT_ROW_ATTR in f.annotations for f in collect_nodes(func.body, tirx.For))
             or is_lagged(func)):
         return func
-    loads = _loads(func.body, LOGITS)
+    loads = loads_of(func.body, LOGITS)
     rows = [d.buffer for d in collect_nodes(func.body, tirx.DeclBuffer)
             if d.buffer.name == LOGITS and len(d.buffer.shape) == 2]
     streamed = streamed_outputs(func)

@@ -43,7 +43,7 @@ from tvm import tirx
 from tvm.target import codegen
 
 from ..kernels.stages import CHUNK_EXP, X_GRAD
-from ._common import binds, collect_nodes, statements, unbound
+from ._common import binds, collect_nodes, loads_of, statements, substituted, unbound
 
 # The task loop of a lagged kernel carries this annotation (``cpu_stores``
 # streams its 16-bit gradient).
@@ -86,14 +86,6 @@ def _stores(stmt) -> set:
     return {st.buffer.name for st in collect_nodes(stmt, tirx.BufferStore)}
 
 
-def _loads(stmt, name: str) -> list:
-    return [ld for ld in collect_nodes(stmt, tvm.ir.expr.TensorLoad) if ld.source.name == name]
-
-
-def _substitute(node, values: dict):
-    return tvm_ffi.structural_map(node, [(tirx.Var, lambda v: values.get(v, v))])
-
-
 def _kept_exp_starts(stmt, var, stores: bool = False):
     """``(first, step)`` of ``stmt``'s accesses to the kept ``exp`` (its loads, or
     with ``stores`` its stores), in float32 elements: the lowest flat index they
@@ -101,7 +93,7 @@ def _kept_exp_starts(stmt, var, stores: bool = False):
     ``var`` (the loop around ``stmt``) grows by one; ``(None, None)`` where either
     is not a constant."""
     accesses = ([st for st in collect_nodes(stmt, tirx.BufferStore) if st.buffer.name == CHUNK_EXP]
-                if stores else _loads(stmt, CHUNK_EXP))
+                if stores else loads_of(stmt, CHUNK_EXP))
     zero = {v: tirx.const(0, v.ty) for v in [f.loop_var for f in collect_nodes(stmt, tirx.For)]}
     zero[var] = tirx.const(0, var.ty)
     analyzer, values, firsts, steps = tvm.sym.Analyzer(), binds(stmt), [], []
@@ -112,9 +104,9 @@ def _kept_exp_starts(stmt, var, stores: bool = False):
         buffer = access.buffer if stores else access.source
         lanes = tvm.runtime.DataType(str(buffer.dtype)).lanes  # a buffer of vectors
         index = index * tirx.const(lanes, index.ty) if lanes > 1 else index
-        firsts.append(analyzer.simplify(_substitute(index, zero)))
+        firsts.append(analyzer.simplify(substituted(index, zero)))
         steps.append(analyzer.simplify(
-            _substitute(index, {**zero, var: tirx.const(1, var.ty)}) - firsts[-1]))
+            substituted(index, {**zero, var: tirx.const(1, var.ty)}) - firsts[-1]))
     if not firsts or not all(isinstance(x, tirx.IntImm) for x in firsts + steps):
         return None, None
     return min(x.value for x in firsts), steps[0].value
@@ -149,7 +141,7 @@ def _placed(grad_loops, sweep):
             if swept:
                 inside.append(tirx.IfThenElse(
                     tirx.And(at >= tirx.const(0, var.ty), at < tirx.const(swept, var.ty)),
-                    _substitute(loop.body, {var: at}), None))
+                    substituted(loop.body, {var: at}), None))
             if swept < extent:
                 after.append(tirx.For(var, tirx.const(swept, var.ty),
                                       tirx.const(extent - swept, var.ty), loop.kind, loop.body))
@@ -207,7 +199,7 @@ def _lagged(loop, rows):
 
     def of_row_before(stmt):
         stmt = unbound(stmt, row_values)
-        stmt = _substitute(stmt, {row: row - one})
+        stmt = substituted(stmt, {row: row - one})
 
         def lagged_load(ld):
             lag = next((lg for b, lg in lags.items() if ld.source.same_as(b)), None)

@@ -1,4 +1,5 @@
-"""float32 ``[N, C]`` outputs stored past the caches (non-temporal stores).
+"""``[N, C]`` outputs stored past the caches (non-temporal stores): float32 ones,
+and a lagged 16-bit training kernel's gradient.
 
 A kernel that writes an ``[N, C]`` output (a gradient; the seed API's
 ``log_prob``) overwrites every cache line of it whole. A plain store first
@@ -31,8 +32,10 @@ read back from them by whatever consumes it. So each loop of such stores runs
 in two versions, chosen per launch by the output's size
 (``STREAM_MIN_BYTES``), and the ``prefetchw`` of the gradient's lines runs
 only where the stores are plain (``fits_in_cache``). 16-bit outputs keep plain
-stores: on a 2-core Zen 4 streaming made the bf16 backward slower
-(docs/performance.md, "float32 [N, C] outputs streamed past the caches"); so
+stores, but in a training kernel whose gradient is written during the next
+row's sweep (``cpu_lagged_rows``): on a 2-core Zen 4 streaming made the bf16
+backward slower (docs/performance.md, "float32 [N, C] outputs streamed past
+the caches"); so
 does the divergence, whose schedule marks it ``keep_outputs_cached`` (it
 writes a row's gradient after whole-row passes over two models' logits, bound
 by its arithmetic: 2-4% slower streamed).
@@ -48,7 +51,7 @@ from tvm import tirx
 from tvm.target import codegen
 
 from ..kernels.stages import LOG_PROB
-from ._common import GRAD_OUTPUTS, binds, collect_nodes, statements, unbound
+from ._common import GRAD_OUTPUTS, binds, collect_nodes, statements, substituted, unbound
 from .cpu_lagged_rows import is_lagged
 
 # The [N, C] outputs whose stores may be streamed.
@@ -94,18 +97,16 @@ def _store_ir(vector: str) -> str:
     bitcast of one back into it (the bf16 rounding instruction's result)."""
     element, lanes = vector.split("x")[0], int(vector.split("x")[1])
     vec, align = f"<{lanes} x {_LLVM_ELEMENTS[element]}>", min(lanes * _bytes(element), 64)
-    if _bytes(element) == 4:
-        return (f"define void @{_store_function(vector)}(ptr %p, {vec} %v) {{\n"
-                f"  store {vec} %v, ptr %p, align {align}, !nontemporal !0, !tbaa !3\n"
-                "  ret void\n}\n")
-    wide = f"<{lanes // 2} x float>"
-    fence = f"llvm.arithmetic.fence.v{lanes // 2}f32"
-    return (f"define void @{_store_function(vector)}(ptr %p, {vec} %v) {{\n"
-            f"  %w = bitcast {vec} %v to {wide}\n"
-            f"  %f = call {wide} @{fence}({wide} %w)\n"
-            f"  store {wide} %f, ptr %p, align {align}, !nontemporal !0, !tbaa !3\n"
-            "  ret void\n}\n"
-            f"declare {wide} @{fence}({wide})\n")
+    stored, value, prelude, declared = vec, "%v", "", ""
+    if _bytes(element) == 2:
+        stored, value = f"<{lanes // 2} x float>", "%f"
+        fence = f"llvm.arithmetic.fence.v{lanes // 2}f32"
+        prelude = (f"  %w = bitcast {vec} %v to {stored}\n"
+                   f"  %f = call {stored} @{fence}({stored} %w)\n")
+        declared = f"declare {stored} @{fence}({stored})\n"
+    return (f"define void @{_store_function(vector)}(ptr %p, {vec} %v) {{\n{prelude}"
+            f"  store {stored} {value}, ptr %p, align {align}, !nontemporal !0, !tbaa !3\n"
+            f"  ret void\n}}\n{declared}")
 
 
 def _output_vector(store) -> bool:
@@ -161,11 +162,6 @@ def _streamable(store, values: dict) -> bool:
     return offset.coeff % min(size, 64) == 0 and offset.base % min(size, 64) == 0
 
 
-def _substitute(node, var, value):
-    """``node`` with ``var`` replaced by ``value`` (once: ``value`` may hold ``var``)."""
-    return tvm_ffi.structural_map(node, [(tirx.Var, lambda v: value if v.same_as(var) else v)])
-
-
 def _sole_store(loop):
     """The one store of a serial ``loop`` whose body holds binds, statements
     without stores (prefetches) and that store, last; else ``None``."""
@@ -210,7 +206,7 @@ def _stageable(loop, values: dict):
     base = unbound(store.indices[-1].base, values)
     var = loop.loop_var
     step = tvm.sym.Analyzer().simplify(
-        _substitute(base, var, var + tirx.const(1, var.ty)) - base)
+        substituted(base, {var: var + tirx.const(1, var.ty)}) - base)
     return store if isinstance(step, tirx.IntImm) and step.value == lanes else None
 
 
@@ -316,11 +312,11 @@ def _stage_block(loop, store, stage, first, count: int, values: dict):
         offset = inner * tirx.const(lanes, var.ty)
         return tirx.BufferStore(stage, st.value, [tirx.Ramp(offset, tirx.const(1, var.ty), lanes)])
 
-    body = _substitute(loop.body, var, first + inner)
+    body = substituted(loop.body, {var: first + inner})
     staged = tirx.For(inner, tirx.const(0, var.ty), tirx.const(count, var.ty),
                       tirx.ForKind.SERIAL, tvm_ffi.structural_map(
                           body, [(tirx.BufferStore, to_stage)], order="post"))
-    start = _substitute(unbound(store.indices[-1].base, values), var, first)
+    start = substituted(unbound(store.indices[-1].base, values), {var: first})
     one, width = tirx.const(1, var.ty), tirx.const(_LINE_LANES, var.ty)
     head = tirx.floormod(tirx.const(0, var.ty) - start, width)
 
