@@ -66,4 +66,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted([*globals(), *_LAZY, *_SUBMODULES])
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
