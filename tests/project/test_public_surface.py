@@ -5,6 +5,8 @@ there raises ``AttributeError``."""
 import subprocess
 import sys
 
+import pytest
+
 CODE = """
 import ce_tvm
 before = dir(ce_tvm)
@@ -24,6 +26,7 @@ else:
 """
 
 
+@pytest.mark.slow  # a process
 def test_public_names_resolve_and_are_listed_once():
     done = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
