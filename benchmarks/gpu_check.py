@@ -28,7 +28,7 @@ default both). Checks compare every output and gradient by relative error,
 Timings (forward + backward; every method timed in turn within each rep after
 one warm-up call, the best rep kept, a rep on CUDA the mean of five calls back to
 back (``Plan.calls``); a method that fails or is not installed is recorded and
-left out):
+left out; on CUDA each method's extra peak memory too, ``extra_peak_mib``):
 
 - ``time_ce``: cross entropy at 8192 x 128256, bf16 and fp32 (also with the
   targets range-checked on the host, ``CE_TVM_CUDA_TARGET_CHECK=sync``), against eager,
@@ -647,17 +647,46 @@ def interleaved_ms(plan: Plan, fns: dict) -> tuple[dict, dict]:
     return best, errors
 
 
+class CudaMemory:
+    """The counters of torch's CUDA caching allocator that ``extra_peak_mib`` reads."""
+
+    synchronize = staticmethod(torch.cuda.synchronize)
+    allocated = staticmethod(torch.cuda.memory_allocated)
+    reset_peak = staticmethod(torch.cuda.reset_peak_memory_stats)
+    peak = staticmethod(torch.cuda.max_memory_allocated)
+
+
+def extra_peak_mib(fns: dict, memory=CudaMemory) -> dict:
+    """Each callable's extra peak memory in MiB: the most allocated during one call
+    of it beyond what was allocated before the call (its inputs), so what it holds
+    at once, the gradients it allocates included (Liger writes its gradient into
+    the logits and allocates none)."""
+    peaks = {}
+    for name, fn in fns.items():
+        memory.synchronize()
+        before = memory.allocated()
+        memory.reset_peak()
+        fn()
+        memory.synchronize()
+        peaks[name] = (memory.peak() - before) / 2**20
+    return peaks
+
+
 def _timing_row(plan: Plan, label: str, fns: dict, left_out: dict, base: str, **fields) -> dict:
     """``interleaved_ms`` of ``fns`` as a row: milliseconds, each over ``base``'s
-    (a floor, or ce_tvm), and what was left out (not installed, or failed)."""
+    (a floor, or ce_tvm), what was left out (not installed, or failed) and, on
+    CUDA, each timed callable's ``extra_peak_mib`` (one more call each)."""
     ms, errors = interleaved_ms(plan, fns)
     left_out = {**left_out, **errors}
     ratio = {k: v / ms[base] for k, v in ms.items()} if base in ms else {}
+    peak_mib = extra_peak_mib({k: fns[k] for k in ms}) if plan.cuda else {}
     print(f"  {label}: " + ", ".join(f"{k} {v:.3f} ms" + (f" ({ratio[k]:.2f}x)" if ratio else "")
+                                     + (f" {peak_mib[k]:.0f} MiB" if peak_mib else "")
                                      for k, v in ms.items())
-          + f"  [x: over {base}]" + "".join(f"\n    left out {k}: {v}"
-                                           for k, v in left_out.items()), flush=True)
-    return dict(fields, case=label, ms=ms, over=base, ratio=ratio, left_out=left_out)
+          + f"  [x: over {base}" + ("; MiB: extra peak" if peak_mib else "") + "]"
+          + "".join(f"\n    left out {k}: {v}" for k, v in left_out.items()), flush=True)
+    return dict(fields, case=label, ms=ms, over=base, ratio=ratio, left_out=left_out,
+                peak_mib=peak_mib)
 
 
 def _fwd_bwd(objective, leaves):

@@ -1,7 +1,8 @@
 """The timings of a GPU check (``benchmarks/gpu_check.py --json``) as Markdown
 tables: per row, each method's milliseconds, its bandwidth counted at the
-floor's bytes, the floor's time over its time, and the peers' times over
-ce-tvm's (above 1: ce-tvm is faster).
+floor's bytes, the floor's time over its time, the peers' times over
+ce-tvm's (above 1: ce-tvm is faster) and, from runs that measured it, its
+extra peak memory (``gpu_check.extra_peak_mib``: beyond its inputs).
 
     python benchmarks/gpu_check_table.py gpu_check.jsonl [...]
 
@@ -45,23 +46,29 @@ def _floor_gbps(row: dict, ms: float) -> str:
     return f"{2 * row['n'] * row['c'] * BYTES[row['dtype']] / ms / 1e6:.0f}"
 
 
+def _mib(peaks: dict, method: str) -> str:
+    """``method``'s extra peak MiB, or nothing where the run did not measure it."""
+    return f"{peaks[method]:.0f}" if method in peaks else ""
+
+
 def table(rows: list[dict]) -> str:
     """One Markdown table of ``timing_rows``."""
     out = ["| case | method | ms | GB/s at the floor's bytes | floor / method "
-           "| liger / method | trl / method | eager / method | compile / method |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| liger / method | trl / method | eager / method | compile / method "
+           "| extra peak MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        ms = row["ms"]
+        ms, peaks = row["ms"], row.get("peak_mib", {})
         floor = ms[row["over"]]
         for name in [m for m in ms if _ours(m) or m in OTHER_FLOORS] + [row["over"]]:
             t = ms[name]
             peers = [f"{ms[p] / t:.2f}" if p in ms and _ours(name) else "" for p in PEERS]
             case = row["case"].replace("torch.", "")
             out.append(f"| {case} | {name} | {t:.3f} | {_floor_gbps(row, t)} | "
-                       f"{floor / t:.2f} | " + " | ".join(peers) + " |")
+                       f"{floor / t:.2f} | " + " | ".join(peers) + f" | {_mib(peaks, name)} |")
         for peer in [p for p in PEERS if p in ms]:
             out.append(f"| | {peer} | {ms[peer]:.3f} | {_floor_gbps(row, ms[peer])} | "
-                       f"{floor / ms[peer]:.2f} | | | | |")
+                       f"{floor / ms[peer]:.2f} | | | | | {_mib(peaks, peer)} |")
     return "\n".join(out)
 
 

@@ -118,11 +118,16 @@ def test_the_table_says_what_a_run_decides(tmp_path):
            "n": 8192, "c": 128256, "dtype": "torch.bfloat16", "over": "copy",
            "ms": {"one_pass": 2.0, "one_pass threads=512": 1.6,
                   "one_pass gradient_backwards=False": 2.5, "recompute": 3.0,
-                  "forward": 1.0, "forward lane_rounds=2": 1.25, "copy": 1.5}}
+                  "forward": 1.0, "forward lane_rounds=2": 1.25, "copy": 1.5},
+           "peak_mib": {"one_pass": 2004.0, "copy": 0.0}}
     path = tmp_path / "check.jsonl"
     path.write_text(json.dumps(row) + "\n" + json.dumps({"section": "x", "done": True}) + "\n")
     rows = table["timing_rows"](str(path))
-    assert "| one_pass threads=512 | 1.600 | 2627 | 0.94 |" in table["table"](rows)
+    lines = table["table"](rows).splitlines()
+    assert "| one_pass threads=512 | 1.600 | 2627 | 0.94 |" in lines[3]
+    assert lines[2].endswith("| one_pass | 2.000 | 2101 | 0.75 |  |  |  |  | 2004 |")
+    assert lines[3].endswith("|  |")  # not measured
+    assert lines[-1].endswith("| copy | 1.500 | 2802 | 1.00 |  |  |  |  | 0 |")
     said = table["decisions"](rows).splitlines()
     assert said == [
         "- training step 8192x128256 bfloat16: one_pass 2.000 ms, recompute 3.000 ms: "
@@ -131,3 +136,37 @@ def test_the_table_says_what_a_run_decides(tmp_path):
         "(1.25x), gradient_backwards=False 2.500 ms (0.80x); fastest: threads=512",
         "- training step 8192x128256 bfloat16: forward 1.000 ms; lane_rounds=2 1.250 ms "
         "(0.80x); fastest: the schedule's own knobs"]
+
+
+
+class _Allocator:
+    """A stand-in for torch.cuda's allocator counters, with 100 MiB of inputs live."""
+
+    def __init__(self):
+        self.live = self.high = 100 * 2**20
+
+    def take(self, mib: int, keep: int = 0):
+        """Allocate ``mib`` MiB at once, then free all but ``keep``."""
+        self.live += mib * 2**20
+        self.high = max(self.high, self.live)
+        self.live -= (mib - keep) * 2**20
+
+    def synchronize(self):
+        pass
+
+    def allocated(self) -> int:
+        return self.live
+
+    def reset_peak(self):
+        self.high = self.live
+
+    def peak(self) -> int:
+        return self.high
+
+
+def test_extra_peak_memory_is_each_call_beyond_what_was_allocated_before_it(gpu_check):
+    memory = _Allocator()
+    fns = {"big": lambda: memory.take(300), "kept": lambda: memory.take(50, keep=20),
+           "none": lambda: None, "small": lambda: memory.take(5)}
+    assert gpu_check.extra_peak_mib(fns, memory) == {"big": 300.0, "kept": 50.0, "none": 0.0,
+                                                     "small": 5.0}
